@@ -1,0 +1,59 @@
+"""Loads the C++ extension, after the libraries it links against.
+
+cuBLASMp, NCCL and the CUDA runtime come from the NVIDIA wheels that the
+``cuda13`` / ``cuda12`` extra installs (or from the system). They are loaded
+here by path, from the ``nvidia`` namespace package that Python can import, so
+no library path has to be set by hand; cuBLASMp's own rpath then finds cuBLAS
+beside it. A machine without a GPU driver cannot load cuBLASMp at all: that is
+reported as the reason the cuBLASMp backend is unavailable, never raised.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+
+_EXTENSION = "jax_comm_gemm._comm_gemm"
+
+# Relative to each entry of nvidia.__path__, in load order.
+_LIBRARIES = {
+    13: ("cu13/lib/libcudart.so.13", "nccl/lib/libnccl.so.2",
+         "cublasmp/cu13/lib/libcublasmp.so.0"),
+    12: ("cuda_runtime/lib/libcudart.so.12", "nccl/lib/libnccl.so.2",
+         "cublasmp/cu12/lib/libcublasmp.so.0"),
+}
+
+
+def _nvidia_dirs() -> list[str]:
+  try:
+    return list(importlib.import_module("nvidia").__path__)
+  except ImportError:
+    return []
+
+
+def _preload(cuda_major: int) -> None:
+  """Loads each library from the first wheel that has it; others are left to
+  the extension's own NEEDED entries and rpath."""
+  for relative in _LIBRARIES.get(cuda_major, ()):
+    for base in _nvidia_dirs():
+      path = os.path.join(base, relative)
+      if os.path.exists(path):
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        break
+
+
+def load() -> tuple[ModuleType | None, str]:
+  """The extension module and "", or None and why it is unavailable."""
+  if importlib.util.find_spec(_EXTENSION) is None:
+    return None, ("the C++ extension is not built: CUDA, NCCL or cuBLASMp headers were "
+                  "missing when jax-comm-gemm was installed (see README, Installation)")
+  try:
+    from jax_comm_gemm import _build_config  # noqa: PLC0415
+
+    _preload(_build_config.CUDA_MAJOR)
+    return importlib.import_module(_EXTENSION), ""
+  except (ImportError, OSError) as e:
+    return None, f"the C++ extension did not load: {e}"

@@ -1,0 +1,210 @@
+"""Differentiable collective matmuls along the token dimension, inside shard_map.
+
+``all_gather_matmul`` is the column-parallel product ``AG(x) @ w``;
+``matmul_reduce_scatter`` is the row-parallel product ``RS(x @ w)``. Each is a
+``jax.custom_vjp`` whose backward runs the other fused op for the input
+gradient, and gets the gathered operand for the weight gradient
+
+* in ``matmul_reduce_scatter``'s backward, from the AllGather+GEMM that computes
+  the input gradient (its gathered grad_output), where the backend can hand it
+  out (a capability check cached per process and read at trace time), else from
+  a regular ``lax.all_gather``;
+* in ``all_gather_matmul``'s backward, from the forward when
+  ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
+  ``lax.all_gather`` of the input.
+
+No exception is raised or caught on this path: the routing is a trace-time
+branch on a cached verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from jax_comm_gemm import validation
+from jax_comm_gemm.backends import (Backend, all_gather_tokens, gathered_matmul_t,
+                                    resolve_backend)
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The non-differentiable arguments of both custom_vjp rules."""
+  axis_name: str
+  transpose_w: bool
+  backend: Backend
+  reuse_gathered: bool | None
+  return_gathered: bool = False
+  keep_gathered_input: bool = False
+
+
+def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
+                      return_gathered: bool = False,
+                      keep_gathered_input: bool = False,
+                      config: CommGemmConfig = DEFAULT_CONFIG):
+  """``all_gather(x) @ w`` along tokens (axis 0); call inside ``jax.shard_map``.
+
+  Args:
+    x: local tokens, ``[n/P, k]``.
+    w: local weight, ``[k, m]`` (Flax layout), or ``[m, k]`` with ``transpose_w``.
+    axis_name: the tensor-parallel mesh axis (size P) to gather over.
+    return_gathered: also return the gathered ``x``, ``[n, k]``.
+    keep_gathered_input: keep the gathered ``x`` for the weight gradient
+      instead of gathering it again in the backward pass (N*K memory).
+    config: backend and algorithm choices.
+
+  Returns:
+    ``y`` of shape ``[n, m]``, or ``(y, gathered_x)``.
+  """
+  op = "all_gather_matmul"
+  validation.bound_axis_size(op, axis_name)
+  validation.check_matmul(op, x, w, transpose_w=transpose_w)
+  static = _Static(axis_name, bool(transpose_w), resolve_backend(config),
+                   config.reuse_gathered, bool(return_gathered),
+                   bool(keep_gathered_input))
+  return _all_gather_matmul(x, w, static)
+
+
+def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
+                          config: CommGemmConfig = DEFAULT_CONFIG):
+  """``reduce_scatter(x @ w)`` along tokens (axis 0); call inside ``jax.shard_map``.
+
+  Args:
+    x: all tokens, local features, ``[n, k/P]``.
+    w: local weight, ``[k/P, m]`` (Flax layout), or ``[m, k/P]`` with ``transpose_w``.
+    axis_name: the tensor-parallel mesh axis (size P) to sum and scatter over.
+    config: backend and algorithm choices.
+
+  Returns:
+    This shard's tokens of the summed product, ``[n/P, m]``.
+  """
+  op = "matmul_reduce_scatter"
+  size = validation.bound_axis_size(op, axis_name)
+  validation.check_matmul(op, x, w, transpose_w=transpose_w)
+  validation.check_divisible(op, "x", "tokens", x.shape[0], axis_name, size)
+  static = _Static(axis_name, bool(transpose_w), resolve_backend(config),
+                   config.reuse_gathered)
+  return _matmul_reduce_scatter(x, w, static)
+
+
+def gathering_matmul(backend: Backend, reuse_gathered, x, w, axis_name, transpose_w):
+  """``(AG(x) @ w, AG(x))``, the gathered operand taken from the fused op where
+  the backend can hand it out and the config allows, else from ``lax.all_gather``."""
+  if reuse_gathered is not False and backend.gathered_reuse(
+      lax.axis_size(axis_name), x.dtype).ok:
+    return backend.all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
+                                     return_gathered=True)
+  y = backend.all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
+                                return_gathered=False)
+  with jax.named_scope("jax_comm_gemm.all_gather"):
+    return y, all_gather_tokens(x, axis_name)
+
+
+def _weight_grad(gathered, dy, transpose_w):
+  # w [k, m]: dw = AG(x).T @ dy;  w [m, k]: dw = dy.T @ AG(x).
+  return gathered_matmul_t(dy, gathered) if transpose_w else gathered_matmul_t(gathered, dy)
+
+
+# --- all_gather_matmul -------------------------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _all_gather_matmul(x, w, s: _Static):
+  if s.return_gathered:
+    return gathering_matmul(s.backend, s.reuse_gathered, x, w, s.axis_name, s.transpose_w)
+  return s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                     return_gathered=False)
+
+
+def _all_gather_matmul_fwd(x, w, s: _Static):
+  x, w = x.value, w.value
+  if s.return_gathered or s.keep_gathered_input:
+    if s.keep_gathered_input and not s.backend.gathered_reuse(
+        lax.axis_size(s.axis_name), x.dtype).ok:
+      _warn_keep_unavailable(s, x.dtype)
+    y, g = gathering_matmul(s.backend, s.reuse_gathered, x, w, s.axis_name, s.transpose_w)
+    return ((y, g) if s.return_gathered else y), (g, w)
+  y = s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                  return_gathered=False)
+  return y, (x, w)
+
+
+def _all_gather_matmul_bwd(s: _Static, res, ct):
+  operand, w = res
+  ct_y, ct_g = ct if s.return_gathered else (ct, None)
+  dx = dw = None
+  if not isinstance(ct_y, SymbolicZero):
+    # dx = RS(dy @ w.T): the fused GEMM+ReduceScatter with the other transpose.
+    dx = s.backend.matmul_reduce_scatter(ct_y, w, s.axis_name,
+                                         transpose_w=not s.transpose_w)
+    stashed = s.return_gathered or s.keep_gathered_input
+    if stashed:
+      gathered = operand
+    else:
+      with jax.named_scope("jax_comm_gemm.all_gather"):
+        gathered = all_gather_tokens(operand, s.axis_name)
+    dw = _weight_grad(gathered, ct_y, s.transpose_w)
+  if ct_g is not None and not isinstance(ct_g, SymbolicZero):
+    # all_gather's transpose is psum_scatter.
+    dg = lax.psum_scatter(ct_g, s.axis_name, scatter_dimension=0, tiled=True)
+    dx = dg if dx is None else dx + dg
+  return _or_zeros(dx, _local_input_shape(operand, s), w.dtype), _or_zeros(dw, w.shape, w.dtype)
+
+
+_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd,
+                          symbolic_zeros=True)
+
+
+def _local_input_shape(operand, s: _Static):
+  stashed = s.return_gathered or s.keep_gathered_input
+  if not stashed:
+    return operand.shape
+  return (operand.shape[0] // lax.axis_size(s.axis_name), operand.shape[1])
+
+
+def _or_zeros(value, shape, dtype):
+  return jnp.zeros(shape, dtype) if value is None else value
+
+
+def _warn_keep_unavailable(s: _Static, dtype) -> None:
+  # Python's warning filter shows each distinct message once per call site.
+  cap = s.backend.gathered_reuse(lax.axis_size(s.axis_name), dtype)
+  warnings.warn(
+      "keep_gathered_input=True: the fused op cannot hand out its gathered "
+      f"input ({cap.reason}); the forward pass all-gathers it with "
+      "lax.all_gather instead", RuntimeWarning, stacklevel=4)
+
+
+# --- matmul_reduce_scatter ---------------------------------------------------
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_reduce_scatter(x, w, s: _Static):
+  return s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w)
+
+
+def _matmul_reduce_scatter_fwd(x, w, s: _Static):
+  x, w = x.value, w.value
+  y = s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w)
+  return y, (x, w)
+
+
+def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
+  x, w = res
+  if isinstance(ct_y, SymbolicZero):
+    return jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, w.dtype)
+  # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
+  dx, gathered_dy = gathering_matmul(s.backend, s.reuse_gathered, ct_y, w,
+                                     s.axis_name, not s.transpose_w)
+  # w [k, m]: dw = x.T @ AG(dy);  w [m, k]: dw = AG(dy).T @ x.
+  dw = gathered_matmul_t(gathered_dy, x) if s.transpose_w else gathered_matmul_t(x, gathered_dy)
+  return dx, dw
+
+
+_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd,
+                              symbolic_zeros=True)

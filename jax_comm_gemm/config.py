@@ -1,0 +1,95 @@
+"""Options shared by the collective matmuls, the dense layers and the Flax modules."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# cuBLASMp's cublasMpMatmulAlgoType_t, by name.
+ALGORITHMS: dict[str, int] = {
+    "default": 0,
+    "split_p2p": 1,
+    "split_multicast": 2,
+    "atomic_p2p": 3,
+    "atomic_multicast": 4,
+    "no_overlap": 5,
+}
+# NVLink multicast can take a shared host's GPUs out of service; only on explicit opt-in.
+MULTICAST_ALGORITHMS = frozenset({"split_multicast", "atomic_multicast"})
+
+# Where cuBLASMp leaves the gathered operand in its workspace (see registry.py).
+GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
+
+BACKENDS = ("auto", "cublasmp", "xla")
+# The forward reduce-scatter of a row-parallel layer: XLA's dot + psum_scatter, or cuBLASMp.
+REDUCE_SCATTER_IMPLS = ("xla",) + tuple(ALGORITHMS)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommGemmConfig:
+  """How the comm+GEMM ops run.
+
+  Attributes:
+    backend: ``"auto"`` (cuBLASMp on GPUs where it loads, XLA elsewhere),
+      ``"cublasmp"`` (an error where it is unavailable), ``"xla"``, or a
+      :class:`~jax_comm_gemm.backends.Backend` instance. The environment
+      variable ``JAX_COMM_GEMM_BACKEND=xla`` overrides it, for A/B runs.
+    all_gather_algorithm: cuBLASMp algorithm of the AllGather+GEMM.
+    reduce_scatter: ``"xla"`` (dot, then ``lax.psum_scatter``) or a cuBLASMp
+      algorithm for the GEMM+ReduceScatter. The default follows the
+      measurements in ``benchmarks/results/``.
+    reuse_gathered: ``None`` reuses the operand that a fused AllGather+GEMM
+      gathered wherever the cached capability check passes; ``False`` always
+      gathers again with ``lax.all_gather`` (for A/B runs and debugging).
+    allow_multicast: permit the NVLink-multicast algorithms.
+    gathered_layout: where cuBLASMp leaves the gathered operand, ``None`` to
+      choose from the cuBLASMp version (a debugging knob: a wrong layout is
+      caught by the self-test and turns reuse off).
+  """
+
+  backend: Any = "auto"
+  all_gather_algorithm: str = "split_p2p"
+  reduce_scatter: str = "xla"
+  reuse_gathered: bool | None = None
+  allow_multicast: bool = False
+  gathered_layout: str | None = None
+
+  def __post_init__(self):
+    if not (self.backend in BACKENDS if isinstance(self.backend, str)
+            else _is_backend(self.backend)):
+      raise ValueError(
+          f"CommGemmConfig.backend must be one of {BACKENDS} or a Backend "
+          f"instance, got {self.backend!r}")
+    _check_algorithm("all_gather_algorithm", self.all_gather_algorithm,
+                     tuple(ALGORITHMS), self.allow_multicast)
+    _check_algorithm("reduce_scatter", self.reduce_scatter,
+                     REDUCE_SCATTER_IMPLS, self.allow_multicast)
+    if self.reuse_gathered not in (None, False):
+      raise ValueError(
+          "CommGemmConfig.reuse_gathered must be None (reuse where the "
+          f"capability check passes) or False, got {self.reuse_gathered!r}")
+    if self.gathered_layout is not None and self.gathered_layout not in GATHERED_LAYOUTS:
+      raise ValueError(
+          f"CommGemmConfig.gathered_layout must be None or one of "
+          f"{tuple(GATHERED_LAYOUTS)}, got {self.gathered_layout!r}")
+
+
+def _is_backend(value) -> bool:
+  from jax_comm_gemm.backends import Backend  # noqa: PLC0415  (backends imports us)
+
+  return isinstance(value, Backend)
+
+
+def _check_algorithm(field: str, value: str, allowed: tuple[str, ...],
+                     allow_multicast: bool) -> None:
+  if value not in allowed:
+    raise ValueError(
+        f"CommGemmConfig.{field} must be one of {allowed}, got {value!r}")
+  if value in MULTICAST_ALGORITHMS and not allow_multicast:
+    raise ValueError(
+        f"CommGemmConfig.{field}={value!r} uses NVLink multicast, which can "
+        "take a shared host's GPUs out of service; pass allow_multicast=True "
+        "to use it anyway")
+
+
+DEFAULT_CONFIG = CommGemmConfig()

@@ -1,0 +1,105 @@
+"""The cuBLASMp custom calls as JAX primitives.
+
+Each op is a primitive rather than a bare ``jax.ffi.ffi_call`` because its
+lowering must know the physical devices of the tensor-parallel groups: the
+lowering rule reads the concrete mesh of the enclosing shard_map, has the
+registry set up one NCCL communicator per group (on this process's devices),
+and passes the registry's ``comm_id`` for that set of groups as an attribute.
+The handler then finds its context from ``comm_id`` and its device ordinal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+import jax
+
+from jax_comm_gemm import vma
+from jax_comm_gemm.config import GATHERED_LAYOUTS
+from jax_comm_gemm.registry import REGISTRY
+
+AG_TARGET = "jax_comm_gemm_all_gather_matmul"
+RS_TARGET = "jax_comm_gemm_matmul_reduce_scatter"
+
+
+def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool, return_gathered: bool,
+                      algorithm: int, layout: str):
+  """[y] or [y, gathered_x]; see backends.Backend. Checked by the caller."""
+  x, w = vma.match(x, w)
+  return _ag_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
+                    transpose_w=bool(transpose_w), return_gathered=bool(return_gathered),
+                    algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout])
+
+
+def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool, algorithm: int):
+  x, w = vma.match(x, w)
+  return _rs_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
+                    transpose_w=bool(transpose_w), algorithm=int(algorithm))
+
+
+def _out_features(w, transpose_w):
+  return w.shape[0] if transpose_w else w.shape[1]
+
+
+def _ag_abstract_eval(x, w, *, axis_size, transpose_w, return_gathered, **_):
+  # update() keeps x's sharding and varying axes (x and w agree on them).
+  n = x.shape[0] * axis_size
+  outs = [x.update(shape=(n, _out_features(w, transpose_w)))]
+  if return_gathered:
+    outs.append(x.update(shape=(n, x.shape[1])))
+  return outs
+
+
+def _rs_abstract_eval(x, w, *, axis_size, transpose_w, **_):
+  return x.update(shape=(x.shape[0] // axis_size, _out_features(w, transpose_w)))
+
+
+def _comm_id(ctx, axis_name: str) -> np.int64:
+  mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+  if mesh is None or not hasattr(mesh, "devices"):
+    raise ValueError(
+        "jax_comm_gemm's cuBLASMp ops need the concrete mesh when they are "
+        "lowered: call them inside jax.shard_map(..., mesh=jax.sharding.Mesh(...)) "
+        "or under `with jax.set_mesh(mesh):`")
+  return np.int64(REGISTRY.bind_axis(mesh, axis_name))
+
+
+def _ag_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, return_gathered,
+                 algorithm, layout):
+  del axis_size, return_gathered  # visible in the result types
+  return jax.ffi.ffi_lowering(AG_TARGET)(
+      ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
+      transpose_w=bool(transpose_w), layout=np.int64(layout))
+
+
+def _rs_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, algorithm):
+  del axis_size
+  return jax.ffi.ffi_lowering(RS_TARGET)(
+      ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
+      transpose_w=bool(transpose_w))
+
+
+def _not_on_this_platform(ctx, *args, **kwargs):
+  raise NotImplementedError(
+      "jax_comm_gemm's cuBLASMp ops run on CUDA GPUs only; elsewhere use "
+      "CommGemmConfig(backend='auto') or 'xla'")
+
+
+def _eager(*args, **kwargs):
+  raise ValueError("jax_comm_gemm's cuBLASMp ops run inside jax.shard_map only")
+
+
+_ag_p = Primitive("jax_comm_gemm_all_gather_matmul")
+_ag_p.multiple_results = True
+_ag_p.def_abstract_eval(_ag_abstract_eval)
+_ag_p.def_impl(_eager)
+mlir.register_lowering(_ag_p, _ag_lowering, platform="cuda")
+mlir.register_lowering(_ag_p, _not_on_this_platform)
+
+_rs_p = Primitive("jax_comm_gemm_matmul_reduce_scatter")
+_rs_p.def_abstract_eval(_rs_abstract_eval)
+_rs_p.def_impl(_eager)
+mlir.register_lowering(_rs_p, _rs_lowering, platform="cuda")
+mlir.register_lowering(_rs_p, _not_on_this_platform)

@@ -1,0 +1,90 @@
+"""Argument checks, run at trace time before any device work.
+
+Every error names the argument and says what is allowed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                    jnp.dtype(jnp.float32))
+_DTYPE_NAMES = "bfloat16, float16, float32"
+
+
+def bound_axis_size(op: str, axis_name) -> int:
+  """The size of `axis_name` in the enclosing shard_map, or a clear error."""
+  if not isinstance(axis_name, str):
+    raise TypeError(
+        f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+  try:
+    return int(jax.lax.axis_size(axis_name))
+  except NameError:
+    names = tuple(jax.sharding.get_abstract_mesh().axis_names)
+    where = (f"the enclosing mesh has axes {names}" if names else
+             "no mesh axis is bound here")
+    raise ValueError(
+        f"{op}: axis_name={axis_name!r} is not an axis of the enclosing "
+        f"jax.shard_map ({where}); call it inside jax.shard_map over a mesh "
+        "with that axis, or use the Flax modules, which take a mesh") from None
+
+
+def mesh_axis_size(op: str, mesh, axis_name) -> int:
+  """The size of `axis_name` in `mesh`, or a clear error."""
+  if not isinstance(axis_name, str):
+    raise TypeError(
+        f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+  if axis_name not in mesh.axis_names:
+    raise ValueError(
+        f"{op}: axis_name={axis_name!r} is not an axis of the mesh, whose "
+        f"axes are {tuple(mesh.axis_names)}")
+  return int(mesh.shape[axis_name])
+
+
+def check_dtype(op: str, name: str, value) -> None:
+  dtype = jnp.result_type(value)
+  if dtype not in SUPPORTED_DTYPES:
+    raise TypeError(
+        f"{op}: `{name}` has dtype {dtype}; supported dtypes are {_DTYPE_NAMES}")
+
+
+def check_rank(op: str, name: str, value, rank: int, what: str) -> None:
+  if np.ndim(value) != rank:
+    raise ValueError(
+        f"{op}: `{name}` must be {rank}-D {what}, got shape {np.shape(value)}")
+
+
+def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
+                 w_name: str = "w") -> tuple[int, int]:
+  """Checks a local x [tokens, k] against w [k, m] (or [m, k] when transposed).
+
+  Returns (k, m).
+  """
+  if not isinstance(transpose_w, (bool, np.bool_)):
+    raise TypeError(f"{op}: transpose_w must be a bool, got {transpose_w!r}")
+  check_rank(op, x_name, x, 2, "[tokens, features]")
+  w_layout = "[out_features, in_features]" if transpose_w else "[in_features, out_features]"
+  check_rank(op, w_name, w, 2, w_layout)
+  check_dtype(op, x_name, x)
+  check_dtype(op, w_name, w)
+  if jnp.result_type(x) != jnp.result_type(w):
+    raise TypeError(
+        f"{op}: `{x_name}` ({jnp.result_type(x)}) and `{w_name}` "
+        f"({jnp.result_type(w)}) must have the same dtype; cast one of them")
+  k = np.shape(x)[1]
+  w_k, m = (np.shape(w)[1], np.shape(w)[0]) if transpose_w else np.shape(w)
+  if k != w_k:
+    raise ValueError(
+        f"{op}: inner dimensions differ: `{x_name}` has {k} features but "
+        f"`{w_name}` {w_layout} has {w_k} input features (shape {np.shape(w)})")
+  return k, m
+
+
+def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,
+                    axis_size: int) -> None:
+  if size % axis_size:
+    raise ValueError(
+        f"{op}: `{name}` has {size} {what}, which is not divisible by the "
+        f"size {axis_size} of axis {axis_name!r}")

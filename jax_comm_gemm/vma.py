@@ -1,0 +1,35 @@
+"""Varying-manual-axes helpers that work across jax versions.
+
+Inside ``shard_map(check_vma=True)`` every value records the mesh axes along
+which it varies. A custom primitive must give its outputs the right set, and
+its inputs must agree on it (as ``jax.ffi.ffi_call`` also requires).
+"""
+
+from __future__ import annotations
+
+import jax
+from jax import lax
+
+
+def varying_axes(x) -> frozenset:
+  aval = jax.typeof(x)
+  mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def pvary(x, axes):
+  """Marks `x` as varying along `axes` too (a no-op for axes it varies on)."""
+  missing = tuple(sorted(set(axes) - varying_axes(x)))
+  if not missing:
+    return x
+  if hasattr(lax, "pcast"):
+    return lax.pcast(x, missing, to="varying")
+  return lax.pvary(x, missing)
+
+
+def match(*xs):
+  """The inputs, each varying along the union of the axes any of them varies on."""
+  union = frozenset().union(*(varying_axes(x) for x in xs))
+  return tuple(pvary(x, union) for x in xs)

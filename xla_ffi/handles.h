@@ -1,0 +1,77 @@
+// RAII owners for the NCCL and cuBLASMp handles of a context. Each wrapper
+// frees its handle exactly once; destroy errors are ignored because they only
+// happen at shutdown, where nothing can be done about them.
+#ifndef JAX_COMM_GEMM_HANDLES_H_
+#define JAX_COMM_GEMM_HANDLES_H_
+
+#include <cstddef>
+#include <memory>
+#include <type_traits>
+#include <utility>
+
+#include <cublasmp.h>
+#include <nccl.h>
+
+#include "status.h"
+
+namespace jax_comm_gemm {
+
+template <typename Handle, auto Destroy>
+struct Destroyer {
+  void operator()(Handle h) const {
+    if (h != nullptr) (void)Destroy(h);
+  }
+};
+
+template <typename Handle, auto Destroy>
+using Owned = std::unique_ptr<std::remove_pointer_t<Handle>, Destroyer<Handle, Destroy>>;
+
+using NcclComm = Owned<ncclComm_t, ncclCommDestroy>;
+using CublasMpHandle = Owned<cublasMpHandle_t, cublasMpDestroy>;
+using Grid = Owned<cublasMpGrid_t, cublasMpGridDestroy>;
+using MatrixDescriptor = Owned<cublasMpMatrixDescriptor_t, cublasMpMatrixDescriptorDestroy>;
+using MatmulDescriptor = Owned<cublasMpMatmulDescriptor_t, cublasMpMatmulDescriptorDestroy>;
+
+// Device memory from cublasMpMalloc: allocated with ncclMemAlloc and registered
+// with NCCL symmetric memory, which the overlapped algorithms need (without the
+// registration cuBLASMp silently falls back to NO_OVERLAP). Allocation and
+// release are collective over the grid's communicator.
+class Workspace {
+ public:
+  Workspace() = default;
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  ~Workspace() { Release(); }
+
+  // Frees any previous buffer, then allocates `size` bytes on `grid`.
+  Status Allocate(cublasMpGrid_t grid, size_t size) {
+    Release();
+    void* ptr = nullptr;
+    JCG_CUBLASMP(cublasMpMalloc(grid, &ptr, size));
+    grid_ = grid;
+    ptr_ = ptr;
+    size_ = size;
+    return Status();
+  }
+
+  void Release() {
+    if (ptr_ != nullptr) (void)cublasMpFree(grid_, ptr_);
+    ptr_ = nullptr;
+    size_ = 0;
+  }
+
+  // Forgets the buffer without the collective free (after a peer failed).
+  void Abandon() { ptr_ = nullptr, size_ = 0; }
+
+  char* data() const { return static_cast<char*>(ptr_); }
+  size_t size() const { return size_; }
+
+ private:
+  cublasMpGrid_t grid_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+}  // namespace jax_comm_gemm
+
+#endif  // JAX_COMM_GEMM_HANDLES_H_
