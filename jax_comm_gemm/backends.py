@@ -45,6 +45,26 @@ def all_gather_tokens(x, axis_name: str):
   return lax.all_gather(x, axis_name, axis=0, tiled=True)
 
 
+def ring_matmul_reduce_scatter(x, w, axis_name: str, transpose_w: bool):
+  """RS(x @ w) as P chunked GEMMs whose partial sums travel a ring by ppermute,
+  so that XLA overlaps each transfer with the next GEMM (the collective-matmul
+  pattern of JAX's shard_map documentation)."""
+  size = lax.axis_size(axis_name)
+  rank = lax.axis_index(axis_name)
+  rows = x.shape[0] // size
+
+  def partial_sum(chunk):
+    return local_matmul(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w, transpose_w)
+
+  # Step s adds this shard's part of chunk (rank + 1 + s) % P to the sum that
+  # arrives from rank + 1; after P - 1 steps each rank holds its own chunk.
+  acc = partial_sum((rank + 1) % size)
+  to_previous = [(i, (i - 1) % size) for i in range(size)]
+  for step in range(1, size):
+    acc = lax.ppermute(acc, axis_name, to_previous) + partial_sum((rank + 1 + step) % size)
+  return acc
+
+
 class Backend:
   """Interface of a backend. All arrays are per-shard, inside shard_map.
 
@@ -118,6 +138,8 @@ class CublasMpBackend(Backend):
 
     if self.reduce_scatter == "xla" or lax.axis_size(axis_name) == 1:
       return XlaBackend().matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w)
+    if self.reduce_scatter == "ring":
+      return ring_matmul_reduce_scatter(x, w, axis_name, transpose_w)
     return ffi_ops.matmul_reduce_scatter(
         x, w, axis_name, transpose_w=transpose_w,
         algorithm=ALGORITHMS[self.reduce_scatter])

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from jax_comm_gemm import validation
+from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import (Backend, all_gather_tokens, gathered_matmul_t,
                                     resolve_backend)
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
@@ -69,7 +69,7 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   static = _Static(axis_name, bool(transpose_w), resolve_backend(config),
                    config.reuse_gathered, bool(return_gathered),
                    bool(keep_gathered_input))
-  return _all_gather_matmul(x, w, static)
+  return _all_gather_matmul(*_varying(axis_name, x, w), static)
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -91,7 +91,17 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   validation.check_divisible(op, "x", "tokens", x.shape[0], axis_name, size)
   static = _Static(axis_name, bool(transpose_w), resolve_backend(config),
                    config.reuse_gathered)
-  return _matmul_reduce_scatter(x, w, static)
+  return _matmul_reduce_scatter(*_varying(axis_name, x, w), static)
+
+
+def _varying(axis_name, *xs):
+  """The custom_vjp inputs, each varying along `axis_name` and every axis any
+  of them varies on. The gradients vary there, and a cotangent must have its
+  primal's type; a weight replicated along the data axes (or an input
+  replicated along `axis_name`) thus gets its gradient summed by pvary's
+  transpose, outside the custom_vjp. A no-op under shard_map(check_vma=False)."""
+  axes = frozenset({axis_name}).union(*(vma.varying_axes(x) for x in xs))
+  return tuple(vma.pvary(x, axes) for x in xs)
 
 
 def gathering_matmul(backend: Backend, reuse_gathered, x, w, axis_name, transpose_w):
@@ -154,7 +164,8 @@ def _all_gather_matmul_bwd(s: _Static, res, ct):
     # all_gather's transpose is psum_scatter.
     dg = lax.psum_scatter(ct_g, s.axis_name, scatter_dimension=0, tiled=True)
     dx = dg if dx is None else dx + dg
-  return _or_zeros(dx, _local_input_shape(operand, s), w.dtype), _or_zeros(dw, w.shape, w.dtype)
+  return (_or_zeros(dx, _local_input_shape(operand, s), w.dtype, operand),
+          _or_zeros(dw, w.shape, w.dtype, w))
 
 
 _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd,
@@ -168,8 +179,12 @@ def _local_input_shape(operand, s: _Static):
   return (operand.shape[0] // lax.axis_size(s.axis_name), operand.shape[1])
 
 
-def _or_zeros(value, shape, dtype):
-  return jnp.zeros(shape, dtype) if value is None else value
+def _or_zeros(value, shape, dtype, like):
+  """`value`, or zeros that vary along the same mesh axes as `like` (a
+  cotangent must have its primal's type, varying axes included)."""
+  if value is not None:
+    return value
+  return vma.pvary(jnp.zeros(shape, dtype), vma.varying_axes(like))
 
 
 def _warn_keep_unavailable(s: _Static, dtype) -> None:
@@ -197,7 +212,7 @@ def _matmul_reduce_scatter_fwd(x, w, s: _Static):
 def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
   x, w = res
   if isinstance(ct_y, SymbolicZero):
-    return jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, w.dtype)
+    return (_or_zeros(None, x.shape, x.dtype, x), _or_zeros(None, w.shape, w.dtype, w))
   # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
   dx, gathered_dy = gathering_matmul(s.backend, s.reuse_gathered, ct_y, w,
                                      s.axis_name, not s.transpose_w)

@@ -21,8 +21,9 @@ MULTICAST_ALGORITHMS = frozenset({"split_multicast", "atomic_multicast"})
 GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
 
 BACKENDS = ("auto", "cublasmp", "xla")
-# The forward reduce-scatter of a row-parallel layer: XLA's dot + psum_scatter, or cuBLASMp.
-REDUCE_SCATTER_IMPLS = ("xla",) + tuple(ALGORITHMS)
+# How the cuBLASMp backend runs GEMM+ReduceScatter: XLA's dot + psum_scatter, a
+# ring of GEMMs and ppermutes in XLA, or cuBLASMp with one of its algorithms.
+REDUCE_SCATTER_IMPLS = ("xla", "ring") + tuple(ALGORITHMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +36,10 @@ class CommGemmConfig:
       :class:`~jax_comm_gemm.backends.Backend` instance. The environment
       variable ``JAX_COMM_GEMM_BACKEND=xla`` overrides it, for A/B runs.
     all_gather_algorithm: cuBLASMp algorithm of the AllGather+GEMM.
-    reduce_scatter: ``"xla"`` (dot, then ``lax.psum_scatter``) or a cuBLASMp
-      algorithm for the GEMM+ReduceScatter. The default follows the
-      measurements in ``benchmarks/results/``.
+    reduce_scatter: how the cuBLASMp backend runs GEMM+ReduceScatter:
+      ``"xla"`` (dot, then ``lax.psum_scatter``), ``"ring"`` (chunked GEMMs
+      and ``lax.ppermute`` that XLA overlaps), or a cuBLASMp algorithm. The
+      default follows the measurements in ``benchmarks/results/``.
     reuse_gathered: ``None`` reuses the operand that a fused AllGather+GEMM
       gathered wherever the cached capability check passes; ``False`` always
       gathers again with ``lax.all_gather`` (for A/B runs and debugging).

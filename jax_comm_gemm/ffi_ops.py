@@ -17,6 +17,7 @@ from jax.interpreters import mlir
 import jax
 
 from jax_comm_gemm import vma
+from jax_comm_gemm.backends import XlaBackend
 from jax_comm_gemm.config import GATHERED_LAYOUTS
 from jax_comm_gemm.registry import REGISTRY
 
@@ -26,11 +27,11 @@ RS_TARGET = "jax_comm_gemm_matmul_reduce_scatter"
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool, return_gathered: bool,
                       algorithm: int, layout: str):
-  """[y] or [y, gathered_x]; see backends.Backend. Checked by the caller."""
+  """(y,) or (y, gathered_x); see backends.Backend. Checked by the caller."""
   x, w = vma.match(x, w)
-  return _ag_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
+  return tuple(_ag_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
                     transpose_w=bool(transpose_w), return_gathered=bool(return_gathered),
-                    algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout])
+                    algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout]))
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool, algorithm: int):
@@ -81,10 +82,16 @@ def _rs_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, algorithm):
       transpose_w=bool(transpose_w))
 
 
-def _not_on_this_platform(ctx, *args, **kwargs):
-  raise NotImplementedError(
-      "jax_comm_gemm's cuBLASMp ops run on CUDA GPUs only; elsewhere use "
-      "CommGemmConfig(backend='auto') or 'xla'")
+# Lowered for another platform (a program traced where GPUs are the default
+# but compiled for CPU devices), the ops fall back to XLA's collectives.
+def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
+  out = XlaBackend().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
+                                       return_gathered=return_gathered)
+  return list(out) if return_gathered else [out]
+
+
+def _rs_elsewhere(x, w, *, axis_name, transpose_w, **_):
+  return XlaBackend().matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w)
 
 
 def _eager(*args, **kwargs):
@@ -96,10 +103,10 @@ _ag_p.multiple_results = True
 _ag_p.def_abstract_eval(_ag_abstract_eval)
 _ag_p.def_impl(_eager)
 mlir.register_lowering(_ag_p, _ag_lowering, platform="cuda")
-mlir.register_lowering(_ag_p, _not_on_this_platform)
+mlir.register_lowering(_ag_p, mlir.lower_fun(_ag_elsewhere, multiple_results=True))
 
 _rs_p = Primitive("jax_comm_gemm_matmul_reduce_scatter")
 _rs_p.def_abstract_eval(_rs_abstract_eval)
 _rs_p.def_impl(_eager)
 mlir.register_lowering(_rs_p, _rs_lowering, platform="cuda")
-mlir.register_lowering(_rs_p, _not_on_this_platform)
+mlir.register_lowering(_rs_p, mlir.lower_fun(_rs_elsewhere, multiple_results=False))

@@ -1,8 +1,10 @@
 """Counting collectives in compiled HLO: how the routing shows in the program.
 
 XLA may emit a collective synchronously (``all-gather``) or as an async pair
-(``all-gather-start`` / ``all-gather-done``); each counts once. The fused
-cuBLASMp ops are custom calls to the targets in ``ffi_ops``.
+(``all-gather-start`` / ``all-gather-done``), and its combiner passes merge
+independent collectives into one instruction with several operands: each
+operand counts as one collective. The fused cuBLASMp ops are custom calls to
+the targets in ``ffi_ops``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
          if scope is None or scope in _op_name(line)]
 
   def n(*names):
-    return sum(op in names for op, _ in ops)
+    return sum(_operand_count(line, op) for op, line in ops if op in names)
 
   def calls(target):
     return sum(op == "custom-call" and f'custom_call_target="{target}"' in line
@@ -60,6 +62,24 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
 def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:
   """Compiles ``fn`` (a jitted function) for `args` and counts its collectives."""
   return count_collectives(fn.lower(*args).compile().as_text(), scope)
+
+
+def _operand_count(line: str, opcode: str) -> int:
+  """Top-level operands of `opcode(...)` on `line` (shapes hold commas too)."""
+  start = line.index(opcode + "(") + len(opcode) + 1
+  depth, count, seen = 0, 1, False
+  for ch in line[start:]:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      if depth == 0:
+        return count if seen else 0
+      depth -= 1
+    elif ch == "," and depth == 0:
+      count += 1
+    elif not ch.isspace():
+      seen = True
+  return count
 
 
 def _op_name(line: str) -> str:

@@ -40,7 +40,7 @@ ENV_CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"
 # cuBLASMp 0.11.0 documents the gathered B at the start of its workspace.
 FRONT_LAYOUT_SINCE = 1100
 # (local tokens, features, local outputs) of the self-test's AllGather+GEMMs.
-PROBE_SHAPES = ((64, 128, 64), (256, 1024, 512))
+PROBE_SHAPES = ((256, 1024, 512), (1024, 2048, 1024))
 
 
 def stable_key(value) -> int:
@@ -73,7 +73,8 @@ class Registry:
   """See the module docstring. Thread-safe; a single instance, ``REGISTRY``."""
 
   def __init__(self):
-    self._lock = threading.RLock()  # the self-test lowers ops, which binds axes
+    self._lock = threading.RLock()  # bind_axis asks cublasmp_status under it
+    self._self_test_lock = threading.Lock()
     self._native: ModuleType | None = None
     self._status: Capability | None = None
     self._groups: set[int] = set()
@@ -170,21 +171,24 @@ class Registry:
                      layout: str | None = None) -> Capability:
     """May a weight gradient reuse the operand a fused AllGather+GEMM gathered?"""
     dtype = jnp.dtype(dtype)
-    with self._lock:
-      status = self.cublasmp_status()
-      if not status.ok:
-        return status
-      layout = layout or self.default_layout()
-      key = (axis_size, algorithm, dtype.name, layout)
-      if key not in self._verdicts:
-        verdict = self._self_test(axis_size, algorithm, dtype, layout)
-        if not verdict.ok:
-          warnings.warn(
-              f"jax_comm_gemm: not reusing cuBLASMp's gathered operand ({verdict.reason}); "
-              "weight gradients all-gather with lax.all_gather instead", RuntimeWarning,
-              stacklevel=2)
+    status = self.cublasmp_status()
+    if not status.ok:
+      return status
+    layout = layout or self.default_layout()
+    key = (axis_size, algorithm, dtype.name, layout)
+    with self._self_test_lock:  # one self-test at a time: each is collective
+      with self._lock:
+        if key in self._verdicts:
+          return self._verdicts[key]
+      verdict = self._self_test(axis_size, algorithm, dtype, layout)
+      with self._lock:
         self._verdicts[key] = verdict
-      return self._verdicts[key]
+    if not verdict.ok:
+      warnings.warn(
+          f"jax_comm_gemm: not reusing cuBLASMp's gathered operand ({verdict.reason}); "
+          "weight gradients all-gather with lax.all_gather instead", RuntimeWarning,
+          stacklevel=2)
+    return verdict
 
   def _self_test(self, axis_size, algorithm, dtype, layout) -> Capability:
     version = _version_text(self.cublasmp_version())
@@ -193,12 +197,23 @@ class Registry:
       return Capability(False, f"the layout self-test needs groups of {axis_size} "
                                f"among {len(devices)} devices")
     mesh = Mesh(np.asarray(devices).reshape(-1, axis_size), ("jcg_groups", "jcg_tp"))
-    try:
-      with jax.ensure_compile_time_eval():  # runs now, even while tracing
-        passed = _layout_probe(mesh, ALGORITHMS[algorithm], dtype, layout)
-    except Exception as e:  # noqa: BLE001  (once per key, at trace time)
+    # On a thread of its own, the probe runs outside the caller's trace (and its
+    # mesh context), as a program of its own.
+    outcome = {}
+
+    def run():
+      try:
+        outcome["passed"] = _layout_probe(mesh, ALGORITHMS[algorithm], dtype, layout)
+      except Exception as e:  # noqa: BLE001  (once per key, at trace time)
+        outcome["error"] = e
+
+    thread = threading.Thread(target=run, name="jax_comm_gemm-self-test")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
       return Capability(False, f"the layout self-test could not run on cuBLASMp "
-                               f"{version}: {e}")
+                               f"{version}: {outcome['error']}")
+    passed = outcome["passed"]
     if not passed:
       return Capability(False, f"cuBLASMp {version} does not leave the gathered operand "
                                f"where the {layout!r} layout says (self-test, "

@@ -44,8 +44,8 @@ def column_parallel_dense(x, kernel, bias=None, *, mesh=None, axis_name: str = "
         keep_gathered_input=keep_gathered_input, config=config)
 
   out_spec = P(data or None, *lead, axis_name)
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
-                       out_specs=out_spec)(*args)
+  return _shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                    out_specs=out_spec)(*args)
 
 
 def row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: str = "tp",
@@ -69,8 +69,8 @@ def row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: str = "tp"
     return dense.row_parallel_dense(h, kernel, bias, axis_name=axis_name,
                                     config=config)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
-                       out_specs=P((*data, axis_name), *lead, None))(*args)
+  return _shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                    out_specs=P((*data, axis_name), *lead, None))(*args)
 
 
 def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
@@ -109,8 +109,15 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
                      activation=activation,
                      keep_gathered_input=keep_gathered_input, config=config)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
-                       out_specs=tokens)(*args)
+  return _shard_map(local, mesh=mesh, in_specs=tuple(in_specs),
+                    out_specs=tokens)(*args)
+
+
+def _shard_map(f, **kwargs):
+  """``jax.shard_map`` under ``jax.jit``: called eagerly (``model.init(...)``
+  outside jit), shard_map cannot run custom_vjp rules with symbolic zeros
+  (NotImplementedError in jax 0.10). Under an outer jit the inner one inlines."""
+  return jax.jit(jax.shard_map(f, **kwargs))
 
 
 def resolve_mesh(op: str, mesh):
@@ -130,7 +137,10 @@ def _mesh_axes(op, mesh, axis_name, data_axes):
   size = validation.mesh_axis_size(op, mesh, axis_name)
   data = tuple(data_axes)
   for name in data:
-    validation.mesh_axis_size(op, mesh, name)
+    if name not in mesh.axis_names:
+      raise ValueError(
+          f"{op}: data_axes={data} names {name!r}, which is not an axis of "
+          f"the mesh, whose axes are {tuple(mesh.axis_names)}")
   if axis_name in data:
     raise ValueError(
         f"{op}: data_axes={data} must not contain the tensor-parallel axis "

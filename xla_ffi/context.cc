@@ -1,6 +1,7 @@
 #include "context.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <utility>
 
@@ -56,7 +57,9 @@ Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank,
                        std::unique_ptr<Context>* out) {
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(device));
-  std::unique_ptr<Context> ctx(new Context(device, nranks, rank));
+  const char* sync = std::getenv("JAX_COMM_GEMM_SYNC_AFTER_CALL");
+  std::unique_ptr<Context> ctx(
+      new Context(device, nranks, rank, sync == nullptr || std::string(sync) != "0"));
   Status status = ctx->Init(id);
   if (!status.ok()) {
     ctx->Abort();
@@ -71,8 +74,11 @@ Status Context::Init(const ncclUniqueId& id) {
   ncclResult_t r = ncclCommInitRank(&comm, nranks_, id, rank_);
   if (r != ncclSuccess) return NcclError("ncclCommInitRank", r, comm);
   comm_.reset(comm);
+  cudaStream_t stream = nullptr;
+  JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  handle_stream_.reset(stream);
   cublasMpHandle_t handle = nullptr;
-  JCG_CUBLASMP(cublasMpCreate(&handle, nullptr));
+  JCG_CUBLASMP(cublasMpCreate(&handle, stream));
   handle_.reset(handle);
   cublasMpGrid_t grid = nullptr;
   JCG_CUBLASMP(cublasMpGridCreate(nranks_, 1, CUBLASMP_GRID_LAYOUT_COL_MAJOR, comm, &grid));
@@ -162,7 +168,7 @@ Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream) {
   // Earlier calls on this stream may still use the old buffer.
   JCG_CUDA(cudaStreamSynchronize(stream));
   const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
-  return workspace_.Allocate(col_grid_.get(), rounded);
+  return workspace_.Allocate(col_grid_.get(), row_grid_.get(), rounded);
 }
 
 Status Context::CopyGathered(const MatmulCall& c, const Plan& plan, cudaStream_t stream) const {
@@ -212,6 +218,7 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
   if (c.op == CommOp::kAllGather && c.gathered != nullptr) {
     JCG_RETURN_IF_ERROR(CopyGathered(c, plan, stream));
   }
+  if (sync_after_call_) JCG_CUDA(cudaStreamSynchronize(stream));
   return Status();
 }
 

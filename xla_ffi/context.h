@@ -87,16 +87,21 @@ class Context {
   };
   static constexpr size_t kMaxPlans = 64;
 
-  Context(int device, int nranks, int rank) : device_(device), nranks_(nranks), rank_(rank) {}
+  Context(int device, int nranks, int rank, bool sync_after_call)
+      : device_(device), nranks_(nranks), rank_(rank), sync_after_call_(sync_after_call) {}
   Status Init(const ncclUniqueId& id);
   Status MakePlan(const MatmulCall& call, Plan* plan) const;
   Status EnsureWorkspace(size_t bytes, cudaStream_t stream);
   Status CopyGathered(const MatmulCall& call, const Plan& plan, cudaStream_t stream) const;
 
   const int device_, nranks_, rank_;
+  // JAX_COMM_GEMM_SYNC_AFTER_CALL=1 (read at creation): wait for each call to
+  // finish on the host. A debugging aid that costs the overlap with later work.
+  const bool sync_after_call_;
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.
   NcclComm comm_;
+  CudaStream handle_stream_;  // the handle's creation stream; calls run on XLA's
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include <cublasmp.h>
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include "status.h"
@@ -27,15 +28,16 @@ template <typename Handle, auto Destroy>
 using Owned = std::unique_ptr<std::remove_pointer_t<Handle>, Destroyer<Handle, Destroy>>;
 
 using NcclComm = Owned<ncclComm_t, ncclCommDestroy>;
+using CudaStream = Owned<cudaStream_t, cudaStreamDestroy>;
 using CublasMpHandle = Owned<cublasMpHandle_t, cublasMpDestroy>;
 using Grid = Owned<cublasMpGrid_t, cublasMpGridDestroy>;
 using MatrixDescriptor = Owned<cublasMpMatrixDescriptor_t, cublasMpMatrixDescriptorDestroy>;
 using MatmulDescriptor = Owned<cublasMpMatmulDescriptor_t, cublasMpMatmulDescriptorDestroy>;
 
 // Device memory from cublasMpMalloc: allocated with ncclMemAlloc and registered
-// with NCCL symmetric memory, which the overlapped algorithms need (without the
-// registration cuBLASMp silently falls back to NO_OVERLAP). Allocation and
-// release are collective over the grid's communicator.
+// with NCCL symmetric memory on both grids (as TransformerEngine does), which
+// the overlapped algorithms need: without the registration cuBLASMp silently
+// falls back to NO_OVERLAP. Allocation and release are collective.
 class Workspace {
  public:
   Workspace() = default;
@@ -43,31 +45,37 @@ class Workspace {
   Workspace& operator=(const Workspace&) = delete;
   ~Workspace() { Release(); }
 
-  // Frees any previous buffer, then allocates `size` bytes on `grid`.
-  Status Allocate(cublasMpGrid_t grid, size_t size) {
+  // Frees any previous buffer, then allocates `size` bytes on `grid` and
+  // registers them with `other_grid` too.
+  Status Allocate(cublasMpGrid_t grid, cublasMpGrid_t other_grid, size_t size) {
     Release();
     void* ptr = nullptr;
     JCG_CUBLASMP(cublasMpMalloc(grid, &ptr, size));
     grid_ = grid;
     ptr_ = ptr;
     size_ = size;
+    JCG_CUBLASMP(cublasMpBufferRegister(other_grid, ptr, size));
+    other_grid_ = other_grid;
     return Status();
   }
 
   void Release() {
+    if (other_grid_ != nullptr) (void)cublasMpBufferDeregister(other_grid_, ptr_);
     if (ptr_ != nullptr) (void)cublasMpFree(grid_, ptr_);
     ptr_ = nullptr;
+    other_grid_ = nullptr;
     size_ = 0;
   }
 
   // Forgets the buffer without the collective free (after a peer failed).
-  void Abandon() { ptr_ = nullptr, size_ = 0; }
+  void Abandon() { ptr_ = nullptr, other_grid_ = nullptr, size_ = 0; }
 
   char* data() const { return static_cast<char*>(ptr_); }
   size_t size() const { return size_; }
 
  private:
   cublasMpGrid_t grid_ = nullptr;
+  cublasMpGrid_t other_grid_ = nullptr;
   void* ptr_ = nullptr;
   size_t size_ = 0;
 };

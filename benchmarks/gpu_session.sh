@@ -1,0 +1,71 @@
+#!/bin/bash
+# One session on the lent GPU machine (../shared/device/README.md): builds the
+# extension, runs the GPU tests, the example on GPUs and the benchmark, and
+# leaves the logs in $OUT. Run from the repository root, after
+# `source .device/setup.sh`.
+# Usage: benchmarks/gpu_session.sh [build] [tests] [example] [bench] [bench-quick]
+set -uo pipefail
+: "${OUT:?set OUT to the folder for the logs}"
+steps=${*:-build tests example bench}
+has() { [[ " $steps " == *" $1 "* ]]; }
+summary=()
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
+  python3 -c "import nvidia.cublasmp, os; print('cublasmp wheel', os.path.dirname(nvidia.cublasmp.__path__[0]))"
+} > "$OUT/machine.txt" 2>&1
+
+if has build; then
+  start=$SECONDS
+  if python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+    summary+=("build: ok ($((SECONDS - start)) s)")
+  else
+    tail -40 "$OUT/build.log"
+    echo "build: FAILED"
+    exit 1
+  fi
+fi
+
+if has tests; then
+  start=$SECONDS
+  JCG_GPU_LOG_DIR=/tmp/jcg_gpu_logs JCG_GPU_JOB_TIMEOUT_S=${JOB_TIMEOUT:-200} \
+    JCG_HANG_DUMP_S=${HANG_DUMP:-170} timeout ${TESTS_TIMEOUT:-420} \
+    python3 -m pytest tests/gpu -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  for f in /tmp/jcg_gpu_logs/*.log; do
+    [ -f "$f" ] && { echo; echo "===== $(basename "$f")"; cat "$f"; } >> "$OUT/gpu_tests.log"
+  done
+  grep -E "passed|failed|error|FAILED" "$OUT/gpu_tests.log" | grep -v "^\[process" | tail -25
+  summary+=("gpu tests: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/gpu_tests.log" | tail -1) ($((SECONDS - start)) s)")
+fi
+
+if has diag; then
+  # The single-process MLP checks again, each call synchronised (JAX_COMM_GEMM_SYNC_AFTER_CALL).
+  JAX_COMM_GEMM_SYNC_AFTER_CALL=1 JCG_HANG_DUMP_S=60 timeout 90 python3 tests/gpu/worker.py \
+    --checks inputs_intact,mlp_bf16,mlp_f32,mlp_bf16_keep_input > "$OUT/diag.log" 2>&1
+  grep -E "^\[process" "$OUT/diag.log"
+  summary+=("diag (synchronised calls): $(grep -c ': ok' "$OUT/diag.log") ok")
+fi
+
+if has example; then
+  start=$SECONDS
+  timeout 120 python3 examples/train_sp_mlp.py --json-out "$OUT/example.json" > "$OUT/example.log" 2>&1
+  rc=$?
+  tail -25 "$OUT/example.log"
+  summary+=("example: rc=$rc ($((SECONDS - start)) s)")
+fi
+
+for mode in bench bench-quick; do
+  if has $mode; then
+    start=$SECONDS
+    extra=$([ $mode = bench-quick ] && echo --quick)
+    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_comm_gemm.py --out "$OUT/bench.json" $extra 2>&1 \
+      | grep -v "^W\|^I0" | tee "$OUT/bench.log"
+    summary+=("$mode: rc=${PIPESTATUS[0]} ($((SECONDS - start)) s)")
+  fi
+done
+
+echo "==== summary"
+printf '%s\n' "${summary[@]}"

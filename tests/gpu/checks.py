@@ -1,0 +1,407 @@
+"""The GPU checks, run by worker.py in every process of a GPU job.
+
+Each check takes the job's 1-D ('tp',) mesh over all GPUs, asserts, and returns
+a dict of details for the log. Inputs are fresh random normal arrays, placed as
+global arrays so the same code runs with one process per GPU or one per host;
+references are computed on the host in float64 from the same seeds.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_comm_gemm as jcg
+from jax_comm_gemm import backends, dense, ffi_ops, hlo
+from jax_comm_gemm.registry import REGISTRY
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+# Relative error norms against float64: bf16/f16 round inputs and outputs.
+TOLERANCE = {"bf16": 3e-2, "f16": 6e-3, "f32": 2e-5}
+RS_ALGORITHMS = ("split_p2p", "atomic_p2p", "no_overlap", "default")
+
+
+def cublasmp(**kw) -> jcg.CommGemmConfig:
+  return jcg.CommGemmConfig(backend="cublasmp", **kw)
+
+
+def put(mesh, host: np.ndarray, spec, dtype):
+  sharding = NamedSharding(mesh, spec)
+  host = np.asarray(host, dtype=np.float32)
+  return jax.make_array_from_callback(host.shape, sharding,
+                                      lambda idx: jnp.asarray(host[idx], dtype))
+
+
+def random(seed: int, *shape, scale=1.0) -> np.ndarray:
+  return np.random.default_rng(seed).standard_normal(shape) * scale
+
+
+def blocks(arr):
+  """(index, host block) of every shard this process holds."""
+  return [(s.index, np.asarray(s.data, dtype=np.float64)) for s in arr.addressable_shards]
+
+
+def rel_err(arr, ref: np.ndarray) -> float:
+  """Relative error norm of this process's blocks of `arr` against `ref`."""
+  num = den = 0.0
+  for idx, block in blocks(arr):
+    num += float(np.sum((block - ref[idx]) ** 2))
+    den += float(np.sum(ref[idx] ** 2))
+  return (num / max(den, 1e-300)) ** 0.5
+
+
+def bit_equal(a, b) -> bool:
+  return all(np.array_equal(np.asarray(x.data), np.asarray(y.data))
+             for x, y in zip(a.addressable_shards, b.addressable_shards))
+
+
+def smap(mesh, fn, in_specs, out_specs):
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def gelu64(h):
+  return 0.5 * h * (1 + np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3)))
+
+
+def gelu64_grad(h):
+  t = np.tanh(np.sqrt(2 / np.pi) * (h + 0.044715 * h**3))
+  return 0.5 * (1 + t) + 0.5 * h * (1 - t**2) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * h**2)
+
+
+# --- the fused ops ---------------------------------------------------------------
+
+def check_all_gather_matmul(mesh, dtype: str, transpose_w: bool):
+  """AG+GEMM against float64 and against XLA; the exposed operand bit-equal to
+  lax.all_gather's."""
+  n, k, m = 1024, 512, 768
+  x64 = random(1, n, k)
+  w64 = random(2, k, m, scale=k**-0.5)
+  w_host = w64.T if transpose_w else w64
+  x = put(mesh, x64, P("tp"), DTYPES[dtype])
+  w = put(mesh, w_host, P("tp") if transpose_w else P(None, "tp"), DTYPES[dtype])
+  backend = backends.CublasMpBackend()
+
+  def fused(x, w):
+    y, g = backend.all_gather_matmul(x, w, "tp", transpose_w=transpose_w, return_gathered=True)
+    return y, g
+
+  def xla(x, w):
+    return backends.XlaBackend().all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
+                                                    return_gathered=True)
+
+  specs = dict(in_specs=(P("tp"), P("tp") if transpose_w else P(None, "tp")),
+               out_specs=(P(None, "tp"), P("tp")))
+  yf, gf = smap(mesh, fused, **specs)(x, w)
+  yx, gx = smap(mesh, xla, **specs)(x, w)
+  ref = np.asarray(x64.astype(DTYPES[dtype]), np.float64) @ np.asarray(
+      w64.astype(DTYPES[dtype]), np.float64)
+  err = rel_err(yf, ref)
+  assert err < TOLERANCE[dtype], f"rel err {err}"
+  assert bit_equal(gf, gx), "exposed operand differs from lax.all_gather's"
+  return {"rel_err": err, "rel_err_xla": rel_err(yx, ref)}
+
+
+def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
+  """GEMM+RS with every non-multicast algorithm: right numbers, or a clear
+  cuBLASMp error (never an abort). NO_OVERLAP must work."""
+  n, k, m = 1024, 768, 512
+  x64 = random(3, n, k)
+  w64 = random(4, k, m, scale=k**-0.5)
+  dt = DTYPES[dtype]
+  x = put(mesh, x64, P(None, "tp"), dt)
+  w = put(mesh, w64.T if transpose_w else w64, P(None, "tp") if transpose_w else P("tp"), dt)
+  ref = np.asarray(x64.astype(dt), np.float64) @ np.asarray(w64.astype(dt), np.float64)
+  out = {}
+  for algorithm in RS_ALGORITHMS:
+    def fused(x, w, algorithm=algorithm):
+      return ffi_ops.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
+                                           algorithm=jcg.ALGORITHMS[algorithm])
+    f = smap(mesh, fused, (P(None, "tp"), P(None, "tp") if transpose_w else P("tp")), P("tp"))
+    try:
+      err = rel_err(jax.block_until_ready(f(x, w)), ref)
+    except Exception as e:  # noqa: BLE001  (recording which algorithms cuBLASMp takes)
+      text = str(e)
+      assert "cublasMpMatmul" in text and "failed" in text, text[:500]
+      out[algorithm] = "error: " + text[text.find("cublasMp"):][:200]
+      continue
+    assert err < TOLERANCE[dtype] * 2, f"{algorithm}: rel err {err}"
+    out[algorithm] = f"ok rel_err={err:.2e}"
+  assert out["no_overlap"].startswith("ok"), out
+  return out
+
+
+def check_inputs_intact(mesh):
+  """Each fused op leaves its input buffers as they were (XLA reads them again
+  after the op, e.g. to all-gather x for a weight gradient)."""
+  out = {}
+  for op, transpose_w, algorithm in (("ag", False, "split_p2p"), ("ag", True, "split_p2p"),
+                                     ("rs", False, "split_p2p"), ("rs", True, "split_p2p"),
+                                     ("rs", False, "no_overlap")):
+    x64 = random(30, 1024, 512)
+    w64 = random(31, 512, 768, scale=512**-0.5)
+    if op == "ag":
+      x_spec, w_spec = P("tp"), (P("tp") if transpose_w else P(None, "tp"))
+      y_spec = P(None, "tp")
+    else:
+      x_spec, w_spec = P(None, "tp"), (P(None, "tp") if transpose_w else P("tp"))
+      y_spec = P("tp")
+    w_host = w64.T if transpose_w else w64
+    x = put(mesh, x64, x_spec, jnp.bfloat16)
+    w = put(mesh, w_host, w_spec, jnp.bfloat16)
+
+    def f(x, w, op=op, transpose_w=transpose_w, algorithm=algorithm):
+      if op == "ag":
+        (y,) = ffi_ops.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
+                                         return_gathered=False,
+                                         algorithm=jcg.ALGORITHMS[algorithm], layout="tail")
+      else:
+        y = ffi_ops.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
+                                          algorithm=jcg.ALGORITHMS[algorithm])
+      # The copies of x and w are taken after the op has run.
+      return lax.optimization_barrier((y, x, w))
+
+    y, x_after, w_after = smap(mesh, f, (x_spec, w_spec), (y_spec, x_spec, w_spec))(x, w)
+    x_ok, w_ok = bit_equal(x, x_after), bit_equal(w, w_after)
+    name = f"{op}_{'tn' if transpose_w else 'nn'}_{algorithm}"
+    out[name] = {"x_intact": x_ok, "w_intact": w_ok}
+  bad = {k: v for k, v in out.items() if not all(v.values())}
+  assert not bad, f"inputs changed by the fused op: {bad}"
+  return out
+
+
+# --- the layers ----------------------------------------------------------------
+
+def mlp_reference(x, w1, w2, g):
+  """Float64 forward and gradients of sum(mlp(x) * g)."""
+  h = x @ w1
+  a = gelu64(h)
+  y = a @ w2
+  da = g @ w2.T
+  dh = da * gelu64_grad(h)
+  return y, dh @ w1.T, x.T @ dh, a.T @ g
+
+
+def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False):
+  """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
+  n, d, f = 1024, 512, 1024
+  dt = DTYPES[dtype]
+  hosts = [random(5, n, d), random(6, d, f, scale=d**-0.5), random(7, f, d, scale=f**-0.5),
+           random(8, n, d)]
+  x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
+  x, w1, w2, g = (put(mesh, a, s, dt) for a, s in
+                  zip(hosts, (P("tp"), P(None, "tp"), P("tp"), P("tp"))))
+  config = cublasmp(reduce_scatter=reduce_scatter)
+
+  def loss(x, w1, w2, g):
+    y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)
+    return jnp.sum((y * g).astype(jnp.float32)), y
+
+  def step(x, w1, w2, g):
+    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w1, w2, g)
+    return (y, *grads)
+
+  f = smap(mesh, step, (P("tp"), P(None, "tp"), P("tp"), P("tp")),
+           (P("tp"), P("tp"), P(None, "tp"), P("tp")))
+  outs = f(x, w1, w2, g)
+  refs = mlp_reference(x64, w1_64, w2_64, g64)
+  errs = {name: rel_err(o, r) for name, o, r in zip(("y", "dx", "dw1", "dw2"), outs, refs)}
+  for name, err in errs.items():
+    assert err < TOLERANCE[dtype] * 2, f"{name}: rel err {err} ({errs})"
+  return errs
+
+
+# --- routing -------------------------------------------------------------------
+
+def _row_step(config):
+  def loss(h, w, g):
+    y = dense.row_parallel_dense(h, w, axis_name="tp", config=config)
+    return lax.psum(jnp.sum((y * g).astype(jnp.float32)), "tp")
+  return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def check_routing(mesh):
+  """The reuse path compiles to no all-gather in the row-parallel backward; the
+  forced fallback (JAX_COMM_GEMM_BACKEND=xla) has it, with the same numbers.
+  MLP: one standalone all-gather per step, none with keep_gathered_input."""
+  n, f, d = 1024, 1024, 512
+  dt = jnp.bfloat16
+  h = put(mesh, random(9, n, f), P(None, "tp"), dt)
+  w = put(mesh, random(10, f, d, scale=f**-0.5), P("tp"), dt)
+  g = put(mesh, random(11, n, d), P("tp"), dt)
+  specs = ((P(None, "tp"), P("tp"), P("tp")), (P(), (P(None, "tp"), P("tp"))))
+  fused = smap(mesh, _row_step(cublasmp()), *specs)
+  counts = hlo.compiled_collectives(fused, h, w, g)
+  assert counts.all_gather == 0 and counts.fused_all_gather_matmul == 1, counts
+  os.environ[backends.ENV_BACKEND] = "xla"
+  try:
+    fallback = smap(mesh, _row_step(cublasmp()), *specs)
+    fallback_counts = hlo.compiled_collectives(fallback, h, w, g)
+    (lf, (dhf, dwf)), (lx, (dhx, dwx)) = fused(h, w, g), fallback(h, w, g)
+  finally:
+    del os.environ[backends.ENV_BACKEND]
+  assert fallback_counts.all_gather >= 1 and fallback_counts.fused_all_gather_matmul == 0
+  for a, b in ((dhf, dhx), (dwf, dwx)):
+    err = max(float(np.max(np.abs(x1 - x2)) / (np.max(np.abs(x2)) + 1e-30))
+              for (_, x1), (_, x2) in zip(blocks(a), blocks(b)))
+    assert err < 2e-2, err
+  out = {"row_fused": str(counts), "row_fallback": str(fallback_counts)}
+  x = put(mesh, random(12, n, d), P("tp"), dt)
+  w1 = put(mesh, random(13, d, f, scale=d**-0.5), P(None, "tp"), dt)
+  w2 = put(mesh, random(14, f, d, scale=f**-0.5), P("tp"), dt)
+  for keep, expected in ((False, 1), (True, 0)):
+    def loss(x, w1, w2, keep=keep):
+      y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=cublasmp())
+      return lax.psum(jnp.sum(y.astype(jnp.float32)), "tp")
+    step = smap(mesh, jax.value_and_grad(loss, argnums=(0, 1, 2)),
+                (P("tp"), P(None, "tp"), P("tp")), (P(), (P("tp"), P(None, "tp"), P("tp"))))
+    c = hlo.compiled_collectives(step, x, w1, w2)
+    assert c.all_gather == expected and c.fused_all_gather_matmul == 2, (keep, c)
+    out[f"mlp_keep={keep}"] = str(c)
+  off = smap(mesh, _row_step(cublasmp(reuse_gathered=False)), *specs)
+  c = hlo.compiled_collectives(off, h, w, g)
+  assert c.all_gather == 1, c
+  out["row_reuse_off"] = str(c)
+  return out
+
+
+def check_layout_self_test(mesh):
+  """The version's layout passes the self-test; a deliberately wrong one is
+  rejected, turns reuse off with one warning, and the layer stays right."""
+  size = mesh.shape["tp"]
+  version = jcg.cublasmp_version()
+  right = REGISTRY.default_layout()
+  wrong = "front" if right == "tail" else "tail"
+  good = REGISTRY.gathered_reuse(size, "split_p2p", jnp.bfloat16)
+  assert good.ok, good.reason
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    bad = REGISTRY.gathered_reuse(size, "split_p2p", jnp.bfloat16, layout=wrong)
+  assert not bad.ok, bad.reason
+  assert any("not reusing" in str(c.message) for c in caught), [str(c.message) for c in caught]
+  n, f, d = 512, 512, 256
+  h = put(mesh, random(15, n, f), P(None, "tp"), jnp.float32)
+  w = put(mesh, random(16, f, d, scale=f**-0.5), P("tp"), jnp.float32)
+  g = put(mesh, random(17, n, d), P("tp"), jnp.float32)
+  step = smap(mesh, _row_step(cublasmp(gathered_layout=wrong)),
+              (P(None, "tp"), P("tp"), P("tp")), (P(), (P(None, "tp"), P("tp"))))
+  counts = hlo.compiled_collectives(step, h, w, g)
+  assert counts.all_gather == 1, counts
+  _, (dh, dw) = step(h, w, g)
+  h64, w64, g64 = random(15, n, f), random(16, f, d, scale=f**-0.5), random(17, n, d)
+  errs = (rel_err(dh, g64 @ w64.T), rel_err(dw, h64.T @ g64))
+  assert max(errs) < 1e-4, errs
+  return {"version": version, "layout": right, "good": good.reason, "bad": bad.reason}
+
+
+# --- errors ---------------------------------------------------------------------
+
+def check_ffi_errors(mesh):
+  """Bad input reaching the handlers comes back as a Python error that says
+  what is wrong: no communicator, unsupported dtype, wrong result shape."""
+  size = mesh.shape["tp"]
+  comm_id = REGISTRY.bind_axis(mesh, "tp")
+
+  def call(x, w, comm, out_rows, dtype=None):
+    return jax.ffi.ffi_call(
+        ffi_ops.AG_TARGET, jax.ShapeDtypeStruct((out_rows, w.shape[1]), dtype or x.dtype))(
+            x, w, comm_id=np.int64(comm), algorithm=np.int64(1), transpose_w=False,
+            layout=np.int64(0))
+
+  cases = {
+      "no communicator": (lambda x, w: call(x, w, 12345, x.shape[0] * size), jnp.bfloat16),
+      "unsupported dtype": (lambda x, w: call(x, w, comm_id, x.shape[0] * size), jnp.int32),
+      "has shape": (lambda x, w: call(x, w, comm_id, x.shape[0]), jnp.bfloat16),
+  }
+  out = {}
+  for expected, (fn, dt) in cases.items():
+    x = put(mesh, random(18, 256, 128), P("tp"), dt)
+    w = put(mesh, random(19, 128, 256), P(None, "tp"), dt)
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                              out_specs=P("tp"), check_vma=False))
+    try:
+      jax.block_until_ready(f(x, w))
+    except Exception as e:  # noqa: BLE001
+      assert expected in str(e), str(e)[:500]
+      out[expected] = str(e)[str(e).find(expected) - 60:][:200]
+    else:
+      raise AssertionError(f"no error for {expected!r}")
+  return out
+
+
+# --- memory --------------------------------------------------------------------
+
+def _gpu_memory_used_mib() -> int:
+  ordinal = jax.local_devices()[0].local_hardware_id
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  index = visible.split(",")[ordinal] if visible else str(ordinal)
+  text = subprocess.run(["nvidia-smi", "-i", index, "--query-gpu=memory.used",
+                         "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                        check=True).stdout
+  return int(text.strip().splitlines()[0])
+
+
+def check_memory_flat(mesh, steps: int = 200):
+  """200 training steps cycling through 4 token counts: after the first cycle,
+  neither the workspaces nor the GPU memory grow."""
+  d, f = 512, 1024
+  w1 = put(mesh, random(20, d, f, scale=d**-0.5), P(None, "tp"), jnp.bfloat16)
+  w2 = put(mesh, random(21, f, d, scale=f**-0.5), P("tp"), jnp.bfloat16)
+  sizes = (256, 512, 768, 1024)
+  xs = [put(mesh, random(22 + i, n, d), P("tp"), jnp.bfloat16) for i, n in enumerate(sizes)]
+
+  def loss(w1, w2, x):
+    y = dense.mlp(x, w1, w2, axis_name="tp", config=cublasmp())
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  def sgd(w1, w2, x):
+    g1, g2 = jax.grad(loss, argnums=(0, 1))(w1, w2, x)
+    return w1 - 0.01 * g1, w2 - 0.01 * g2
+
+  step = smap(mesh, sgd, (P(None, "tp"), P("tp"), P("tp")), (P(None, "tp"), P("tp")))
+  for i in range(len(sizes)):
+    w1, w2 = step(w1, w2, xs[i])
+  jax.block_until_ready(w1)
+  before = (_gpu_memory_used_mib(), [c["workspace_bytes"] for c in REGISTRY.contexts()])
+  for i in range(steps - len(sizes)):
+    w1, w2 = step(w1, w2, xs[i % len(sizes)])
+  jax.block_until_ready(w1)
+  after = (_gpu_memory_used_mib(), [c["workspace_bytes"] for c in REGISTRY.contexts()])
+  assert after[1] == before[1], (before, after)
+  assert abs(after[0] - before[0]) <= 8, (before, after)
+  return {"memory_used_mib": [before[0], after[0]], "workspace_bytes": after[1]}
+
+
+def check_status(mesh):
+  status = jcg.cublasmp_status()
+  assert status.ok, status.reason
+  return {"status": status.reason, "version": jcg.cublasmp_version(),
+          "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
+
+
+CHECKS = {"status": check_status, "inputs_intact": check_inputs_intact}
+for _dt in DTYPES:
+  for _t in (False, True):
+    CHECKS[f"all_gather_matmul_{_dt}_{'tn' if _t else 'nn'}"] = (
+        lambda mesh, dt=_dt, t=_t: check_all_gather_matmul(mesh, dt, t))
+    CHECKS[f"matmul_reduce_scatter_{_dt}_{'tn' if _t else 'nn'}"] = (
+        lambda mesh, dt=_dt, t=_t: check_matmul_reduce_scatter(mesh, dt, t))
+  CHECKS[f"mlp_{_dt}"] = lambda mesh, dt=_dt: check_mlp(mesh, dt)
+CHECKS["mlp_bf16_keep_input"] = lambda mesh: check_mlp(mesh, "bf16", keep=True)
+CHECKS["mlp_bf16_rs_no_overlap"] = lambda mesh: check_mlp(mesh, "bf16", "no_overlap")
+CHECKS["mlp_f32_rs_no_overlap"] = lambda mesh: check_mlp(mesh, "f32", "no_overlap")
+CHECKS["routing"] = check_routing
+CHECKS["layout_self_test"] = check_layout_self_test
+CHECKS["ffi_errors"] = check_ffi_errors
+CHECKS["memory_flat"] = check_memory_flat
+
+# A single process driving all GPUs runs this subset.
+SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
+                         "inputs_intact", "mlp_bf16", "mlp_f32", "routing")

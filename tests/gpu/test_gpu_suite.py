@@ -1,0 +1,126 @@
+"""GPU tests: the cuBLASMp backend on real GPUs, in worker processes that
+pytest launches itself.
+
+Two jobs run once per session: one process per GPU (jax.distributed on
+127.0.0.1, all checks) and one process driving every GPU (a subset). Each test
+below reports one check of one job. Without two GPUs or without the built
+extension they skip, saying why. Set JCG_GPU_LOG_DIR to keep the workers' logs.
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.gpu import checks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1500)]
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+JOB_TIMEOUT_S = float(os.environ.get("JCG_GPU_JOB_TIMEOUT_S", "600"))
+
+
+def _gpu_count() -> int:
+  if shutil.which("nvidia-smi") is None:
+    return 0
+  out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+  return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def _skip_reason() -> str | None:
+  if _gpu_count() < 2:
+    return "needs 2 GPUs (nvidia-smi finds fewer)"
+  if importlib.util.find_spec("jax_comm_gemm._comm_gemm") is None:
+    return "the cuBLASMp extension is not built"
+  return None
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _worker_env() -> dict:
+  env = dict(os.environ)
+  env.pop("JAX_PLATFORMS", None)  # the pytest process is pinned to CPU, workers are not
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if "xla_force_host_platform_device_count" not in f)
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  return env
+
+
+def _run_job(name: str, num_processes: int, check_names) -> dict:
+  """Runs one job; returns {check: [result of each process]}."""
+  port = _free_port()
+  log_dir = os.environ.get("JCG_GPU_LOG_DIR") or tempfile.mkdtemp(prefix="jcg_gpu_")
+  os.makedirs(log_dir, exist_ok=True)
+  procs, logs = [], []
+  for pid in range(num_processes):
+    cmd = [sys.executable, WORKER, "--checks", ",".join(check_names)]
+    if num_processes > 1:
+      cmd += ["--process-id", str(pid), "--num-processes", str(num_processes),
+              "--port", str(port)]
+    # Written as it goes, so that a hang still leaves the log behind.
+    logs.append(os.path.join(log_dir, f"{name}_process{pid}.log"))
+    with open(logs[-1], "w") as log:
+      procs.append(subprocess.Popen(cmd, env=_worker_env(), stdout=log,
+                                    stderr=subprocess.STDOUT))
+  deadline = time.monotonic() + JOB_TIMEOUT_S
+  for p in procs:
+    try:
+      p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+  outputs = []
+  for path in logs:
+    with open(path) as f:
+      outputs.append(f.read())
+  results = {}
+  for pid, text in enumerate(outputs):
+    line = next((l for l in text.splitlines() if l.startswith("JCG_RESULTS ")), None)
+    per_check = json.loads(line[len("JCG_RESULTS "):]) if line else {}
+    for check in check_names:
+      results.setdefault(check, []).append(per_check.get(
+          check, {"ok": False, "error": f"process {pid} reported nothing:\n{text[-3000:]}"}))
+  return results
+
+
+@pytest.fixture(scope="session")
+def multi_process_results():
+  reason = _skip_reason()
+  if reason:
+    pytest.skip(reason)
+  return _run_job("multi_process", 2, list(checks.CHECKS))
+
+
+@pytest.fixture(scope="session")
+def single_process_results():
+  reason = _skip_reason()
+  if reason:
+    pytest.skip(reason)
+  return _run_job("single_process", 1, checks.SINGLE_PROCESS_CHECKS)
+
+
+def _assert_ok(per_process):
+  for pid, result in enumerate(per_process):
+    assert result["ok"], f"process {pid}: {result.get('error')}\n{result.get('traceback', '')}"
+
+
+@pytest.mark.parametrize("check", list(checks.CHECKS))
+def test_one_process_per_gpu(check, multi_process_results):
+  _assert_ok(multi_process_results[check])
+
+
+@pytest.mark.parametrize("check", checks.SINGLE_PROCESS_CHECKS)
+def test_one_process_all_gpus(check, single_process_results):
+  _assert_ok(single_process_results[check])

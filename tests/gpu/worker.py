@@ -1,0 +1,60 @@
+"""One process of a GPU test job: runs checks.py's checks on a ('tp',) mesh
+over all the job's GPUs and prints their results as one JSON line.
+
+Usage: worker.py --checks a,b,c [--process-id I --num-processes N --port P]
+With --num-processes > 1 each process drives one GPU (local_device_ids=[I]).
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--checks", required=True)
+  parser.add_argument("--process-id", type=int, default=0)
+  parser.add_argument("--num-processes", type=int, default=1)
+  parser.add_argument("--port", type=int, default=0)
+  args = parser.parse_args()
+  # A hang shows where it is: every thread's stack, before the job's timeout.
+  faulthandler.dump_traceback_later(float(os.environ.get("JCG_HANG_DUMP_S", "240")), exit=True)
+
+  import jax  # noqa: PLC0415
+
+  if args.num_processes > 1:
+    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
+                               process_id=args.process_id,
+                               local_device_ids=[args.process_id])
+  # fp32 comparisons against float64 need XLA's reference path without TF32.
+  jax.config.update("jax_default_matmul_precision", "highest")
+  import numpy as np  # noqa: PLC0415
+  from jax.sharding import Mesh  # noqa: PLC0415
+
+  import checks  # noqa: PLC0415
+
+  mesh = Mesh(np.asarray(jax.devices()), ("tp",))
+  results = {}
+  for name in args.checks.split(","):
+    start = time.perf_counter()
+    try:
+      details = checks.CHECKS[name](mesh)
+      results[name] = {"ok": True, "details": details}
+    except Exception as e:  # noqa: BLE001  (reported per check)
+      results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
+                       "traceback": traceback.format_exc()[-3000:]}
+    results[name]["seconds"] = round(time.perf_counter() - start, 2)
+    print(f"[process {args.process_id}] {name}: "
+          f"{'ok' if results[name]['ok'] else 'FAILED'} ({results[name]['seconds']} s)",
+          file=sys.stderr, flush=True)
+  print("JCG_RESULTS " + json.dumps(results, default=str), flush=True)
+
+
+if __name__ == "__main__":
+  main()

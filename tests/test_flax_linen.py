@@ -1,0 +1,266 @@
+"""The linen modules: partitioning metadata, both modes against a float64
+reference, dtypes, and configuration errors.
+
+Global mode runs under jax.jit with NamedSharding on a 1-D ('tp',) mesh and a
+('dp', 'tp') mesh; local mode runs the same parameters, split by their
+partition specs, inside the test's own jax.shard_map.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import cpu_mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_comm_gemm import linen as L
+
+N, K, F = 16, 16, 32  # tokens, model width, hidden width (8 devices at most)
+
+
+def dp_tp_mesh() -> Mesh:
+  devices = jax.devices("cpu")
+  if len(devices) < 8:
+    pytest.skip("needs 8 CPU devices")
+  return Mesh(np.asarray(devices[:8]).reshape(2, 4), ("dp", "tp"))
+
+
+MESHES = {"tp4": lambda: cpu_mesh(4), "dp2xtp4": dp_tp_mesh}
+
+
+def data_axes(mesh) -> tuple:
+  return tuple(a for a in mesh.axis_names if a != "tp")
+
+
+def tokens_spec(mesh, ndim=2) -> P:
+  """Sharded along tokens over every axis (between layers)."""
+  return P((*data_axes(mesh), "tp"), *(None,) * (ndim - 1))
+
+
+def features_spec(mesh, ndim=2) -> P:
+  """Tokens over the data axes, features over 'tp' (inside an MLP)."""
+  return P(data_axes(mesh) or None, *(None,) * (ndim - 2), "tp")
+
+
+# name: (module factory, input width, input spec, output spec, reference)
+def dense_ref(p, x):
+  return x @ p["kernel"] + p["bias"]
+
+
+def mlp_ref(p, x):
+  return dense_ref(p["fc2"], jax.nn.gelu(dense_ref(p["fc1"], x)))
+
+
+CASES = {
+    "column": (lambda **kw: L.ColumnParallelDense(F, **kw), K, tokens_spec,
+               features_spec, dense_ref),
+    "row": (lambda **kw: L.RowParallelDense(K, **kw), F, features_spec,
+            tokens_spec, dense_ref),
+    "mlp": (lambda **kw: L.SequenceParallelMLP(F, **kw), K, tokens_spec,
+            tokens_spec, mlp_ref),
+}
+
+
+def x64():
+  """float64 on, for the reference (jax.enable_x64 where jax has it)."""
+  if hasattr(jax, "enable_x64"):
+    return jax.enable_x64(True)
+  from jax.experimental import enable_x64  # noqa: PLC0415  (older jax)
+  return enable_x64()
+
+
+def reference(ref, params, x, ct):
+  """(y, d params, dx) of sum(ref(params, x) * ct), in float64."""
+  params = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.unbox(params)["params"])
+  x, ct = np.asarray(x, np.float64), np.asarray(ct, np.float64)
+  with x64():
+    y = ref(params, x)
+    grads = jax.grad(lambda p, x: jnp.sum(ref(p, x) * ct), argnums=(0, 1))(params, x)
+    return jax.tree.map(np.asarray, (y, grads))
+
+
+def assert_close(got, want, dtype):
+  """Tight for float32; for bfloat16, relative to the largest reference value."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  else:
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=3e-2 * scale)
+
+
+def setup(case, mesh, dtype=None, x_shape=None, **kw):
+  """The global-mode module, sharded params, sharded x and a cotangent."""
+  factory, width, in_spec, out_spec, ref = CASES[case]
+  model = factory(mesh=mesh, data_axes=data_axes(mesh), dtype=dtype, **kw)
+  x_shape = x_shape or (N, width)
+  kx, kc, kp = jax.random.split(jax.random.key(0), 3)
+  x = jax.device_put(jax.random.normal(kx, x_shape),
+                     NamedSharding(mesh, in_spec(mesh, len(x_shape))))
+  shardings = nn.get_sharding(jax.eval_shape(model.init, kp, x), mesh)
+  # Non-zero biases, so that a misplaced bias shows.
+  model_init = factory(mesh=mesh, data_axes=data_axes(mesh), dtype=dtype,
+                       bias_init=nn.initializers.normal(1.0), **kw)
+  params = jax.jit(model_init.init, out_shardings=shardings)(kp, x)
+  out_shape = jax.eval_shape(model.apply, params, x).shape
+  ct = jax.random.normal(kc, out_shape)
+  return model, params, x, ct, ref, in_spec, out_spec
+
+
+def loss(apply):
+  return lambda params, x, ct: jnp.sum(apply(params, x).astype(jnp.float32) * ct)
+
+
+# --- metadata -------------------------------------------------------------------
+
+def test_partition_specs():
+  x = jnp.zeros((N, K))
+  key = jax.random.key(0)
+  mesh = cpu_mesh(4)
+  specs = lambda m: nn.get_partition_spec(jax.eval_shape(m.init, key, x))["params"]
+  assert specs(L.ColumnParallelDense(F, mesh=mesh)) == {
+      "kernel": P(None, "tp"), "bias": P("tp")}
+  assert specs(L.RowParallelDense(K, mesh=mesh)) == {
+      "kernel": P("tp", None), "bias": P(None)}
+  assert specs(L.SequenceParallelMLP(F, axis_name="model", mesh=cpu_mesh(4, "model"))) == {
+      "fc1": {"kernel": P(None, "model"), "bias": P("model")},
+      "fc2": {"kernel": P("model", None), "bias": P(None)}}
+  shapes = jax.eval_shape(L.SequenceParallelMLP(F, mesh=mesh).init, key, x)
+  assert jax.tree.map(jnp.shape, nn.unbox(shapes))["params"] == {
+      "fc1": {"kernel": (K, F), "bias": (F,)}, "fc2": {"kernel": (F, K), "bias": (K,)}}
+  assert "bias" not in specs(L.ColumnParallelDense(F, mesh=mesh, use_bias=False))
+
+
+# --- global mode ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("case", CASES)
+def test_global_mode_matches_reference(case, mesh_name):
+  mesh = MESHES[mesh_name]()
+  model, params, x, ct, ref, _, out_spec = setup(case, mesh)
+  y = jax.jit(model.apply)(params, x)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, out_spec(mesh)), y.ndim)
+  (dparams, dx) = jax.jit(jax.grad(loss(model.apply), argnums=(0, 1)))(params, x, ct)
+  y_ref, (dparams_ref, dx_ref) = reference(ref, params, x, ct)
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  jax.tree.map(lambda g, r: assert_close(g, r, jnp.float32),
+               nn.unbox(dparams)["params"], dparams_ref)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_global_mode_bfloat16(case):
+  mesh = dp_tp_mesh()
+  model, params, x, ct, ref, _, _ = setup(case, mesh, dtype=jnp.bfloat16)
+  y = jax.jit(model.apply)(params, x)
+  assert y.dtype == jnp.bfloat16
+  (dparams, dx) = jax.jit(jax.grad(loss(model.apply), argnums=(0, 1)))(params, x, ct)
+  y_ref, (dparams_ref, dx_ref) = reference(ref, params, x, ct)
+  assert_close(y, y_ref, jnp.bfloat16)
+  assert_close(dx, dx_ref, jnp.bfloat16)
+  for g, r in zip(jax.tree.leaves(nn.unbox(dparams)), jax.tree.leaves(dparams_ref)):
+    assert g.dtype == jnp.float32  # gradients in the parameters' dtype
+    assert_close(g, r, jnp.bfloat16)
+
+
+def test_global_mode_takes_the_mesh_from_set_mesh():
+  mesh = cpu_mesh(4)
+  model, params, x, _, ref, _, _ = setup("mlp", mesh)
+  unset = L.SequenceParallelMLP(F)  # mesh=None
+  with jax.set_mesh(mesh):
+    y = jax.jit(unset.apply)(params, x)
+  assert_close(y, jax.jit(model.apply)(params, x), jnp.float32)
+
+
+def test_leading_dimensions_and_no_bias():
+  mesh = dp_tp_mesh()
+  model, params, x, _, _, _, _ = setup("column", mesh, x_shape=(8, 3, K), use_bias=False)
+  kernel = np.asarray(nn.unbox(params)["params"]["kernel"])
+  y = jax.jit(model.apply)(params, x)
+  assert y.shape == (8, 3, F)
+  np.testing.assert_allclose(y, np.asarray(x) @ kernel, rtol=1e-5, atol=1e-5)
+
+
+def test_dtype_promotion_like_flax_dense():
+  mesh = cpu_mesh(2)
+  model = L.ColumnParallelDense(F, mesh=mesh)  # dtype=None: from inputs and params
+  x = jnp.ones((N, K), jnp.bfloat16)
+  params = model.init(jax.random.key(0), x)
+  assert jax.jit(model.apply)(params, x).dtype == jnp.float32
+  bf16 = L.ColumnParallelDense(F, mesh=mesh, dtype=jnp.bfloat16)
+  assert jax.jit(bf16.apply)(params, x.astype(jnp.float32)).dtype == jnp.bfloat16
+  p16 = L.ColumnParallelDense(F, mesh=mesh, param_dtype=jnp.bfloat16).init(
+      jax.random.key(0), x)
+  assert nn.unbox(p16)["params"]["kernel"].dtype == jnp.bfloat16
+
+
+# --- local mode -----------------------------------------------------------------
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+@pytest.mark.parametrize("case", CASES)
+def test_local_mode_inside_shard_map(case, mesh_name):
+  mesh = MESHES[mesh_name]()
+  model, params, x, ct, ref, in_spec, out_spec = setup(case, mesh)
+  local_model = CASES[case][0]()  # no mesh: it is the caller's shard_map's
+  specs = nn.get_partition_spec(params)
+  shapes = []
+
+  def body(params, x):
+    shapes.append([jnp.shape(a) for a in jax.tree.leaves(params)])
+    return local_model.apply(params, x)
+
+  apply = jax.shard_map(body, mesh=mesh, in_specs=(specs, in_spec(mesh)),
+                        out_specs=out_spec(mesh))
+  y = jax.jit(apply)(params, x)
+  (dparams, dx) = jax.jit(jax.grad(loss(apply), argnums=(0, 1)))(params, x, ct)
+  # Local mode saw the shards: 'tp' splits the kernels by its size.
+  size = mesh.shape["tp"]
+  assert shapes[0] == [
+      tuple(d // size if name == "tp" else d for d, name in zip(a.shape, spec))
+      for a, spec in zip(jax.tree.leaves(params),
+                         jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P)))]
+  y_ref, (dparams_ref, dx_ref) = reference(ref, params, x, ct)
+  assert_close(y, y_ref, jnp.float32)
+  assert_close(dx, dx_ref, jnp.float32)
+  jax.tree.map(lambda g, r: assert_close(g, r, jnp.float32),
+               nn.unbox(dparams)["params"], dparams_ref)
+
+
+def test_local_mode_bfloat16():
+  mesh = dp_tp_mesh()
+  model, params, x, ct, ref, in_spec, out_spec = setup("mlp", mesh, dtype=jnp.bfloat16)
+  apply = jax.shard_map(L.SequenceParallelMLP(F, dtype=jnp.bfloat16).apply, mesh=mesh,
+                        in_specs=(nn.get_partition_spec(params), in_spec(mesh)),
+                        out_specs=out_spec(mesh))
+  y = jax.jit(apply)(params, x)
+  assert y.dtype == jnp.bfloat16
+  dx = jax.jit(jax.grad(loss(apply), argnums=1))(params, x, ct)
+  y_ref, (_, dx_ref) = reference(ref, params, x, ct)
+  assert_close(y, y_ref, jnp.bfloat16)
+  assert_close(dx, dx_ref, jnp.bfloat16)
+
+
+# --- configuration errors -------------------------------------------------------
+
+@pytest.mark.parametrize("module, x_width, match", [
+    (lambda m: L.ColumnParallelDense(6, mesh=m), K,
+     r"ColumnParallelDense\.features=6 is not divisible by the size 4 .*'tp'"),
+    (lambda m: L.RowParallelDense(K, mesh=m), 6,
+     r"RowParallelDense: the input features, inputs\.shape\[-1\]=6 is not divisible"),
+    (lambda m: L.SequenceParallelMLP(6, mesh=m), K,
+     r"ColumnParallelDense\.features=6 is not divisible"),
+    (lambda m: L.SequenceParallelMLP(0, mesh=m), K,
+     r"SequenceParallelMLP\.hidden_features must be a positive int, got 0"),
+    (lambda m: L.ColumnParallelDense(F, mesh=m, axis_name="model"), K,
+     r"ColumnParallelDense\.axis_name: 'model' is not an axis of the mesh"),
+    (lambda m: L.ColumnParallelDense(F, mesh=m, data_axes=("tp",)), K,
+     r"ColumnParallelDense\.data_axes=\('tp',\) must not contain"),
+    (lambda m: L.RowParallelDense(K, mesh=m, data_axes=("dp",)), F,
+     r"RowParallelDense\.data_axes: 'dp' is not an axis of the mesh"),
+    (lambda m: L.ColumnParallelDense(F), K, r"no mesh"),
+])
+def test_config_errors(module, x_width, match):
+  with pytest.raises(ValueError, match=match):
+    module(cpu_mesh(4)).init(jax.random.key(0), jnp.zeros((N, x_width)))

@@ -1,0 +1,79 @@
+"""Two CPU processes joined by ``jax.distributed`` (see ``mp_worker.py``).
+
+Each process has 2 simulated CPU devices; the layers run over meshes of all 4,
+with tensor-parallel groups that span both processes, and every process checks
+its own shards against a reference it computes locally. The NCCL unique-id
+exchange of the GPU backend (``registry.exchange_unique_id``) must hand the
+leader's bytes to the other process.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import jax_comm_gemm
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jax_comm_gemm.__file__)))
+TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _launch(process_id: int, port: int) -> subprocess.Popen:
+  env = dict(os.environ)
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(
+                 p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p))
+  env.pop("JAX_COMM_GEMM_BACKEND", None)
+  return subprocess.Popen([sys.executable, os.path.join(TESTS, "mp_worker.py"),
+                           str(process_id), str(port)],
+                          cwd=TESTS, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _result(process_id: int, proc: subprocess.Popen, stdout: str, stderr: str) -> dict:
+  lines = [line for line in stdout.splitlines() if line.startswith("{")]
+  assert lines, (f"process {process_id} (exit {proc.returncode}) printed no result\n"
+                 f"stdout:\n{stdout}\nstderr:\n{stderr[-4000:]}")
+  result = json.loads(lines[-1])
+  assert result["ok"], f"process {process_id} failed:\n{result.get('error')}"
+  assert proc.returncode == 0, f"process {process_id} exited with {proc.returncode}"
+  return result
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_two_processes():
+  """sharded.mlp / column / row layers forward+grad over 4 devices in 2
+  processes agree with the reference on every process's shards, and both
+  processes end with the leader's unique id."""
+  port = _free_port()
+  procs = [_launch(i, port) for i in range(2)]
+  deadline = time.monotonic() + TIMEOUT_S
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the worker processes did not finish within {TIMEOUT_S} s")
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+  results = [_result(i, proc, *out) for i, (proc, out) in enumerate(zip(procs, outputs))]
+  for result in results:
+    # 4 layers checked (2 MLP routings, column, row), each output and gradient.
+    assert len(result["checks"]) == 2 * 6 + 2 * 4, result["checks"]
+  assert results[0]["unique_id"] == results[1]["unique_id"]
+  assert len(bytes.fromhex(results[0]["unique_id"])) == 128
