@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from jax_comm_gemm import CommGemmConfig, hlo, report, resolve_backend  # noqa: E402
+from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS  # noqa: E402
 from jax_comm_gemm.linen import SequenceParallelMLP  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -65,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--keep-gathered-input", action="store_true",
                  help="fc1 keeps its forward's gathered input for the weight gradient")
   p.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto")
+  p.add_argument("--reduce-scatter", choices=REDUCE_SCATTER_IMPLS, default="xla",
+                 help="how the cuBLASMp backend runs GEMM+ReduceScatter")
   p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--json-out", metavar="PATH", help="write a JSON summary here")
@@ -141,7 +144,7 @@ def main(argv=None) -> dict:
     raise SystemExit(f"--tokens ({args.tokens}) must divide by the {mesh.size} "
                      f"devices and --d-ff ({args.d_ff}) by tp={tp}")
   dtype = DTYPES[args.dtype]
-  config = CommGemmConfig(backend=args.backend)
+  config = CommGemmConfig(backend=args.backend, reduce_scatter=args.reduce_scatter)
   try:  # fail early and plainly where --backend cublasmp cannot run
     backend = resolve_backend(config)
   except RuntimeError as e:

@@ -1,0 +1,35 @@
+# The two commands of the README, each doing all set-up on a fresh machine:
+#   make example   the main job: trains a sequence-parallel MLP stack
+#   make test      the test suite (the GPU tests skip without two GPUs)
+# Set-up: a virtualenv in .venv with jax, flax and the NVIDIA wheels (CUDA 13 by
+# default, CUDA=12 for the twin), then the package itself, built in place with
+# its cuBLASMp extension. ARGS is passed on: make example ARGS="--steps 200".
+PYTHON ?= python3
+VENV ?= .venv
+CUDA ?= 13
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+
+.PHONY: setup example test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet scikit-build-core nanobind cmake ninja "jax>=0.10"
+	@# The NVIDIA wheels must be installed before the extension can build
+	@# against them: the first pass installs the dependencies (its build finds
+	@# no headers yet and skips the extension), the second builds it.
+	$(PIP) install --quiet --no-build-isolation -e ".[cuda$(CUDA),test]"
+	$(PIP) install --quiet --no-build-isolation --no-deps --force-reinstall -e .
+	touch $@
+
+example: setup
+	$(PY) examples/train_sp_mlp.py $(ARGS)
+
+test: setup
+	JCG_REQUIRE_EXTENSION=1 $(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build
