@@ -42,7 +42,7 @@ if has tests; then
 fi
 
 if has diag; then
-  # The single-process MLP checks again, each call synchronised (JAX_COMM_GEMM_SYNC_AFTER_CALL).
+  # The single-process MLP checks again with JAX_COMM_GEMM_SYNC_AFTER_CALL=1 (now the default).
   JAX_COMM_GEMM_SYNC_AFTER_CALL=1 JCG_HANG_DUMP_S=60 timeout 90 python3 tests/gpu/worker.py \
     --checks inputs_intact,mlp_bf16,mlp_f32,mlp_bf16_keep_input > "$OUT/diag.log" 2>&1
   grep -E "^\[process" "$OUT/diag.log"

@@ -10,6 +10,7 @@ Layers of the API, from the top:
   collective matmuls that everything above is built on.
 """
 
+from jax_comm_gemm import hlo, sharded
 from jax_comm_gemm.backends import (Backend, Capability, CublasMpBackend, XlaBackend,
                                     resolve_backend)
 from jax_comm_gemm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -33,6 +34,6 @@ __all__ = [
     "ALGORITHMS", "Backend", "Capability", "CommGemmConfig", "CublasMpBackend",
     "XlaBackend", "all_gather_matmul", "column_parallel_dense", "cublasmp_status",
     "cublasmp_version", "matmul_reduce_scatter", "mlp", "resolve_backend",
-    "row_parallel_dense",
+    "hlo", "row_parallel_dense", "sharded",
 ]
 __version__ = "0.1.0"

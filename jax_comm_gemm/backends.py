@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -179,7 +178,3 @@ def resolve_backend(config: CommGemmConfig) -> Backend:
     return XlaBackend()
   return CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter,
                          config.gathered_layout)
-
-
-def default_platform() -> str:
-  return jax.default_backend()

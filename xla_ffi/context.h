@@ -95,8 +95,10 @@ class Context {
   Status CopyGathered(const MatmulCall& call, const Plan& plan, cudaStream_t stream) const;
 
   const int device_, nranks_, rank_;
-  // JAX_COMM_GEMM_SYNC_AFTER_CALL=1 (read at creation): wait for each call to
-  // finish on the host. A debugging aid that costs the overlap with later work.
+  // Wait on the host for each call to finish. On by default: without it, XLA
+  // work that followed a fused call in the same program read wrong data on the
+  // 2xH200 test machine (README, "Known problem"). JAX_COMM_GEMM_SYNC_AFTER_CALL=0
+  // (read at creation) turns it off, for that investigation only.
   const bool sync_after_call_;
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.

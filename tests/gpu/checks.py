@@ -244,7 +244,7 @@ def check_routing(mesh):
   try:
     fallback = smap(mesh, _row_step(cublasmp()), *specs)
     fallback_counts = hlo.compiled_collectives(fallback, h, w, g)
-    (lf, (dhf, dwf)), (lx, (dhx, dwx)) = fused(h, w, g), fallback(h, w, g)
+    (_, (dhf, dwf)), (_, (dhx, dwx)) = fused(h, w, g), fallback(h, w, g)
   finally:
     del os.environ[backends.ENV_BACKEND]
   assert fallback_counts.all_gather >= 1 and fallback_counts.fused_all_gather_matmul == 0
