@@ -11,44 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_mesh
+from flax_helpers import (F, K, MESHES, dense_ref, features_spec, mlp_ref, tokens_spec,
+                          data_axes, dp_tp_mesh)
+from flax_helpers import TOKENS as T
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import nnx as N
-
-T, K, F = 16, 16, 32  # tokens, model width, hidden width (8 devices at most)
-
-
-def dp_tp_mesh() -> Mesh:
-  devices = jax.devices("cpu")
-  if len(devices) < 8:
-    pytest.skip("needs 8 CPU devices")
-  return Mesh(np.asarray(devices[:8]).reshape(2, 4), ("dp", "tp"))
-
-
-MESHES = {"tp4": lambda: cpu_mesh(4), "dp2xtp4": dp_tp_mesh}
-
-
-def data_axes(mesh) -> tuple:
-  return tuple(a for a in mesh.axis_names if a != "tp")
-
-
-def tokens_spec(mesh) -> P:
-  return P((*data_axes(mesh), "tp"), None)
-
-
-def features_spec(mesh) -> P:
-  return P(data_axes(mesh) or None, "tp")
-
-
-def dense_ref(p, x):
-  return x @ p["kernel"] + p["bias"]
-
-
-def mlp_ref(p, x):
-  return dense_ref(p["fc2"], jax.nn.gelu(dense_ref(p["fc1"], x)))
-
 
 # name: (module factory, input width, input spec, output spec, reference)
 CASES = {

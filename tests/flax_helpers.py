@@ -1,0 +1,42 @@
+"""What the linen and NNX module tests share: meshes, specs and references."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import cpu_mesh
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+TOKENS, K, F = 16, 16, 32  # tokens, model width, hidden width (8 devices at most)
+
+
+def dp_tp_mesh() -> Mesh:
+  devices = jax.devices("cpu")
+  if len(devices) < 8:
+    pytest.skip("needs 8 CPU devices")
+  return Mesh(np.asarray(devices[:8]).reshape(2, 4), ("dp", "tp"))
+
+
+MESHES = {"tp4": lambda: cpu_mesh(4), "dp2xtp4": dp_tp_mesh}
+
+
+def data_axes(mesh) -> tuple:
+  return tuple(a for a in mesh.axis_names if a != "tp")
+
+
+def tokens_spec(mesh, ndim=2) -> P:
+  """Sharded along tokens over every axis (between layers)."""
+  return P((*data_axes(mesh), "tp"), *(None,) * (ndim - 1))
+
+
+def features_spec(mesh, ndim=2) -> P:
+  """Tokens over the data axes, features over 'tp' (inside an MLP)."""
+  return P(data_axes(mesh) or None, *(None,) * (ndim - 2), "tp")
+
+
+def dense_ref(p, x):
+  return x @ p["kernel"] + p["bias"]
+
+
+def mlp_ref(p, x):
+  return dense_ref(p["fc2"], jax.nn.gelu(dense_ref(p["fc1"], x)))
