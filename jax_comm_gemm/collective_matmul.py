@@ -135,9 +135,10 @@ def _all_gather_matmul(x, w, s: _Static):
 def _all_gather_matmul_fwd(x, w, s: _Static):
   x, w = x.value, w.value
   if s.return_gathered or s.keep_gathered_input:
-    if s.keep_gathered_input and not s.backend.gathered_reuse(
-        lax.axis_size(s.axis_name), x.dtype).ok:
-      _warn_keep_unavailable(s, x.dtype)
+    if s.keep_gathered_input:
+      cap = s.backend.gathered_reuse(lax.axis_size(s.axis_name), x.dtype)
+      if not cap.ok:
+        _warn_keep_unavailable(cap)
     y, g = gathering_matmul(s.backend, s.reuse_gathered, x, w, s.axis_name, s.transpose_w)
     return ((y, g) if s.return_gathered else y), (g, w)
   y = s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
@@ -187,9 +188,8 @@ def _or_zeros(value, shape, dtype, like):
   return vma.pvary(jnp.zeros(shape, dtype), vma.varying_axes(like))
 
 
-def _warn_keep_unavailable(s: _Static, dtype) -> None:
+def _warn_keep_unavailable(cap) -> None:
   # Python's warning filter shows each distinct message once per call site.
-  cap = s.backend.gathered_reuse(lax.axis_size(s.axis_name), dtype)
   warnings.warn(
       "keep_gathered_input=True: the fused op cannot hand out its gathered "
       f"input ({cap.reason}); the forward pass all-gathers it with "
