@@ -3,7 +3,7 @@
 # extension, runs the GPU tests, the example on GPUs and the benchmark, and
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
-# Usage: benchmarks/gpu_session.sh [build] [tests] [example] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [tests] [race] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -41,12 +41,26 @@ if has tests; then
   summary+=("gpu tests: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/gpu_tests.log" | tail -1) ($((SECONDS - start)) s)")
 fi
 
-if has diag; then
-  # The single-process MLP checks again with JAX_COMM_GEMM_SYNC_AFTER_CALL=1 (now the default).
-  JAX_COMM_GEMM_SYNC_AFTER_CALL=1 JCG_HANG_DUMP_S=60 timeout 90 python3 tests/gpu/worker.py \
-    --checks inputs_intact,mlp_bf16,mlp_f32,mlp_bf16_keep_input > "$OUT/diag.log" 2>&1
-  grep -E "^\[process" "$OUT/diag.log"
-  summary+=("diag (synchronised calls): $(grep -c ': ok' "$OUT/diag.log") ok")
+if has race; then
+  # Which fence keeps XLA work after a fused call correct (README, "Known
+  # problem"): the MLP checks, twice each, single process, per fence variant.
+  for variant in ${RACE_VARIANTS:-none barrier_after barrier_before own_stream join_handle none+sync_collectives host_before device barrier host}; do
+    fence=${variant%%+*}
+    flags=""
+    [[ $variant == *+sync_collectives ]] && \
+      flags="--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER,COLLECTIVEPERMUTE"
+    start=$SECONDS
+    JAX_COMM_GEMM_FENCE=$fence XLA_FLAGS="${XLA_FLAGS:-} $flags" JCG_HANG_DUMP_S=40 timeout 50 \
+      python3 tests/gpu/worker.py --repeat 2 \
+      --checks mlp_bf16,mlp_f16,mlp_bf16_rs_no_overlap,mlp_bf16_keep_input \
+      > /tmp/race.log 2>&1
+    rc=$?
+    line="race $variant: rc=$rc ok=$(grep -c ': ok' /tmp/race.log) failed=$(grep -c ': FAILED' /tmp/race.log) ($((SECONDS - start)) s)"
+    echo "$line" | tee -a "$OUT/race.log"
+    grep -o '"error": "AssertionError: [^(]*' /tmp/race.log | head -4 >> "$OUT/race.log"
+    { echo "===== $variant"; grep -v '^W\|^I' /tmp/race.log | tail -30; } >> "$OUT/race_full.log"
+    summary+=("$line")
+  done
 fi
 
 if has example; then
@@ -55,6 +69,17 @@ if has example; then
   rc=$?
   tail -25 "$OUT/example.log"
   summary+=("example: rc=$rc ($((SECONDS - start)) s)")
+fi
+
+if has fence-bench; then
+  # The cost of each fence: one AG+GEMM shape and one MLP shape per variant.
+  for fence in ${FENCE_BENCH:-none host barrier_after own_stream}; do
+    start=$SECONDS
+    JAX_COMM_GEMM_FENCE=$fence timeout 120 python3 benchmarks/bench_comm_gemm.py \
+      --out /tmp/fence.json --quick --sections ag,mlp 2>&1 | grep -E "^(AG|SP-MLP)" \
+      | sed "s/^/[$fence] /" | tee -a "$OUT/fence_bench.log"
+    summary+=("fence-bench $fence: ($((SECONDS - start)) s)")
+  done
 fi
 
 for mode in bench bench-quick; do

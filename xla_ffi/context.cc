@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <utility>
 
@@ -51,15 +52,43 @@ Status CreateMatrix(int64_t m, int64_t n, int64_t mb, int64_t nb, int64_t lld,
   return Status();
 }
 
+Status ParseFence(Fence* out) {
+  static const std::map<std::string, Fence> kNames = {
+      {"none", Fence::kNone},
+      {"host", Fence::kHost},
+      {"host_before", Fence::kHostBefore},
+      {"device", Fence::kDevice},
+      {"barrier_before", Fence::kBarrierBefore},
+      {"barrier_after", Fence::kBarrierAfter},
+      {"barrier", Fence::kBarrier},
+      {"join_handle", Fence::kJoinHandle},
+      {"own_stream", Fence::kOwnStream},
+  };
+  const char* env = std::getenv("JAX_COMM_GEMM_FENCE");
+  if (env == nullptr || *env == '\0') {
+    *out = Fence::kHost;
+    return Status();
+  }
+  auto it = kNames.find(env);
+  if (it == kNames.end()) {
+    std::string names;
+    for (const auto& [name, _] : kNames) names += (names.empty() ? "" : ", ") + name;
+    return Status::InvalidArgument(std::string("JAX_COMM_GEMM_FENCE=") + env +
+                                   " is not one of " + names);
+  }
+  *out = it->second;
+  return Status();
+}
+
 }  // namespace
 
 Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank,
                        std::unique_ptr<Context>* out) {
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(device));
-  const char* sync = std::getenv("JAX_COMM_GEMM_SYNC_AFTER_CALL");
-  std::unique_ptr<Context> ctx(
-      new Context(device, nranks, rank, sync == nullptr || std::string(sync) != "0"));
+  Fence fence = Fence::kHost;
+  JCG_RETURN_IF_ERROR(ParseFence(&fence));
+  std::unique_ptr<Context> ctx(new Context(device, nranks, rank, fence));
   Status status = ctx->Init(id);
   if (!status.ok()) {
     ctx->Abort();
@@ -85,6 +114,27 @@ Status Context::Init(const ncclUniqueId& id) {
   col_grid_.reset(grid);
   JCG_CUBLASMP(cublasMpGridCreate(1, nranks_, CUBLASMP_GRID_LAYOUT_ROW_MAJOR, comm, &grid));
   row_grid_.reset(grid);
+  for (CudaEvent* e : {&event_in_, &event_out_}) {
+    cudaEvent_t event = nullptr;
+    JCG_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    e->reset(event);
+  }
+  void* word = nullptr;
+  JCG_CUDA(cudaMalloc(&word, sizeof(float)));
+  barrier_word_.reset(word);
+  return Status();
+}
+
+Status Context::Barrier(cudaStream_t stream) {
+  ncclResult_t r = ncclAllReduce(barrier_word_.get(), barrier_word_.get(), 1, ncclFloat32,
+                                 ncclSum, comm_.get(), stream);
+  if (r != ncclSuccess) return NcclError("ncclAllReduce", r, comm_.get());
+  return Status();
+}
+
+Status Context::Join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event) {
+  JCG_CUDA(cudaEventRecord(event, signaller));
+  JCG_CUDA(cudaStreamWaitEvent(waiter, event, 0));
   return Status();
 }
 
@@ -165,8 +215,9 @@ Status Context::MakePlan(const MatmulCall& c, Plan* plan) const {
 
 Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream) {
   if (bytes <= workspace_.size()) return Status();
-  // Earlier calls on this stream may still use the old buffer.
+  // Earlier calls on these streams may still use the old buffer.
   JCG_CUDA(cudaStreamSynchronize(stream));
+  JCG_CUDA(cudaStreamSynchronize(handle_stream_.get()));
   const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
   return workspace_.Allocate(col_grid_.get(), row_grid_.get(), rounded);
 }
@@ -209,16 +260,34 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
   const Plan& plan = it->second;
   JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream));
   if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
-  JCG_CUBLASMP(cublasMpSetStream(handle_.get(), stream));
+  cudaStream_t side = handle_stream_.get();
+  cudaStream_t run = fence_ == Fence::kOwnStream ? side : stream;
+  switch (fence_) {
+    case Fence::kHostBefore: JCG_CUDA(cudaStreamSynchronize(stream)); break;
+    case Fence::kBarrierBefore:
+    case Fence::kBarrier: JCG_RETURN_IF_ERROR(Barrier(stream)); break;
+    case Fence::kJoinHandle:
+    case Fence::kOwnStream: JCG_RETURN_IF_ERROR(Join(side, stream, event_in_.get())); break;
+    default: break;
+  }
+  JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
   const float alpha = 1.0f, beta = 0.0f;
   JCG_CUBLASMP(cublasMpMatmul(
       handle_.get(), plan.matmul.get(), plan.m, plan.n, plan.k, &alpha, c.w, 1, 1, plan.a.get(),
       c.x, 1, 1, plan.b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1, plan.d.get(),
       workspace_.data(), plan.device_bytes, host_workspace_.data(), plan.host_bytes));
   if (c.op == CommOp::kAllGather && c.gathered != nullptr) {
-    JCG_RETURN_IF_ERROR(CopyGathered(c, plan, stream));
+    JCG_RETURN_IF_ERROR(CopyGathered(c, plan, run));
   }
-  if (sync_after_call_) JCG_CUDA(cudaStreamSynchronize(stream));
+  switch (fence_) {
+    case Fence::kHost: JCG_CUDA(cudaStreamSynchronize(stream)); break;
+    case Fence::kDevice: JCG_CUDA(cudaDeviceSynchronize()); break;
+    case Fence::kBarrierAfter:
+    case Fence::kBarrier: JCG_RETURN_IF_ERROR(Barrier(stream)); break;
+    case Fence::kJoinHandle:
+    case Fence::kOwnStream: JCG_RETURN_IF_ERROR(Join(stream, side, event_out_.get())); break;
+    default: break;
+  }
   return Status();
 }
 

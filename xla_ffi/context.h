@@ -50,6 +50,22 @@ struct MatmulCall {
   GatheredLayout layout = GatheredLayout::kFront;
 };
 
+// How a call is fenced against the work around it (JAX_COMM_GEMM_FENCE, read
+// when a context is created). kHost is the default: without a fence, XLA work
+// that followed a fused call in the same program read wrong data on the 2xH200
+// test machine (README, "Known problem"). The others are there to find out why.
+enum class Fence {
+  kNone,           // "none": nothing
+  kHost,           // "host": cudaStreamSynchronize after the call
+  kHostBefore,     // "host_before": cudaStreamSynchronize before the call
+  kDevice,         // "device": cudaDeviceSynchronize after the call
+  kBarrierBefore,  // "barrier_before": a 1-element ncclAllReduce on the stream before
+  kBarrierAfter,   // "barrier_after": the same after
+  kBarrier,        // "barrier": both
+  kJoinHandle,     // "join_handle": the handle's creation stream joined both ways
+  kOwnStream,      // "own_stream": cuBLASMp runs on the handle's stream, joined by events
+};
+
 class Context {
  public:
   // Collective: every member of the group calls it at the same time, each on
@@ -87,19 +103,17 @@ class Context {
   };
   static constexpr size_t kMaxPlans = 64;
 
-  Context(int device, int nranks, int rank, bool sync_after_call)
-      : device_(device), nranks_(nranks), rank_(rank), sync_after_call_(sync_after_call) {}
+  Context(int device, int nranks, int rank, Fence fence)
+      : device_(device), nranks_(nranks), rank_(rank), fence_(fence) {}
   Status Init(const ncclUniqueId& id);
   Status MakePlan(const MatmulCall& call, Plan* plan) const;
   Status EnsureWorkspace(size_t bytes, cudaStream_t stream);
   Status CopyGathered(const MatmulCall& call, const Plan& plan, cudaStream_t stream) const;
+  Status Barrier(cudaStream_t stream);
+  Status Join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event);
 
   const int device_, nranks_, rank_;
-  // Wait on the host for each call to finish. On by default: without it, XLA
-  // work that followed a fused call in the same program read wrong data on the
-  // 2xH200 test machine (README, "Known problem"). JAX_COMM_GEMM_SYNC_AFTER_CALL=0
-  // (read at creation) turns it off, for that investigation only.
-  const bool sync_after_call_;
+  const Fence fence_;
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.
   NcclComm comm_;
@@ -107,6 +121,8 @@ class Context {
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns
+  CudaEvent event_in_, event_out_;
+  DeviceBuffer barrier_word_;  // one float for kBarrier*
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;
   std::vector<char> host_workspace_;

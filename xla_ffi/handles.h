@@ -29,6 +29,8 @@ using Owned = std::unique_ptr<std::remove_pointer_t<Handle>, Destroyer<Handle, D
 
 using NcclComm = Owned<ncclComm_t, ncclCommDestroy>;
 using CudaStream = Owned<cudaStream_t, cudaStreamDestroy>;
+using CudaEvent = Owned<cudaEvent_t, cudaEventDestroy>;
+using DeviceBuffer = Owned<void*, cudaFree>;
 using CublasMpHandle = Owned<cublasMpHandle_t, cublasMpDestroy>;
 using Grid = Owned<cublasMpGrid_t, cublasMpGridDestroy>;
 using MatrixDescriptor = Owned<cublasMpMatrixDescriptor_t, cublasMpMatrixDescriptorDestroy>;

@@ -1,7 +1,7 @@
 """One process of a GPU test job: runs checks.py's checks on a ('tp',) mesh
 over all the job's GPUs and prints their results as one JSON line.
 
-Usage: worker.py --checks a,b,c [--process-id I --num-processes N --port P]
+Usage: worker.py --checks a,b,c [--repeat R] [--process-id I --num-processes N --port P]
 With --num-processes > 1 each process drives one GPU (local_device_ids=[I]).
 """
 
@@ -22,6 +22,7 @@ def main() -> None:
   parser.add_argument("--process-id", type=int, default=0)
   parser.add_argument("--num-processes", type=int, default=1)
   parser.add_argument("--port", type=int, default=0)
+  parser.add_argument("--repeat", type=int, default=1, help="run the checks this many times")
   args = parser.parse_args()
   # A hang shows where it is: every thread's stack, before the job's timeout.
   faulthandler.dump_traceback_later(float(os.environ.get("JCG_HANG_DUMP_S", "240")), exit=True)
@@ -41,10 +42,12 @@ def main() -> None:
 
   mesh = Mesh(np.asarray(jax.devices()), ("tp",))
   results = {}
-  for name in args.checks.split(","):
+  names = args.checks.split(",")
+  runs = [(n, n if args.repeat == 1 else f"{n}#{i}") for i in range(args.repeat) for n in names]
+  for check, name in runs:
     start = time.perf_counter()
     try:
-      details = checks.CHECKS[name](mesh)
+      details = checks.CHECKS[check](mesh)
       results[name] = {"ok": True, "details": details}
     except Exception as e:  # noqa: BLE001  (reported per check)
       results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
