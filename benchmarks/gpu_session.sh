@@ -3,7 +3,7 @@
 # extension, runs the GPU tests, the example on GPUs and the benchmark, and
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
-# Usage: benchmarks/gpu_session.sh [build] [tests] [race] [example] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [tests] [race] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -50,8 +50,9 @@ if has race; then
     [[ $variant == *+sync_collectives ]] && \
       flags="--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER,COLLECTIVEPERMUTE"
     start=$SECONDS
-    JAX_COMM_GEMM_FENCE=$fence XLA_FLAGS="${XLA_FLAGS:-} $flags" JCG_HANG_DUMP_S=40 timeout 50 \
-      python3 tests/gpu/worker.py --repeat 2 \
+    # An XLA_FLAGS that is set but blank makes XLA abort: set it only with flags.
+    env ${flags:+XLA_FLAGS="$flags"} JAX_COMM_GEMM_FENCE=$fence JCG_HANG_DUMP_S=40 timeout 50 \
+      python3 tests/gpu/worker.py --repeat ${RACE_REPEAT:-2} \
       --checks mlp_bf16,mlp_f16,mlp_bf16_rs_no_overlap,mlp_bf16_keep_input \
       > /tmp/race.log 2>&1
     rc=$?
@@ -61,6 +62,27 @@ if has race; then
     { echo "===== $variant"; grep -v '^W\|^I' /tmp/race.log | tail -30; } >> "$OUT/race_full.log"
     summary+=("$line")
   done
+fi
+
+if has schedule; then
+  # Where XLA puts its async collectives around the fused calls in the MLP step
+  # (the entry computation of the optimised module, in schedule order).
+  rm -rf /tmp/hlo
+  JAX_COMM_GEMM_FENCE=none XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" \
+    timeout 60 python3 tests/gpu/worker.py --checks mlp_bf16,mlp_bf16_keep_input \
+    > /tmp/schedule_run.log 2>&1
+  grep "^\[process" /tmp/schedule_run.log > "$OUT/schedule.txt"
+  python3 - >> "$OUT/schedule.txt" <<'EOF'
+import glob
+for f in sorted(glob.glob("/tmp/hlo/*after_optimizations.txt")):
+  text = open(f).read()
+  if "jax_comm_gemm_all_gather_matmul" not in text:
+    continue
+  print("=====", f.rsplit("/", 1)[-1])
+  entry = text[text.index("\nENTRY"):]
+  print("\n".join(line.strip()[:200] for line in entry[:entry.index("\n}\n")].splitlines()))
+EOF
+  summary+=("schedule: $(grep -c '^=====' "$OUT/schedule.txt") modules")
 fi
 
 if has example; then

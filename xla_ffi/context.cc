@@ -63,10 +63,11 @@ Status ParseFence(Fence* out) {
       {"barrier", Fence::kBarrier},
       {"join_handle", Fence::kJoinHandle},
       {"own_stream", Fence::kOwnStream},
+      {"isolated", Fence::kIsolated},
   };
   const char* env = std::getenv("JAX_COMM_GEMM_FENCE");
   if (env == nullptr || *env == '\0') {
-    *out = Fence::kHost;
+    *out = Fence::kIsolated;
     return Status();
   }
   auto it = kNames.find(env);
@@ -86,7 +87,7 @@ Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank,
                        std::unique_ptr<Context>* out) {
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(device));
-  Fence fence = Fence::kHost;
+  Fence fence = Fence::kIsolated;
   JCG_RETURN_IF_ERROR(ParseFence(&fence));
   std::unique_ptr<Context> ctx(new Context(device, nranks, rank, fence));
   Status status = ctx->Init(id);
@@ -261,13 +262,15 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
   JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream));
   if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   cudaStream_t side = handle_stream_.get();
-  cudaStream_t run = fence_ == Fence::kOwnStream ? side : stream;
+  const bool own = fence_ == Fence::kOwnStream || fence_ == Fence::kIsolated;
+  cudaStream_t run = own ? side : stream;
   switch (fence_) {
     case Fence::kHostBefore: JCG_CUDA(cudaStreamSynchronize(stream)); break;
     case Fence::kBarrierBefore:
     case Fence::kBarrier: JCG_RETURN_IF_ERROR(Barrier(stream)); break;
     case Fence::kJoinHandle:
-    case Fence::kOwnStream: JCG_RETURN_IF_ERROR(Join(side, stream, event_in_.get())); break;
+    case Fence::kOwnStream:
+    case Fence::kIsolated: JCG_RETURN_IF_ERROR(Join(side, stream, event_in_.get())); break;
     default: break;
   }
   JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
@@ -284,6 +287,7 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
     case Fence::kDevice: JCG_CUDA(cudaDeviceSynchronize()); break;
     case Fence::kBarrierAfter:
     case Fence::kBarrier: JCG_RETURN_IF_ERROR(Barrier(stream)); break;
+    case Fence::kIsolated: JCG_RETURN_IF_ERROR(Barrier(side)); [[fallthrough]];
     case Fence::kJoinHandle:
     case Fence::kOwnStream: JCG_RETURN_IF_ERROR(Join(stream, side, event_out_.get())); break;
     default: break;

@@ -51,9 +51,10 @@ struct MatmulCall {
 };
 
 // How a call is fenced against the work around it (JAX_COMM_GEMM_FENCE, read
-// when a context is created). kHost is the default: without a fence, XLA work
-// that followed a fused call in the same program read wrong data on the 2xH200
-// test machine (README, "Known problem"). The others are there to find out why.
+// when a context is created). kIsolated is the default: with no fence, the MLP
+// checks read wrong data on the 2xH200 test machine whenever XLA's async
+// collectives were on (README, "Known problem"). The others are for that
+// investigation.
 enum class Fence {
   kNone,           // "none": nothing
   kHost,           // "host": cudaStreamSynchronize after the call
@@ -64,6 +65,7 @@ enum class Fence {
   kBarrier,        // "barrier": both
   kJoinHandle,     // "join_handle": the handle's creation stream joined both ways
   kOwnStream,      // "own_stream": cuBLASMp runs on the handle's stream, joined by events
+  kIsolated,       // "isolated": kOwnStream, and a barrier on that stream after the call
 };
 
 class Context {
