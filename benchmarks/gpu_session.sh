@@ -3,7 +3,7 @@
 # extension, runs the GPU tests, the example on GPUs and the benchmark, and
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
-# Usage: benchmarks/gpu_session.sh [build] [tests] [race] [schedule] [example] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [tests] [race] [schedule] [example] [example-mp] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -19,10 +19,11 @@ summary=()
 
 if has build; then
   start=$SECONDS
-  if python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1; then
+  if python3 -m pip install --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1; then
     summary+=("build: ok ($((SECONDS - start)) s)")
   else
-    tail -40 "$OUT/build.log"
+    cp /tmp/build.log "$OUT/build.log"
+    tail -40 /tmp/build.log
     echo "build: FAILED"
     exit 1
   fi
@@ -42,9 +43,9 @@ if has tests; then
 fi
 
 if has race; then
-  # Which fence keeps XLA work after a fused call correct (README, "Known
-  # problem"): the MLP checks, twice each, single process, per fence variant.
-  for variant in ${RACE_VARIANTS:-none barrier_after barrier_before own_stream join_handle none+sync_collectives host_before device barrier host}; do
+  # Which fence keeps the XLA work around a fused call correct (context.h,
+  # Fence): the MLP checks, RACE_REPEAT times each, single process, per variant.
+  for variant in ${RACE_VARIANTS:-none isolated own_stream barrier host none+sync_collectives}; do
     fence=${variant%%+*}
     flags=""
     [[ $variant == *+sync_collectives ]] && \
@@ -59,7 +60,7 @@ if has race; then
     line="race $variant: rc=$rc ok=$(grep -c ': ok' /tmp/race.log) failed=$(grep -c ': FAILED' /tmp/race.log) ($((SECONDS - start)) s)"
     echo "$line" | tee -a "$OUT/race.log"
     grep -o '"error": "AssertionError: [^(]*' /tmp/race.log | head -4 >> "$OUT/race.log"
-    { echo "===== $variant"; grep -v '^W\|^I' /tmp/race.log | tail -30; } >> "$OUT/race_full.log"
+    { echo "===== $variant"; grep -v '^W\|^I' /tmp/race.log | tail -30; } >> /tmp/race_full.log
     summary+=("$line")
   done
 fi
@@ -87,15 +88,33 @@ fi
 
 if has example; then
   start=$SECONDS
-  timeout 120 python3 examples/train_sp_mlp.py --json-out "$OUT/example.json" > "$OUT/example.log" 2>&1
+  timeout 120 python3 examples/train_sp_mlp.py ${EXAMPLE_ARGS:-} --json-out "$OUT/example.json" \
+    > "$OUT/example.log" 2>&1
   rc=$?
   tail -25 "$OUT/example.log"
-  summary+=("example: rc=$rc ($((SECONDS - start)) s)")
+  summary+=("example ${EXAMPLE_ARGS:-}: rc=$rc ($((SECONDS - start)) s)")
+fi
+
+if has example-mp; then
+  # The example again with one process per GPU.
+  start=$SECONDS
+  port=$((20000 + RANDOM % 20000))
+  pids=()
+  for i in 0 1; do
+    CUDA_VISIBLE_DEVICES=$i timeout 150 python3 examples/train_sp_mlp.py ${EXAMPLE_ARGS:-} \
+      --coordinator 127.0.0.1:$port --num-processes 2 --process-id $i > /tmp/example_mp_$i.log 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[0]}"; rc0=$?; wait "${pids[1]}"; rc1=$?
+  { grep -v '^W\|^I\|^Additional\|^:' /tmp/example_mp_0.log; echo "===== process 1"; \
+    grep -v '^W\|^I\|^Additional\|^:' /tmp/example_mp_1.log | tail -4; } > "$OUT/example_mp.log"
+  tail -14 "$OUT/example_mp.log"
+  summary+=("example, 2 processes ${EXAMPLE_ARGS:-}: rc=$rc0,$rc1 ($((SECONDS - start)) s)")
 fi
 
 if has fence-bench; then
   # The cost of each fence: one AG+GEMM shape and one MLP shape per variant.
-  for fence in ${FENCE_BENCH:-none host barrier_after own_stream}; do
+  for fence in ${FENCE_BENCH:-none isolated own_stream}; do
     start=$SECONDS
     JAX_COMM_GEMM_FENCE=$fence timeout 120 python3 benchmarks/bench_comm_gemm.py \
       --out /tmp/fence.json --quick --sections ag,mlp 2>&1 | grep -E "^(AG|SP-MLP)" \

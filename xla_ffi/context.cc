@@ -54,22 +54,13 @@ Status CreateMatrix(int64_t m, int64_t n, int64_t mb, int64_t nb, int64_t lld,
 
 Status ParseFence(Fence* out) {
   static const std::map<std::string, Fence> kNames = {
+      {"isolated", Fence::kIsolated}, {"own_stream", Fence::kOwnStream},
+      {"barrier", Fence::kBarrier},   {"host", Fence::kHost},
       {"none", Fence::kNone},
-      {"host", Fence::kHost},
-      {"host_before", Fence::kHostBefore},
-      {"device", Fence::kDevice},
-      {"barrier_before", Fence::kBarrierBefore},
-      {"barrier_after", Fence::kBarrierAfter},
-      {"barrier", Fence::kBarrier},
-      {"join_handle", Fence::kJoinHandle},
-      {"own_stream", Fence::kOwnStream},
-      {"isolated", Fence::kIsolated},
   };
+  *out = Fence::kIsolated;
   const char* env = std::getenv("JAX_COMM_GEMM_FENCE");
-  if (env == nullptr || *env == '\0') {
-    *out = Fence::kIsolated;
-    return Status();
-  }
+  if (env == nullptr || *env == '\0') return Status();
   auto it = kNames.find(env);
   if (it == kNames.end()) {
     std::string names;
@@ -87,7 +78,7 @@ Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank,
                        std::unique_ptr<Context>* out) {
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(device));
-  Fence fence = Fence::kIsolated;
+  Fence fence;
   JCG_RETURN_IF_ERROR(ParseFence(&fence));
   std::unique_ptr<Context> ctx(new Context(device, nranks, rank, fence));
   Status status = ctx->Init(id);
@@ -106,7 +97,7 @@ Status Context::Init(const ncclUniqueId& id) {
   comm_.reset(comm);
   cudaStream_t stream = nullptr;
   JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  handle_stream_.reset(stream);
+  stream_.reset(stream);
   cublasMpHandle_t handle = nullptr;
   JCG_CUBLASMP(cublasMpCreate(&handle, stream));
   handle_.reset(handle);
@@ -123,6 +114,7 @@ Status Context::Init(const ncclUniqueId& id) {
   void* word = nullptr;
   JCG_CUDA(cudaMalloc(&word, sizeof(float)));
   barrier_word_.reset(word);
+  JCG_CUDA(cudaMemset(word, 0, sizeof(float)));
   return Status();
 }
 
@@ -218,7 +210,7 @@ Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream) {
   if (bytes <= workspace_.size()) return Status();
   // Earlier calls on these streams may still use the old buffer.
   JCG_CUDA(cudaStreamSynchronize(stream));
-  JCG_CUDA(cudaStreamSynchronize(handle_stream_.get()));
+  JCG_CUDA(cudaStreamSynchronize(stream_.get()));
   const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
   return workspace_.Allocate(col_grid_.get(), row_grid_.get(), rounded);
 }
@@ -261,18 +253,11 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
   const Plan& plan = it->second;
   JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream));
   if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
-  cudaStream_t side = handle_stream_.get();
-  const bool own = fence_ == Fence::kOwnStream || fence_ == Fence::kIsolated;
-  cudaStream_t run = own ? side : stream;
-  switch (fence_) {
-    case Fence::kHostBefore: JCG_CUDA(cudaStreamSynchronize(stream)); break;
-    case Fence::kBarrierBefore:
-    case Fence::kBarrier: JCG_RETURN_IF_ERROR(Barrier(stream)); break;
-    case Fence::kJoinHandle:
-    case Fence::kOwnStream:
-    case Fence::kIsolated: JCG_RETURN_IF_ERROR(Join(side, stream, event_in_.get())); break;
-    default: break;
-  }
+  // Under kIsolated and kOwnStream, cuBLASMp runs on stream_, after everything
+  // XLA enqueued before the call and before anything XLA enqueues after it.
+  const bool own = fence_ == Fence::kIsolated || fence_ == Fence::kOwnStream;
+  cudaStream_t run = own ? stream_.get() : stream;
+  if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
   JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
   const float alpha = 1.0f, beta = 0.0f;
   JCG_CUBLASMP(cublasMpMatmul(
@@ -282,16 +267,13 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
   if (c.op == CommOp::kAllGather && c.gathered != nullptr) {
     JCG_RETURN_IF_ERROR(CopyGathered(c, plan, run));
   }
-  switch (fence_) {
-    case Fence::kHost: JCG_CUDA(cudaStreamSynchronize(stream)); break;
-    case Fence::kDevice: JCG_CUDA(cudaDeviceSynchronize()); break;
-    case Fence::kBarrierAfter:
-    case Fence::kBarrier: JCG_RETURN_IF_ERROR(Barrier(stream)); break;
-    case Fence::kIsolated: JCG_RETURN_IF_ERROR(Barrier(side)); [[fallthrough]];
-    case Fence::kJoinHandle:
-    case Fence::kOwnStream: JCG_RETURN_IF_ERROR(Join(stream, side, event_out_.get())); break;
-    default: break;
+  // The barrier keeps a peer's next call off this rank's workspace until the
+  // gathered copy above, which cuBLASMp does not know about, has read it.
+  if (fence_ == Fence::kIsolated || fence_ == Fence::kBarrier) {
+    JCG_RETURN_IF_ERROR(Barrier(run));
   }
+  if (own) JCG_RETURN_IF_ERROR(Join(stream, run, event_out_.get()));
+  if (fence_ == Fence::kHost) JCG_CUDA(cudaStreamSynchronize(stream));
   return Status();
 }
 

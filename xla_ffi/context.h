@@ -50,22 +50,18 @@ struct MatmulCall {
   GatheredLayout layout = GatheredLayout::kFront;
 };
 
-// How a call is fenced against the work around it (JAX_COMM_GEMM_FENCE, read
-// when a context is created). kIsolated is the default: with no fence, the MLP
-// checks read wrong data on the 2xH200 test machine whenever XLA's async
-// collectives were on (README, "Known problem"). The others are for that
-// investigation.
+// How a call is ordered against the XLA work around it (JAX_COMM_GEMM_FENCE,
+// read when a context is created). With cuBLASMp enqueued straight on XLA's
+// compute stream, XLA work around a fused call read wrong data on the 2xH200
+// test machine (about 1 run in 10 of the MLP checks; never with XLA's async
+// collectives off). Each fence below but kNone removed it there; see
+// benchmarks/results/2026-11-30_h200x2/README.md for the runs.
 enum class Fence {
-  kNone,           // "none": nothing
-  kHost,           // "host": cudaStreamSynchronize after the call
-  kHostBefore,     // "host_before": cudaStreamSynchronize before the call
-  kDevice,         // "device": cudaDeviceSynchronize after the call
-  kBarrierBefore,  // "barrier_before": a 1-element ncclAllReduce on the stream before
-  kBarrierAfter,   // "barrier_after": the same after
-  kBarrier,        // "barrier": both
-  kJoinHandle,     // "join_handle": the handle's creation stream joined both ways
-  kOwnStream,      // "own_stream": cuBLASMp runs on the handle's stream, joined by events
-  kIsolated,       // "isolated": kOwnStream, and a barrier on that stream after the call
+  kIsolated,   // "isolated" (default): kOwnStream, then a barrier on the group
+  kOwnStream,  // "own_stream": cuBLASMp on the context's stream, joined to XLA's by events
+  kBarrier,    // "barrier": on XLA's stream, a 1-element ncclAllReduce after the call
+  kHost,       // "host": on XLA's stream, then wait for it on the host (slowest)
+  kNone,       // "none": on XLA's stream, nothing else; for that investigation only
 };
 
 class Context {
@@ -119,12 +115,12 @@ class Context {
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.
   NcclComm comm_;
-  CudaStream handle_stream_;  // the handle's creation stream; calls run on XLA's
+  CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns
-  CudaEvent event_in_, event_out_;
-  DeviceBuffer barrier_word_;  // one float for kBarrier*
+  CudaEvent event_in_, event_out_;  // XLA's stream -> stream_ -> XLA's stream
+  DeviceBuffer barrier_word_;        // the one float the barrier all-reduces
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;
   std::vector<char> host_workspace_;
