@@ -37,6 +37,10 @@ from jax_comm_gemm.backends import Capability
 from jax_comm_gemm.config import ALGORITHMS
 
 ENV_CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"
+# How each call is ordered against XLA's work (xla_ffi/context.h, Fence); read
+# by the C++ side when a context is created, checked here first.
+ENV_FENCE = "JAX_COMM_GEMM_FENCE"
+FENCES = ("isolated", "own_stream", "barrier", "host", "none")
 # cuBLASMp 0.11.0 documents the gathered B at the start of its workspace.
 FRONT_LAYOUT_SINCE = 1100
 # (local tokens, features, local outputs) of the self-test's AllGather+GEMMs.
@@ -120,9 +124,19 @@ class Registry:
 
   # --- communicators ------------------------------------------------------------
 
+  @staticmethod
+  def fence() -> str:
+    """The fence the contexts will use: $JAX_COMM_GEMM_FENCE, else 'isolated'."""
+    value = os.environ.get(ENV_FENCE, "")
+    if value and value not in FENCES:
+      raise ValueError(f"{ENV_FENCE}={value!r} is not a fence; use one of {', '.join(FENCES)} "
+                       "(or leave it unset for 'isolated')")
+    return value or FENCES[0]
+
   def bind_axis(self, mesh: Mesh, axis_name: str) -> int:
     """Sets up the communicators of the groups that `axis_name` forms in `mesh`
     (collective over the processes that hold them) and returns their comm_id."""
+    self.fence()  # a bad value fails here, before any collective set-up
     devices = np.asarray(mesh.devices)
     axis = list(mesh.axis_names).index(axis_name)
     groups = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])

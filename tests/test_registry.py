@@ -10,10 +10,11 @@ import threading
 
 import jax
 import numpy as np
+import pytest
 from jax.sharding import Mesh
 
 from jax_comm_gemm.backends import Capability
-from jax_comm_gemm.registry import Registry, stable_key
+from jax_comm_gemm.registry import ENV_FENCE, FENCES, Registry, stable_key
 
 
 class FakeNative:
@@ -102,3 +103,21 @@ def test_without_cublasmp_the_verdict_says_why():
   verdict = registry.gathered_reuse(2, "split_p2p", np.float32)
   assert not verdict.ok and "not GPU" in verdict.reason
   assert registry.cublasmp_version() == 0
+
+
+def test_fence_defaults_to_isolated_and_takes_each_named_fence(monkeypatch):
+  monkeypatch.delenv(ENV_FENCE, raising=False)
+  assert Registry.fence() == "isolated"
+  for name in FENCES:
+    monkeypatch.setenv(ENV_FENCE, name)
+    assert Registry.fence() == name
+
+
+def test_a_bad_fence_fails_before_any_set_up(monkeypatch):
+  monkeypatch.setenv(ENV_FENCE, "sync")
+  registry = ready_registry()
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  with pytest.raises(ValueError, match="JAX_COMM_GEMM_FENCE='sync' is not a fence; use one of "
+                                       "isolated, own_stream, barrier, host, none"):
+    registry.bind_axis(mesh, "tp")
+  assert registry._native.connected == [] and registry._native.bound == []
