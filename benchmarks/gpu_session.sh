@@ -3,6 +3,8 @@
 # extension, runs the GPU tests, the example on GPUs and the benchmark, and
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
+# Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
+# JOB_TIMEOUT, HANG_DUMP, BENCH_TIMEOUT (see each step).
 # Usage: benchmarks/gpu_session.sh [build] [tests] [race] [schedule] [example] [example-mp] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
