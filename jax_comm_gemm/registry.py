@@ -37,10 +37,9 @@ from jax_comm_gemm.backends import Capability
 from jax_comm_gemm.config import ALGORITHMS
 
 ENV_CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"
-# How each call is ordered against XLA's work (xla_ffi/context.h, Fence); read
-# by the C++ side when a context is created, checked here first.
+# How each call is ordered against XLA's work (xla_ffi/context.h, Fence), read
+# when communicators are set up; the extension's fences() lists the names.
 ENV_FENCE = "JAX_COMM_GEMM_FENCE"
-FENCES = ("isolated", "own_stream", "barrier", "host", "none")
 # cuBLASMp 0.11.0 documents the gathered B at the start of its workspace.
 FRONT_LAYOUT_SINCE = 1100
 # (local tokens, features, local outputs) of the self-test's AllGather+GEMMs.
@@ -124,19 +123,19 @@ class Registry:
 
   # --- communicators ------------------------------------------------------------
 
-  @staticmethod
-  def fence() -> str:
-    """The fence the contexts will use: $JAX_COMM_GEMM_FENCE, else 'isolated'."""
+  def fence(self) -> str:
+    """The fence new contexts take: $JAX_COMM_GEMM_FENCE, else the default."""
+    fences = list(self.native().fences())
     value = os.environ.get(ENV_FENCE, "")
-    if value and value not in FENCES:
-      raise ValueError(f"{ENV_FENCE}={value!r} is not a fence; use one of {', '.join(FENCES)} "
-                       "(or leave it unset for 'isolated')")
-    return value or FENCES[0]
+    if value and value not in fences:
+      raise ValueError(f"{ENV_FENCE}={value!r} is not a fence; use one of {', '.join(fences)} "
+                       f"(or leave it unset for {fences[0]!r})")
+    return value or fences[0]
 
   def bind_axis(self, mesh: Mesh, axis_name: str) -> int:
     """Sets up the communicators of the groups that `axis_name` forms in `mesh`
     (collective over the processes that hold them) and returns their comm_id."""
-    self.fence()  # a bad value fails here, before any collective set-up
+    fence = self.fence()  # a bad value fails here, before any collective set-up
     devices = np.asarray(mesh.devices)
     axis = list(mesh.axis_names).index(axis_name)
     groups = np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
@@ -160,7 +159,7 @@ class Registry:
                                          native.nccl_unique_id, timeout)
           new_groups.append((key, unique_id, len(group), local))
       if new_groups:
-        native.connect(new_groups, timeout)
+        native.connect(new_groups, fence, timeout)
         self._groups.update(g[0] for g in new_groups)
       native.bind(comm_id, device_groups)
       self._bound.add(comm_id)

@@ -14,19 +14,23 @@ import pytest
 from jax.sharding import Mesh
 
 from jax_comm_gemm.backends import Capability
-from jax_comm_gemm.registry import ENV_FENCE, FENCES, Registry, stable_key
+from jax_comm_gemm.registry import ENV_FENCE, Registry, stable_key
 
 
 class FakeNative:
   """Records what the registry asks of the extension."""
 
   def __init__(self):
-    self.connected, self.bound = [], []
+    self.connected, self.bound, self.fences_used = [], [], []
+
+  def fences(self):
+    return ["isolated", "own_stream", "none"]
 
   def nccl_unique_id(self):
     return bytes(128)
 
-  def connect(self, groups, timeout_s):
+  def connect(self, groups, fence, timeout_s):
+    self.fences_used.append(fence)
     self.connected.append([(key, nranks, members) for key, _, nranks, members in groups])
 
   def bind(self, comm_id, device_groups):
@@ -105,12 +109,16 @@ def test_without_cublasmp_the_verdict_says_why():
   assert registry.cublasmp_version() == 0
 
 
-def test_fence_defaults_to_isolated_and_takes_each_named_fence(monkeypatch):
+def test_the_fence_comes_from_the_environment_else_the_first_name(monkeypatch):
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   monkeypatch.delenv(ENV_FENCE, raising=False)
-  assert Registry.fence() == "isolated"
-  for name in FENCES:
-    monkeypatch.setenv(ENV_FENCE, name)
-    assert Registry.fence() == name
+  registry = ready_registry()
+  registry.bind_axis(mesh, "tp")
+  monkeypatch.setenv(ENV_FENCE, "own_stream")
+  other = ready_registry()
+  other.bind_axis(mesh, "tp")
+  assert (registry._native.fences_used, other._native.fences_used) == (["isolated"],
+                                                                       ["own_stream"])
 
 
 def test_a_bad_fence_fails_before_any_set_up(monkeypatch):
@@ -118,6 +126,6 @@ def test_a_bad_fence_fails_before_any_set_up(monkeypatch):
   registry = ready_registry()
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   with pytest.raises(ValueError, match="JAX_COMM_GEMM_FENCE='sync' is not a fence; use one of "
-                                       "isolated, own_stream, barrier, host, none"):
+                                       "isolated, own_stream, none"):
     registry.bind_axis(mesh, "tp")
   assert registry._native.connected == [] and registry._native.bound == []

@@ -191,7 +191,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMatmulReduceScatter, jax_comm_gemm::MatmulReduceS
                                   .Ret<ffi::AnyBuffer>());
 
 NB_MODULE(_comm_gemm, m) {
+  using jax_comm_gemm::Fence;
+  using jax_comm_gemm::FenceNames;
   using jax_comm_gemm::GroupSpec;
+  using jax_comm_gemm::ParseFence;
   using jax_comm_gemm::Registry;
   using jax_comm_gemm::ThrowIfError;
 
@@ -227,7 +230,9 @@ NB_MODULE(_comm_gemm, m) {
       "connect",
       [](const std::vector<std::tuple<int64_t, nb::bytes, int, std::vector<std::pair<int, int>>>>&
              groups,
-         double timeout_s) {
+         const std::string& fence_name, double timeout_s) {
+        Fence fence;
+        ThrowIfError(ParseFence(fence_name, &fence));
         std::vector<GroupSpec> specs;
         for (const auto& [key, id, nranks, members] : groups) {
           GroupSpec g;
@@ -242,10 +247,17 @@ NB_MODULE(_comm_gemm, m) {
           specs.push_back(std::move(g));
         }
         nb::gil_scoped_release release;  // XLA threads may need the GIL meanwhile
-        ThrowIfError(Registry::Instance().Connect(specs, timeout_s));
+        ThrowIfError(Registry::Instance().Connect(specs, fence, timeout_s));
       },
-      nb::arg("groups"), nb::arg("timeout_s"),
-      "Creates the contexts of (group key, unique id, nranks, [(device, rank)]) groups.");
+      nb::arg("groups"), nb::arg("fence"), nb::arg("timeout_s"),
+      "Creates the contexts of (group key, unique id, nranks, [(device, rank)]) groups,\n"
+      "which order their calls by `fence` (one of fences()).");
+
+  m.def("fences", [] {
+    std::vector<std::string> names;
+    for (const auto& [name, _] : FenceNames()) names.push_back(name);
+    return names;
+  }, "The fence names that connect() takes, the default first.");
 
   m.def(
       "bind",

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <map>
 #include <string>
 #include <utility>
 
@@ -52,34 +51,33 @@ Status CreateMatrix(int64_t m, int64_t n, int64_t mb, int64_t nb, int64_t lld,
   return Status();
 }
 
-Status ParseFence(Fence* out) {
-  static const std::map<std::string, Fence> kNames = {
+}  // namespace
+
+const std::vector<std::pair<std::string, Fence>>& FenceNames() {
+  static const auto* names = new std::vector<std::pair<std::string, Fence>>{
       {"isolated", Fence::kIsolated}, {"own_stream", Fence::kOwnStream},
       {"barrier", Fence::kBarrier},   {"host", Fence::kHost},
       {"none", Fence::kNone},
   };
-  *out = Fence::kIsolated;
-  const char* env = std::getenv("JAX_COMM_GEMM_FENCE");
-  if (env == nullptr || *env == '\0') return Status();
-  auto it = kNames.find(env);
-  if (it == kNames.end()) {
-    std::string names;
-    for (const auto& [name, _] : kNames) names += (names.empty() ? "" : ", ") + name;
-    return Status::InvalidArgument(std::string("JAX_COMM_GEMM_FENCE=") + env +
-                                   " is not one of " + names);
-  }
-  *out = it->second;
-  return Status();
+  return *names;
 }
 
-}  // namespace
+Status ParseFence(const std::string& name, Fence* out) {
+  std::string known;
+  for (const auto& [n, fence] : FenceNames()) {
+    if (n == name) {
+      *out = fence;
+      return Status();
+    }
+    known += (known.empty() ? "" : ", ") + n;
+  }
+  return Status::InvalidArgument("'" + name + "' is not a fence; use one of " + known);
+}
 
-Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank,
+Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank, Fence fence,
                        std::unique_ptr<Context>* out) {
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(device));
-  Fence fence;
-  JCG_RETURN_IF_ERROR(ParseFence(&fence));
   std::unique_ptr<Context> ctx(new Context(device, nranks, rank, fence));
   Status status = ctx->Init(id);
   if (!status.ok()) {

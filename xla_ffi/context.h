@@ -10,7 +10,9 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <cublasmp.h>
@@ -51,7 +53,7 @@ struct MatmulCall {
 };
 
 // How a call is ordered against the XLA work around it (JAX_COMM_GEMM_FENCE,
-// read when a context is created). With cuBLASMp enqueued straight on XLA's
+// which registry.py reads and passes to Registry::Connect). With cuBLASMp enqueued straight on XLA's
 // compute stream, XLA work around a fused call read wrong data on the 2xH200
 // test machine (about 1 run in 10 of the MLP checks; never with XLA's async
 // collectives off). Each fence below but kNone removed it there; see
@@ -64,11 +66,15 @@ enum class Fence {
   kNone,       // "none": on XLA's stream, nothing else; for that investigation only
 };
 
+// The fences by name, the default first.
+const std::vector<std::pair<std::string, Fence>>& FenceNames();
+Status ParseFence(const std::string& name, Fence* out);
+
 class Context {
  public:
   // Collective: every member of the group calls it at the same time, each on
   // its own thread (or process).
-  static Status Create(int device, const ncclUniqueId& id, int nranks, int rank,
+  static Status Create(int device, const ncclUniqueId& id, int nranks, int rank, Fence fence,
                        std::unique_ptr<Context>* out);
   // Collective as well (cublasMpFree, grid destruction): the Registry destroys
   // all contexts concurrently at shutdown.

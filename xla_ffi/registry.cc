@@ -26,7 +26,7 @@ Registry& Registry::Instance() {
   return *registry;
 }
 
-Status Registry::Connect(const std::vector<GroupSpec>& groups, double timeout_s) {
+Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s) {
   struct Pending {
     int64_t group;
     int device, rank;
@@ -42,10 +42,10 @@ Status Registry::Connect(const std::vector<GroupSpec>& groups, double timeout_s)
         // A detached thread per member: a member that never returns (a peer
         // that never joined) must not block the caller past the deadline.
         auto task = std::make_shared<std::packaged_task<Created()>>(
-            [device = device, rank = rank, id = g.id, nranks = g.nranks] {
+            [device = device, rank = rank, id = g.id, nranks = g.nranks, fence] {
               Created out;
               std::unique_ptr<Context> ctx;
-              out.status = Context::Create(device, id, nranks, rank, &ctx);
+              out.status = Context::Create(device, id, nranks, rank, fence, &ctx);
               out.context = ctx.release();
               return out;
             });

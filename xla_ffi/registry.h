@@ -43,9 +43,10 @@ class Registry {
   static Registry& Instance();
 
   // Creates the contexts of `groups` that do not exist yet, one thread per
-  // local member so that the collective set-up of all members overlaps. Fails,
-  // aborting what it made, if any member fails or the set-up outlasts `timeout_s`.
-  Status Connect(const std::vector<GroupSpec>& groups, double timeout_s);
+  // local member so that the collective set-up of all members overlaps; each
+  // orders its calls by `fence`. Fails, aborting what it made, if any member
+  // fails or the set-up outlasts `timeout_s`.
+  Status Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s);
 
   // `comm_id` on `device` runs on the context of group `group`.
   Status Bind(int64_t comm_id, const std::vector<std::pair<int, int64_t>>& device_groups);

@@ -320,6 +320,21 @@ def check_layout_self_test(mesh):
 
 # --- errors ---------------------------------------------------------------------
 
+def check_fences(mesh):
+  """The extension names the fences that README and registry.py document, the
+  default first, and refuses an unknown one before any set-up."""
+  native = REGISTRY.native()
+  names = list(native.fences())
+  assert names == ["isolated", "own_stream", "barrier", "host", "none"], names
+  try:
+    native.connect([], "bogus", 1.0)
+  except RuntimeError as e:
+    assert "'bogus' is not a fence; use one of isolated, own_stream" in str(e), str(e)
+  else:
+    raise AssertionError("connect took an unknown fence")
+  return {"fences": names, "in use": REGISTRY.fence()}
+
+
 def check_ffi_errors(mesh):
   """Bad input reaching the handlers comes back as a Python error that says
   what is wrong: no communicator, unsupported dtype, wrong result shape."""
@@ -417,6 +432,7 @@ CHECKS["mlp_f32_rs_no_overlap"] = lambda mesh: check_mlp(mesh, "f32", "no_overla
 CHECKS["mlp_repeated"] = check_mlp_repeated
 CHECKS["routing"] = check_routing
 CHECKS["layout_self_test"] = check_layout_self_test
+CHECKS["fences"] = check_fences
 CHECKS["ffi_errors"] = check_ffi_errors
 CHECKS["memory_flat"] = check_memory_flat
 
