@@ -45,7 +45,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from jax_comm_gemm import CommGemmConfig, hlo, report, resolve_backend  # noqa: E402
+import jax_comm_gemm as jcg  # noqa: E402
+from jax_comm_gemm import CommGemmConfig, hlo, resolve_backend  # noqa: E402
+from jax_comm_gemm.diagnostics import report  # noqa: E402
 from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS  # noqa: E402
 from jax_comm_gemm.linen import SequenceParallelMLP  # noqa: E402
 
@@ -140,6 +142,7 @@ def main(argv=None) -> dict:
 
   mesh = make_mesh(args.tp)
   tp = mesh.shape["tp"]
+  jcg.connect(mesh, "tp")  # collective: every process, before the first step
   if args.tokens % mesh.size or args.d_ff % tp:
     raise SystemExit(f"--tokens ({args.tokens}) must divide by the {mesh.size} "
                      f"devices and --d-ff ({args.d_ff}) by tp={tp}")
@@ -223,7 +226,7 @@ def main(argv=None) -> dict:
   say(f"loss: first {losses[0]:.4f} -> last {losses[-1]:.4f} "
       f"({losses[-1] / losses[0]:.2f}x), {tokens_per_s:,.0f} tokens/s")
 
-  summary = layer_report(compiled, config, tp, dtype, args, say)
+  summary = layer_report(compiled, config, mesh, dtype, args, say)
   summary.update(
       losses=losses, first_loss=losses[0], last_loss=losses[-1],
       tokens_per_s=tokens_per_s, jax_version=jax.__version__,
@@ -236,17 +239,19 @@ def main(argv=None) -> dict:
   return summary
 
 
-def layer_report(compiled, config, tp, dtype, args, say) -> dict:
+def layer_report(compiled, config, mesh, dtype, args, say) -> dict:
   """Prints and returns the path of every layer and the collectives of one
   training step: counted in the compiled program, and expected."""
-  fc1 = report.layer_path(config, tp, dtype, keep_gathered_input=args.keep_gathered_input)
-  fc2 = report.layer_path(config, tp, dtype, reduce_scatter_layer=True)
+  tp = mesh.shape["tp"]
+  fc1 = report.layer_path(config, mesh, "tp", dtype,
+                          keep_gathered_input=args.keep_gathered_input).path
+  fc2 = report.layer_path(config, mesh, "tp", dtype, reduce_scatter_layer=True).path
   say(f"layers (backend {args.backend!r}, tp={tp}, {args.dtype}):")
   for i in range(args.layers):
     say(f"  block{i}: fc1 (column-parallel): {fc1:<22}  fc2 (row-parallel): {fc2}")
 
   counted = hlo.count_collectives(compiled.as_text())
-  per_block = report.expected_all_gathers(config, tp, dtype,
+  per_block = report.expected_all_gathers(config, mesh, "tp", dtype,
                                           keep_gathered_input=args.keep_gathered_input)
   expected = {"standalone_all_gathers": args.layers * per_block.standalone_all_gathers,
               "fused_all_gather_matmuls": args.layers * per_block.fused_all_gather_matmuls}

@@ -1,22 +1,30 @@
 """jax-comm-gemm: cuBLASMp's overlapped AllGather+GEMM and GEMM+ReduceScatter
 for sequence-parallel dense layers in JAX, with an XLA fallback.
 
-Layers of the API, from the top:
+The folders are the layers, from the top (each imports only those below it):
 
-* ``jax_comm_gemm.linen`` / ``jax_comm_gemm.nnx``: Flax modules.
-* ``jax_comm_gemm.sharded``: the layers on global arrays (wrap ``shard_map``).
-* ``jax_comm_gemm.dense``: the layers on local shards, inside ``shard_map``.
-* ``all_gather_matmul`` / ``matmul_reduce_scatter``: the differentiable
-  collective matmuls that everything above is built on.
+* ``flax/``: the Flax linen and NNX modules (public names ``jax_comm_gemm.linen``
+  and ``jax_comm_gemm.nnx``).
+* ``layers/``: the dense layers on local shards (``local``, inside shard_map)
+  and on global arrays (``sharded``, wraps shard_map).
+* ``collective_matmul.py``: the differentiable collective matmuls, and the one
+  place that routes the gathered operand.
+* ``backends/``: how one op runs: XLA, or cuBLASMp through its custom calls.
+* ``runtime/``: the extension, ``connect`` (communicators, agreement, the
+  self-test) and the one registry.
+* ``diagnostics/``: collective counts in compiled HLO, the per-layer report.
+
+The top-level ``linen``, ``nnx``, ``sharded``, ``dense`` and ``hlo`` modules are
+public names that hand on what the folders define.
 """
 
-from jax_comm_gemm import hlo, sharded
+from jax_comm_gemm import diagnostics, hlo, sharded
 from jax_comm_gemm.backends import (Backend, Capability, CublasMpBackend, XlaBackend,
                                     resolve_backend)
 from jax_comm_gemm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_comm_gemm.config import ALGORITHMS, CommGemmConfig
-from jax_comm_gemm.dense import column_parallel_dense, mlp, row_parallel_dense
-from jax_comm_gemm.registry import REGISTRY
+from jax_comm_gemm.layers.local import column_parallel_dense, mlp, row_parallel_dense
+from jax_comm_gemm.runtime import REGISTRY, connect
 
 
 def cublasmp_version() -> int:
@@ -32,8 +40,8 @@ def cublasmp_status() -> Capability:
 
 __all__ = [
     "ALGORITHMS", "Backend", "Capability", "CommGemmConfig", "CublasMpBackend",
-    "XlaBackend", "all_gather_matmul", "column_parallel_dense", "cublasmp_status",
-    "cublasmp_version", "matmul_reduce_scatter", "mlp", "resolve_backend",
-    "hlo", "row_parallel_dense", "sharded",
+    "REGISTRY", "XlaBackend", "all_gather_matmul", "column_parallel_dense", "connect",
+    "cublasmp_status", "cublasmp_version", "diagnostics", "hlo", "matmul_reduce_scatter",
+    "mlp", "resolve_backend", "row_parallel_dense", "sharded",
 ]
 __version__ = "0.1.0"

@@ -3,12 +3,13 @@
 ``all_gather_matmul`` is the column-parallel product ``AG(x) @ w``;
 ``matmul_reduce_scatter`` is the row-parallel product ``RS(x @ w)``. Each is a
 ``jax.custom_vjp`` whose backward runs the other fused op for the input
-gradient, and gets the gathered operand for the weight gradient
+gradient. The weight gradient needs the gathered operand, and
+:func:`gathered_route` is the one place that decides where it comes from:
 
 * in ``matmul_reduce_scatter``'s backward, from the AllGather+GEMM that computes
   the input gradient (its gathered grad_output), where the backend can hand it
-  out (a capability check cached per process and read at trace time), else from
-  a regular ``lax.all_gather``;
+  out (a verdict cached at connect and read at trace time), else from a
+  regular ``lax.all_gather``;
 * in ``all_gather_matmul``'s backward, from the forward when
   ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
   ``lax.all_gather`` of the input.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +31,27 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jax_comm_gemm import validation, vma
-from jax_comm_gemm.backends import (Backend, all_gather_tokens, gathered_matmul_t,
-                                    resolve_backend)
+from jax_comm_gemm.backends import Backend, all_gather_tokens, gathered_matmul_t
+from jax_comm_gemm.backends.select import resolve_backend
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredRoute:
+  """Where a weight gradient gets its gathered operand: from the fused op
+  (``reuse``) or from a ``lax.all_gather``, and why."""
+  reuse: bool
+  reason: str
+
+
+def gathered_route(backend: Backend, reuse_gathered: bool | None, axis_size: int, dtype,
+                   transpose_w: bool) -> GatheredRoute:
+  """The one place that decides whether an AllGather+GEMM hands out its gathered
+  operand (an AllGather+GEMM with `transpose_w`, in `dtype`, over `axis_size`)."""
+  if reuse_gathered is False:
+    return GatheredRoute(False, "reuse_gathered=False was requested")
+  verdict = backend.gathered_reuse(axis_size, dtype, transpose_w)
+  return GatheredRoute(verdict.ok, verdict.reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +63,12 @@ class _Static:
   reuse_gathered: bool | None
   return_gathered: bool = False
   keep_gathered_input: bool = False
+  precision: Any = None
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
-                      return_gathered: bool = False,
-                      keep_gathered_input: bool = False,
-                      config: CommGemmConfig = DEFAULT_CONFIG):
+                      return_gathered: bool = False, keep_gathered_input: bool = False,
+                      precision=None, config: CommGemmConfig = DEFAULT_CONFIG):
   """``all_gather(x) @ w`` along tokens (axis 0); call inside ``jax.shard_map``.
 
   Args:
@@ -58,6 +78,8 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
     return_gathered: also return the gathered ``x``, ``[n, k]``.
     keep_gathered_input: keep the gathered ``x`` for the weight gradient
       instead of gathering it again in the backward pass (N*K memory).
+    precision: ``lax.Precision`` of the GEMMs that XLA runs (forward and
+      gradients); cuBLASMp always accumulates in float32.
     config: backend and algorithm choices.
 
   Returns:
@@ -66,20 +88,21 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   op = "all_gather_matmul"
   validation.bound_axis_size(op, axis_name)
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
-  static = _Static(axis_name, bool(transpose_w), resolve_backend(config),
-                   config.reuse_gathered, bool(return_gathered),
-                   bool(keep_gathered_input))
-  return _all_gather_matmul(*_varying(axis_name, x, w), static)
+  return all_gather_matmul_unchecked(x, w, axis_name, transpose_w=bool(transpose_w),
+                                     return_gathered=bool(return_gathered),
+                                     keep_gathered_input=bool(keep_gathered_input),
+                                     precision=precision, config=config)
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
-                          config: CommGemmConfig = DEFAULT_CONFIG):
+                          precision=None, config: CommGemmConfig = DEFAULT_CONFIG):
   """``reduce_scatter(x @ w)`` along tokens (axis 0); call inside ``jax.shard_map``.
 
   Args:
     x: all tokens, local features, ``[n, k/P]``.
     w: local weight, ``[k/P, m]`` (Flax layout), or ``[m, k/P]`` with ``transpose_w``.
     axis_name: the tensor-parallel mesh axis (size P) to sum and scatter over.
+    precision: as in :func:`all_gather_matmul`.
     config: backend and algorithm choices.
 
   Returns:
@@ -89,8 +112,22 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   size = validation.bound_axis_size(op, axis_name)
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
   validation.check_divisible(op, "x", "tokens", x.shape[0], axis_name, size)
-  static = _Static(axis_name, bool(transpose_w), resolve_backend(config),
-                   config.reuse_gathered)
+  return matmul_reduce_scatter_unchecked(x, w, axis_name, transpose_w=bool(transpose_w),
+                                         precision=precision, config=config)
+
+
+def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
+                                keep_gathered_input, precision, config):
+  """:func:`all_gather_matmul` for callers that validated the arguments."""
+  static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
+                   config.reuse_gathered, return_gathered, keep_gathered_input, precision)
+  return _all_gather_matmul(*_varying(axis_name, x, w), static)
+
+
+def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config):
+  """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
+  static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
+                   config.reuse_gathered, precision=precision)
   return _matmul_reduce_scatter(*_varying(axis_name, x, w), static)
 
 
@@ -104,22 +141,17 @@ def _varying(axis_name, *xs):
   return tuple(vma.pvary(x, axes) for x in xs)
 
 
-def gathering_matmul(backend: Backend, reuse_gathered, x, w, axis_name, transpose_w):
-  """``(AG(x) @ w, AG(x))``, the gathered operand taken from the fused op where
-  the backend can hand it out and the config allows, else from ``lax.all_gather``."""
-  if reuse_gathered is not False and backend.gathered_reuse(
-      lax.axis_size(axis_name), x.dtype).ok:
-    return backend.all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
-                                     return_gathered=True)
-  y = backend.all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
-                                return_gathered=False)
+def _gathering_matmul(s: _Static, x, w, transpose_w):
+  """``(AG(x) @ w, AG(x))``, the gathered operand routed by gathered_route."""
+  route = gathered_route(s.backend, s.reuse_gathered, lax.axis_size(s.axis_name), x.dtype,
+                         transpose_w)
+  if route.reuse:
+    return s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
+                                       return_gathered=True, precision=s.precision)
+  y = s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
+                                  return_gathered=False, precision=s.precision)
   with jax.named_scope("jax_comm_gemm.all_gather"):
-    return y, all_gather_tokens(x, axis_name)
-
-
-def _weight_grad(gathered, dy, transpose_w):
-  # w [k, m]: dw = AG(x).T @ dy;  w [m, k]: dw = dy.T @ AG(x).
-  return gathered_matmul_t(dy, gathered) if transpose_w else gathered_matmul_t(gathered, dy)
+    return y, all_gather_tokens(x, s.axis_name)
 
 
 # --- all_gather_matmul -------------------------------------------------------
@@ -127,22 +159,23 @@ def _weight_grad(gathered, dy, transpose_w):
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_gather_matmul(x, w, s: _Static):
   if s.return_gathered:
-    return gathering_matmul(s.backend, s.reuse_gathered, x, w, s.axis_name, s.transpose_w)
+    return _gathering_matmul(s, x, w, s.transpose_w)
   return s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
-                                     return_gathered=False)
+                                     return_gathered=False, precision=s.precision)
 
 
 def _all_gather_matmul_fwd(x, w, s: _Static):
   x, w = x.value, w.value
   if s.return_gathered or s.keep_gathered_input:
-    if s.keep_gathered_input:
-      cap = s.backend.gathered_reuse(lax.axis_size(s.axis_name), x.dtype)
-      if not cap.ok:
-        _warn_keep_unavailable(cap)
-    y, g = gathering_matmul(s.backend, s.reuse_gathered, x, w, s.axis_name, s.transpose_w)
+    if s.keep_gathered_input and s.reuse_gathered is not False:
+      route = gathered_route(s.backend, s.reuse_gathered, lax.axis_size(s.axis_name),
+                             x.dtype, s.transpose_w)
+      if not route.reuse:  # the user asked for reuse; the verdict refuses it
+        _warn_keep_unavailable(route.reason)
+    y, g = _gathering_matmul(s, x, w, s.transpose_w)
     return ((y, g) if s.return_gathered else y), (g, w)
   y = s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
-                                  return_gathered=False)
+                                  return_gathered=False, precision=s.precision)
   return y, (x, w)
 
 
@@ -153,14 +186,16 @@ def _all_gather_matmul_bwd(s: _Static, res, ct):
   if not isinstance(ct_y, SymbolicZero):
     # dx = RS(dy @ w.T): the fused GEMM+ReduceScatter with the other transpose.
     dx = s.backend.matmul_reduce_scatter(ct_y, w, s.axis_name,
-                                         transpose_w=not s.transpose_w)
-    stashed = s.return_gathered or s.keep_gathered_input
-    if stashed:
+                                         transpose_w=not s.transpose_w,
+                                         precision=s.precision)
+    if s.return_gathered or s.keep_gathered_input:
       gathered = operand
     else:
       with jax.named_scope("jax_comm_gemm.all_gather"):
         gathered = all_gather_tokens(operand, s.axis_name)
-    dw = _weight_grad(gathered, ct_y, s.transpose_w)
+    # w [k, m]: dw = AG(x).T @ dy;  w [m, k]: dw = dy.T @ AG(x).
+    dw = (gathered_matmul_t(ct_y, gathered, s.precision) if s.transpose_w
+          else gathered_matmul_t(gathered, ct_y, s.precision))
   if ct_g is not None and not isinstance(ct_g, SymbolicZero):
     # all_gather's transpose is psum_scatter.
     dg = lax.psum_scatter(ct_g, s.axis_name, scatter_dimension=0, tiled=True)
@@ -174,8 +209,7 @@ _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd,
 
 
 def _local_input_shape(operand, s: _Static):
-  stashed = s.return_gathered or s.keep_gathered_input
-  if not stashed:
+  if not (s.return_gathered or s.keep_gathered_input):
     return operand.shape
   return (operand.shape[0] // lax.axis_size(s.axis_name), operand.shape[1])
 
@@ -188,11 +222,11 @@ def _or_zeros(value, shape, dtype, like):
   return vma.pvary(jnp.zeros(shape, dtype), vma.varying_axes(like))
 
 
-def _warn_keep_unavailable(cap) -> None:
+def _warn_keep_unavailable(reason: str) -> None:
   # Python's warning filter shows each distinct message once per call site.
   warnings.warn(
       "keep_gathered_input=True: the fused op cannot hand out its gathered "
-      f"input ({cap.reason}); the forward pass all-gathers it with "
+      f"input ({reason}); the forward pass all-gathers it with "
       "lax.all_gather instead", RuntimeWarning, stacklevel=4)
 
 
@@ -200,12 +234,14 @@ def _warn_keep_unavailable(cap) -> None:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter(x, w, s: _Static):
-  return s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w)
+  return s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                         precision=s.precision)
 
 
 def _matmul_reduce_scatter_fwd(x, w, s: _Static):
   x, w = x.value, w.value
-  y = s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w)
+  y = s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                      precision=s.precision)
   return y, (x, w)
 
 
@@ -214,10 +250,10 @@ def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
   if isinstance(ct_y, SymbolicZero):
     return (_or_zeros(None, x.shape, x.dtype, x), _or_zeros(None, w.shape, w.dtype, w))
   # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
-  dx, gathered_dy = gathering_matmul(s.backend, s.reuse_gathered, ct_y, w,
-                                     s.axis_name, not s.transpose_w)
+  dx, gathered_dy = _gathering_matmul(s, ct_y, w, not s.transpose_w)
   # w [k, m]: dw = x.T @ AG(dy);  w [m, k]: dw = AG(dy).T @ x.
-  dw = gathered_matmul_t(gathered_dy, x) if s.transpose_w else gathered_matmul_t(x, gathered_dy)
+  dw = (gathered_matmul_t(gathered_dy, x, s.precision) if s.transpose_w
+        else gathered_matmul_t(x, gathered_dy, s.precision))
   return dx, dw
 
 

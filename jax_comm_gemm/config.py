@@ -5,22 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# cuBLASMp's cublasMpMatmulAlgoType_t, by name.
-ALGORITHMS: dict[str, int] = {
-    "default": 0,
-    "split_p2p": 1,
-    "split_multicast": 2,
-    "atomic_p2p": 3,
-    "atomic_multicast": 4,
-    "no_overlap": 5,
-}
-# NVLink multicast can take a shared host's GPUs out of service; only on explicit opt-in.
-MULTICAST_ALGORITHMS = frozenset({"split_multicast", "atomic_multicast"})
+from jax_comm_gemm.backends.base import Backend
+from jax_comm_gemm.runtime.constants import (ALGORITHMS, GATHERED_LAYOUTS,
+                                             MULTICAST_ALGORITHMS)
+from jax_comm_gemm.runtime.settings import BACKENDS
 
-# Where cuBLASMp leaves the gathered operand in its workspace (see registry.py).
-GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
-
-BACKENDS = ("auto", "cublasmp", "xla")
 # How the cuBLASMp backend runs GEMM+ReduceScatter: XLA's dot + psum_scatter, a
 # ring of GEMMs and ppermutes in XLA, or cuBLASMp with one of its algorithms.
 REDUCE_SCATTER_IMPLS = ("xla", "ring") + tuple(ALGORITHMS)
@@ -31,8 +20,9 @@ class CommGemmConfig:
   """How the comm+GEMM ops run.
 
   Attributes:
-    backend: ``"auto"`` (cuBLASMp on GPUs where it loads, XLA elsewhere),
-      ``"cublasmp"`` (an error where it is unavailable), ``"xla"``, or a
+    backend: ``"auto"`` (cuBLASMp on GPUs where it loads and the mesh axis is
+      connected by :func:`jax_comm_gemm.connect`, XLA elsewhere),
+      ``"cublasmp"`` (an error where it cannot run), ``"xla"``, or a
       :class:`~jax_comm_gemm.backends.Backend` instance. The environment
       variable ``JAX_COMM_GEMM_BACKEND=xla`` overrides it, for A/B runs.
     all_gather_algorithm: cuBLASMp algorithm of the AllGather+GEMM.
@@ -61,7 +51,7 @@ class CommGemmConfig:
 
   def __post_init__(self):
     if not (self.backend in BACKENDS if isinstance(self.backend, str)
-            else _is_backend(self.backend)):
+            else isinstance(self.backend, Backend)):
       raise ValueError(
           f"CommGemmConfig.backend must be one of {BACKENDS} or a Backend "
           f"instance, got {self.backend!r}")
@@ -77,12 +67,6 @@ class CommGemmConfig:
       raise ValueError(
           f"CommGemmConfig.gathered_layout must be None or one of "
           f"{tuple(GATHERED_LAYOUTS)}, got {self.gathered_layout!r}")
-
-
-def _is_backend(value) -> bool:
-  from jax_comm_gemm.backends import Backend  # noqa: PLC0415  (backends imports us)
-
-  return isinstance(value, Backend)
 
 
 def _check_algorithm(field: str, value: str, allowed: tuple[str, ...],

@@ -5,6 +5,8 @@ Every error names the argument and says what is allowed.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,16 @@ import numpy as np
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                     jnp.dtype(jnp.float32))
 _DTYPE_NAMES = "bfloat16, float16, float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+  """What errors call the operation and its arguments: the names the user
+  wrote (a Flax module passes its class and ``inputs``)."""
+  op: str
+  x: str = "x"
+  kernel: str = "kernel"
+  bias: str = "bias"
 
 
 def bound_axis_size(op: str, axis_name) -> int:
@@ -83,8 +95,32 @@ def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
 
 
 def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,
-                    axis_size: int) -> None:
+                    axis_size: int, hint: str = "") -> None:
   if size % axis_size:
     raise ValueError(
         f"{op}: `{name}` has {size} {what}, which is not divisible by the "
-        f"size {axis_size} of axis {axis_name!r}")
+        f"size {axis_size} of axis {axis_name!r}{hint}")
+
+
+def check_tokens(op: str, name: str, shape, axis_name: str, shards: int) -> None:
+  """The first dimension holds the tokens and must split over `shards`."""
+  hint = ""
+  if len(shape) > 2:
+    hint = (f". The first dimension is the tokens: for [batch, seq, features] "
+            f"activations put the tokens first, e.g. x.reshape(-1, {shape[-1]}) "
+            f"(or swap batch and sequence)")
+  check_divisible(op, name, "tokens (first dimension)", shape[0], axis_name, shards, hint)
+
+
+def check_activations(op: str, name: str, value) -> None:
+  if np.ndim(value) < 2:
+    raise ValueError(
+        f"{op}: `{name}` must have at least 2 dimensions [tokens, ..., "
+        f"features], got shape {np.shape(value)}")
+
+
+def check_bias(names: Names, bias, features: int) -> None:
+  if bias is not None and np.shape(bias) != (features,):
+    raise ValueError(
+        f"{names.op}: `{names.bias}` must have shape ({features},) to match the kernel's "
+        f"output features, got {np.shape(bias)}")

@@ -49,20 +49,22 @@ class EmulatedFusedBackend(XlaBackend):
 
   name = "fused_emulation"
 
-  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered):
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
     with jax.named_scope(SCOPE):
       x, w = lax.optimization_barrier((x, w))
       bits = lax.bitcast_convert_type(x, _BITS[x.dtype.itemsize])
       gathered = lax.bitcast_convert_type(all_gather_tokens(bits, axis_name), x.dtype)
-      y = local_matmul(gathered, w, transpose_w)
+      y = local_matmul(gathered, w, transpose_w, precision)
       return (y, gathered) if return_gathered else y
 
-  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w):
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
     with jax.named_scope(SCOPE):
       x, w = lax.optimization_barrier((x, w))
-      return super().matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w)
+      return super().matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w,
+                                           precision=precision)
 
-  def gathered_reuse(self, axis_size, dtype):
+  def gathered_reuse(self, axis_size, dtype, transpose_w):
     if self.expose:
       return Capability(True, "the emulated fused op hands out its gathered operand")
     return Capability(False, "the emulated fused op keeps its gathered operand to itself")

@@ -4,8 +4,11 @@ Usage: ``python mp_worker.py PROCESS_ID PORT`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and ``JAX_PLATFORMS=cpu``.
 Joins the other process through ``jax.distributed``, runs the sharded layers
 forward and backward over all 4 devices, checks this process's shards against
-a float64 reference computed locally from the same seeds, exchanges an NCCL-id
-stand-in through the registry, and prints one JSON line:
+a float64 reference computed locally from the same seeds, then runs
+``jax_comm_gemm.connect`` with a stand-in for the C++ extension (the real
+key-value store carries the fingerprints and the NCCL-id stand-in), lowers a
+cuBLASMp program for the GPU in process 0 alone, and sees a disagreement
+raised in both processes. Prints one JSON line:
 ``{"process": i, "ok": bool, "checks": [...], "unique_id": hex, "error": str}``.
 """
 
@@ -27,7 +30,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from fused_emulation import (ROUTINGS, TOLERANCE, random_inputs,  # noqa: E402
                              reference_value_and_grad, relative_error)
-from jax_comm_gemm import registry, sharded  # noqa: E402
+import jax_comm_gemm as jcg  # noqa: E402
+import jax_comm_gemm.runtime.communicators as communicators  # noqa: E402
+from jax_comm_gemm import sharded  # noqa: E402
+from jax_comm_gemm.runtime import REGISTRY, agreement, capability  # noqa: E402
+from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
 
 N, S, K, F = 16, 2, 16, 32
 
@@ -102,12 +109,61 @@ def run(process_id: int) -> dict:
          lambda h, k, b: (h @ k + b,), dp_tp, [h, kernel, bias],
          [P("dp", None, "tp"), P("tp", None), P()], 300, checks)
 
-  # The NCCL unique-id exchange of the GPU backend, through the key-value store.
-  unique_id = registry.exchange_unique_id(
-      registry.stable_key(("test_multiprocess", 1)), process_id == 0,
-      lambda: os.urandom(128), timeout_s=60)
-  assert isinstance(unique_id, bytes) and len(unique_id) == 128
+  unique_id = _connect_with_stand_in(tp4, process_id, checks)
   return {"checks": checks, "unique_id": unique_id.hex()}
+
+
+class _StandIn:
+  """The C++ extension's part of connect, recorded."""
+
+  def __init__(self):
+    self.unique_ids = []
+
+  def cublasmp_version(self):
+    return 1000
+
+  def nccl_version(self):
+    return 23203
+
+  def nccl_unique_id(self):
+    return os.urandom(128)
+
+  def connect(self, groups, fence, connect_timeout_s, call_timeout_s):
+    self.unique_ids += [unique_id for _, unique_id, _, _ in groups]
+
+  def bind(self, ident, device_groups):
+    pass
+
+
+def _connect_with_stand_in(mesh, process_id, checks) -> bytes:
+  """connect across both processes through the real key-value store; process
+  0 then lowers a cuBLASMp program for the GPU while process 1 waits (no
+  peer is needed, so nothing blocks); then both see a disagreement."""
+  native = _StandIn()
+  REGISTRY._status, REGISTRY._native = Capability(True, "stand-in"), native
+  communicators.self_test = lambda mesh, axis, ident, layout, version: {
+      key: Capability(True, "stand-in") for key in capability._cases(4, layout)}
+  jcg.connect(mesh, "tp")
+  (unique_id,) = native.unique_ids
+  checks.append("connect")
+  if process_id == 0:
+    config = jcg.CommGemmConfig(backend="cublasmp")
+    program = jax.jit(jax.shard_map(
+        lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config), mesh=mesh,
+        in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
+    args = (jax.ShapeDtypeStruct((16, 8), jnp.float32),
+            jax.ShapeDtypeStruct((8, 16), jnp.float32))
+    text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_comm_gemm_all_gather_matmul" in text
+    checks.append("lowered alone")
+  fingerprint = {"fence": "isolated" if process_id == 0 else "own_stream"}
+  try:
+    agreement.check(fingerprint, comm_id=1, attempt=1, me=process_id, processes=[0, 1],
+                    timeout_s=60)
+  except agreement.DisagreementError as e:
+    assert "fence differs (process 0: 'isolated'; process 1: 'own_stream')" in str(e), e
+    checks.append("disagreement raised")
+  return unique_id
 
 
 def main() -> int:

@@ -60,7 +60,8 @@ def _run_all_gather_matmul(mesh, dtype, routing, *, transpose_w=False,
   out_shapes = [(N, M), (size, N, K)][:len(out_specs)]
   # Keeping the gathered input where the fused op cannot hand it out falls back
   # to lax.all_gather in the forward pass, and says so; otherwise no warning.
-  warns = keep_gathered_input and not resolve_backend(config).gathered_reuse(size, dtype).ok
+  warns = keep_gathered_input and not resolve_backend(config).gathered_reuse(size, dtype,
+                                                                       transpose_w).ok
   with (pytest.warns(RuntimeWarning, match="keep_gathered_input=True") if warns
         else warnings.catch_warnings()):
     if not warns:

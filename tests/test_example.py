@@ -25,7 +25,9 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from jax_comm_gemm import CommGemmConfig, report
+from conftest import cpu_mesh
+from jax_comm_gemm import CommGemmConfig
+from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.backends import Capability, CublasMpBackend
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -84,7 +86,7 @@ class _FakeCublasMp(CublasMpBackend):
   """The cuBLASMp backend as the report sees it, with a chosen reuse verdict."""
   reuse_ok: bool = True
 
-  def gathered_reuse(self, axis_size, dtype):
+  def gathered_reuse(self, axis_size, dtype, transpose_w):
     return Capability(self.reuse_ok, "fake verdict")
 
 
@@ -103,9 +105,10 @@ class _FakeCublasMp(CublasMpBackend):
 def test_report(monkeypatch, backend, reuse_gathered, axis_size, column, keep, row, counts):
   monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
   config = CommGemmConfig(backend=backend, reuse_gathered=reuse_gathered)
-  path = lambda **kw: report.layer_path(config, axis_size, jnp.bfloat16, **kw)
+  mesh = cpu_mesh(axis_size)
+  path = lambda **kw: report.layer_path(config, mesh, "tp", jnp.bfloat16, **kw).path
   assert (path(), path(keep_gathered_input=True), path(reduce_scatter_layer=True)) == (
       column, keep, row)
   expected = lambda keep: dataclasses.astuple(report.expected_all_gathers(
-      config, axis_size, jnp.bfloat16, keep_gathered_input=keep))
+      config, mesh, "tp", jnp.bfloat16, keep_gathered_input=keep))
   assert (expected(False), expected(True)) == counts

@@ -218,7 +218,7 @@ def test_local_mode_bfloat16():
     (lambda m: L.RowParallelDense(K, mesh=m), 6,
      r"RowParallelDense: the input features, inputs\.shape\[-1\]=6 is not divisible"),
     (lambda m: L.SequenceParallelMLP(6, mesh=m), K,
-     r"ColumnParallelDense\.features=6 is not divisible"),
+     r"SequenceParallelMLP\.hidden_features=6 is not divisible"),
     (lambda m: L.SequenceParallelMLP(0, mesh=m), K,
      r"SequenceParallelMLP\.hidden_features must be a positive int, got 0"),
     (lambda m: L.ColumnParallelDense(F, mesh=m, axis_name="model"), K,

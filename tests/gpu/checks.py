@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +19,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-from jax_comm_gemm import backends, dense, ffi_ops, hlo
-from jax_comm_gemm.registry import REGISTRY
+from jax_comm_gemm import backends, dense, hlo
+from jax_comm_gemm.backends import primitives
+from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime.capability import VerdictKey
+from jax_comm_gemm.runtime.constants import FENCES, TARGETS
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
-# Relative error norms against float64: bf16/f16 round inputs and outputs.
-TOLERANCE = {"bf16": 3e-2, "f16": 6e-3, "f32": 2e-5}
+# Per-row error bounds against float64 (max |error| in a row over max |value| in
+# that row): inputs are rounded to the dtype before the reference, so what is
+# left is the output's rounding and the order of accumulation. One corrupted
+# row gives an error near 1 and fails.
+TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3, "f32": 2e-5}
 RS_ALGORITHMS = ("split_p2p", "atomic_p2p", "no_overlap", "default")
 
 
@@ -50,12 +55,15 @@ def blocks(arr):
 
 
 def rel_err(arr, ref: np.ndarray) -> float:
-  """Relative error norm of this process's blocks of `arr` against `ref`."""
-  num = den = 0.0
+  """The worst row of this process's blocks of `arr` against `ref`: max |error|
+  in the row over max |reference| in the row (rows along the last axis)."""
+  worst = 0.0
   for idx, block in blocks(arr):
-    num += float(np.sum((block - ref[idx]) ** 2))
-    den += float(np.sum(ref[idx] ** 2))
-  return (num / max(den, 1e-300)) ** 0.5
+    expected = ref[idx].reshape(-1, ref[idx].shape[-1])
+    error = np.max(np.abs(block.reshape(expected.shape) - expected), axis=-1)
+    scale = np.maximum(np.max(np.abs(expected), axis=-1), 1e-30)
+    worst = max(worst, float(np.max(error / scale)))
+  return worst
 
 
 def bit_equal(a, b) -> bool:
@@ -110,8 +118,8 @@ def check_all_gather_matmul(mesh, dtype: str, transpose_w: bool):
 
 
 def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
-  """GEMM+RS with every non-multicast algorithm: right numbers, or a clear
-  cuBLASMp error (never an abort). NO_OVERLAP must work."""
+  """GEMM+RS with every non-multicast algorithm, element-wise (per row)
+  against float64."""
   n, k, m = 1024, 768, 512
   x64 = random(3, n, k)
   w64 = random(4, k, m, scale=k**-0.5)
@@ -122,19 +130,12 @@ def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
   out = {}
   for algorithm in RS_ALGORITHMS:
     def fused(x, w, algorithm=algorithm):
-      return ffi_ops.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
-                                           algorithm=jcg.ALGORITHMS[algorithm])
+      return primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
+                                              algorithm=jcg.ALGORITHMS[algorithm])
     f = smap(mesh, fused, (P(None, "tp"), P(None, "tp") if transpose_w else P("tp")), P("tp"))
-    try:
-      err = rel_err(jax.block_until_ready(f(x, w)), ref)
-    except Exception as e:  # noqa: BLE001  (recording which algorithms cuBLASMp takes)
-      text = str(e)
-      assert "cublasMpMatmul" in text and "failed" in text, text[:500]
-      out[algorithm] = "error: " + text[text.find("cublasMp"):][:200]
-      continue
-    assert err < TOLERANCE[dtype] * 2, f"{algorithm}: rel err {err}"
-    out[algorithm] = f"ok rel_err={err:.2e}"
-  assert out["no_overlap"].startswith("ok"), out
+    err = rel_err(jax.block_until_ready(f(x, w)), ref)
+    assert err < TOLERANCE[dtype] * 2, f"{algorithm}: worst row error {err}"
+    out[algorithm] = f"ok row_err={err:.2e}"
   return out
 
 
@@ -159,12 +160,13 @@ def check_inputs_intact(mesh):
 
     def f(x, w, op=op, transpose_w=transpose_w, algorithm=algorithm):
       if op == "ag":
-        (y,) = ffi_ops.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
-                                         return_gathered=False,
-                                         algorithm=jcg.ALGORITHMS[algorithm], layout="tail")
+        (y,) = primitives.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
+                                            return_gathered=False,
+                                            algorithm=jcg.ALGORITHMS[algorithm],
+                                            layout=REGISTRY.default_layout())
       else:
-        y = ffi_ops.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
-                                          algorithm=jcg.ALGORITHMS[algorithm])
+        y = primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
+                                             algorithm=jcg.ALGORITHMS[algorithm])
       # The copies of x and w are taken after the op has run.
       return lax.optimization_barrier((y, x, w))
 
@@ -232,7 +234,7 @@ def check_mlp_repeated(mesh, rounds: int = 4):
       except AssertionError as e:
         failures.append(f"round {i} {name}: {e}")
   assert not failures, f"{len(failures)} of {rounds * len(variants)} failed: {failures}"
-  return {"runs": rounds * len(variants), "fence": REGISTRY.fence()}
+  return {"runs": rounds * len(variants), "fence": settings.fence()}
 
 
 # --- routing -------------------------------------------------------------------
@@ -257,13 +259,13 @@ def check_routing(mesh):
   fused = smap(mesh, _row_step(cublasmp()), *specs)
   counts = hlo.compiled_collectives(fused, h, w, g)
   assert counts.all_gather == 0 and counts.fused_all_gather_matmul == 1, counts
-  os.environ[backends.ENV_BACKEND] = "xla"
+  os.environ[settings.BACKEND] = "xla"
   try:
     fallback = smap(mesh, _row_step(cublasmp()), *specs)
     fallback_counts = hlo.compiled_collectives(fallback, h, w, g)
     (_, (dhf, dwf)), (_, (dhx, dwx)) = fused(h, w, g), fallback(h, w, g)
   finally:
-    del os.environ[backends.ENV_BACKEND]
+    del os.environ[settings.BACKEND]
   assert fallback_counts.all_gather >= 1 and fallback_counts.fused_all_gather_matmul == 0
   for a, b in ((dhf, dhx), (dwf, dwx)):
     err = max(float(np.max(np.abs(x1 - x2)) / (np.max(np.abs(x2)) + 1e-30))
@@ -290,19 +292,22 @@ def check_routing(mesh):
 
 
 def check_layout_self_test(mesh):
-  """The version's layout passes the self-test; a deliberately wrong one is
-  rejected, turns reuse off with one warning, and the layer stays right."""
+  """connect's self-test accepted the version's layout for every transpose,
+  dtype and algorithm the layers use, and rejected the other layout for each;
+  a layer told to use the wrong layout all-gathers instead, with right numbers."""
   size = mesh.shape["tp"]
-  version = jcg.cublasmp_version()
   right = REGISTRY.default_layout()
   wrong = "front" if right == "tail" else "tail"
-  good = REGISTRY.gathered_reuse(size, "split_p2p", jnp.bfloat16)
-  assert good.ok, good.reason
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    bad = REGISTRY.gathered_reuse(size, "split_p2p", jnp.bfloat16, layout=wrong)
-  assert not bad.ok, bad.reason
-  assert any("not reusing" in str(c.message) for c in caught), [str(c.message) for c in caught]
+  verdicts = {}
+  for algorithm in ("split_p2p", "default", "atomic_p2p", "no_overlap"):
+    for dtype in ("bfloat16", "float16", "float32"):
+      for transpose_w in (False, True):
+        good = REGISTRY.verdict(VerdictKey(size, algorithm, dtype, transpose_w, right))
+        bad = REGISTRY.verdict(VerdictKey(size, algorithm, dtype, transpose_w, wrong))
+        name = f"{algorithm}/{dtype}/{'TN' if transpose_w else 'NN'}"
+        assert good.ok, f"{name}: {good.reason}"
+        assert not bad.ok and "self-test" in bad.reason, f"{name}: {bad.reason}"
+        verdicts[name] = "ok"
   n, f, d = 512, 512, 256
   h = put(mesh, random(15, n, f), P(None, "tp"), jnp.float32)
   w = put(mesh, random(16, f, d, scale=f**-0.5), P("tp"), jnp.float32)
@@ -315,35 +320,38 @@ def check_layout_self_test(mesh):
   h64, w64, g64 = random(15, n, f), random(16, f, d, scale=f**-0.5), random(17, n, d)
   errs = (rel_err(dh, g64 @ w64.T), rel_err(dw, h64.T @ g64))
   assert max(errs) < 1e-4, errs
-  return {"version": version, "layout": right, "good": good.reason, "bad": bad.reason}
+  return {"version": jcg.cublasmp_version(), "layout": right, "cases": len(verdicts),
+          "wrong layout": REGISTRY.verdict(VerdictKey(size, "split_p2p", "bfloat16", True,
+                                                      wrong)).reason}
 
 
 # --- errors ---------------------------------------------------------------------
 
 def check_fences(mesh):
-  """The extension names the fences that README and registry.py document, the
-  default first, and refuses an unknown one before any set-up."""
+  """The extension names the fences of runtime/constants.py, the default
+  first, and refuses an unknown one before any set-up."""
   native = REGISTRY.native()
   names = list(native.fences())
-  assert names == ["isolated", "own_stream", "barrier", "host", "none"], names
+  assert tuple(names) == FENCES, names
   try:
-    native.connect([], "bogus", 1.0)
+    native.connect([], "bogus", 1.0, 1.0)
   except RuntimeError as e:
     assert "'bogus' is not a fence; use one of isolated, own_stream" in str(e), str(e)
   else:
     raise AssertionError("connect took an unknown fence")
-  return {"fences": names, "in use": REGISTRY.fence()}
+  return {"fences": names, "in use": settings.fence()}
 
 
 def check_ffi_errors(mesh):
   """Bad input reaching the handlers comes back as a Python error that says
   what is wrong: no communicator, unsupported dtype, wrong result shape."""
   size = mesh.shape["tp"]
-  comm_id = REGISTRY.bind_axis(mesh, "tp")
+  comm_id = REGISTRY.comm_id(mesh, "tp")
 
   def call(x, w, comm, out_rows, dtype=None):
     return jax.ffi.ffi_call(
-        ffi_ops.AG_TARGET, jax.ShapeDtypeStruct((out_rows, w.shape[1]), dtype or x.dtype))(
+        TARGETS["all_gather_matmul"],
+        jax.ShapeDtypeStruct((out_rows, w.shape[1]), dtype or x.dtype))(
             x, w, comm_id=np.int64(comm), algorithm=np.int64(1), transpose_w=False,
             layout=np.int64(0))
 

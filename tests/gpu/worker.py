@@ -39,8 +39,13 @@ def main() -> None:
   from jax.sharding import Mesh  # noqa: PLC0415
 
   import checks  # noqa: PLC0415
+  import jax_comm_gemm as jcg  # noqa: PLC0415
 
   mesh = Mesh(np.asarray(jax.devices()), ("tp",))
+  start = time.perf_counter()
+  status = jcg.connect(mesh, "tp")  # collective: communicators, agreement, self-test
+  print(f"[process {args.process_id}] connect: {status.reason} "
+        f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
   results = {}
   names = args.checks.split(",")
   runs = [(n, n if args.repeat == 1 else f"{n}#{i}") for i in range(args.repeat) for n in names]
@@ -57,6 +62,8 @@ def main() -> None:
           f"{'ok' if results[name]['ok'] else 'FAILED'} ({results[name]['seconds']} s)",
           file=sys.stderr, flush=True)
   print("JCG_RESULTS " + json.dumps(results, default=str), flush=True)
+  if args.num_processes > 1:
+    jax.distributed.shutdown()  # all processes leave together: no error lines at exit
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import importlib.util
 import os
 from types import ModuleType
 
-_EXTENSION = "jax_comm_gemm._comm_gemm"
+EXTENSION = "jax_comm_gemm._comm_gemm"
+CONSTANTS_EXTENSION = "jax_comm_gemm._constants"
 
 # Relative to each entry of nvidia.__path__, in load order.
 _LIBRARIES = {
@@ -45,15 +46,26 @@ def _preload(cuda_major: int) -> None:
         break
 
 
+def built() -> bool:
+  """Whether the cuBLASMp extension was built (it may still fail to load)."""
+  return importlib.util.find_spec(EXTENSION) is not None
+
+
 def load() -> tuple[ModuleType | None, str]:
   """The extension module and "", or None and why it is unavailable."""
-  if importlib.util.find_spec(_EXTENSION) is None:
+  if not built():
     return None, ("the C++ extension is not built: CUDA, NCCL or cuBLASMp headers were "
                   "missing when jax-comm-gemm was installed (see README, Installation)")
   try:
-    from jax_comm_gemm import _build_config  # noqa: PLC0415
-
-    _preload(_build_config.CUDA_MAJOR)
-    return importlib.import_module(_EXTENSION), ""
+    build_config = importlib.import_module("jax_comm_gemm._build_config")
+    _preload(build_config.CUDA_MAJOR)
+    return importlib.import_module(EXTENSION), ""
   except (ImportError, OSError) as e:
     return None, f"the C++ extension did not load: {e}"
+
+
+def load_constants() -> ModuleType | None:
+  """The extension's constants module (no GPU needed), or None if not built."""
+  if importlib.util.find_spec(CONSTANTS_EXTENSION) is None:
+    return None
+  return importlib.import_module(CONSTANTS_EXTENSION)

@@ -2,36 +2,38 @@
 
 Each op is a primitive rather than a bare ``jax.ffi.ffi_call`` because its
 lowering must know the physical devices of the tensor-parallel groups: the
-lowering rule reads the concrete mesh of the enclosing shard_map, has the
-registry set up one NCCL communicator per group (on this process's devices),
-and passes the registry's ``comm_id`` for that set of groups as an attribute.
-The handler then finds its context from ``comm_id`` and its device ordinal.
+lowering rule reads the concrete mesh of the enclosing shard_map and passes
+``runtime.comm_id(mesh, axis)`` as an attribute (a pure hash: lowering never
+touches NCCL). At run time the handler finds the context that ``connect`` made
+for that id on its device, or fails with an error that says to connect.
+
+Lowered for another platform (a program traced where GPUs are the default but
+compiled for CPU devices), the ops fall back to XLA's collectives. Under
+``jax.vmap`` they run once per batch element.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
-import jax
+from jax.interpreters import batching, mlir
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.backends import XlaBackend
-from jax_comm_gemm.config import GATHERED_LAYOUTS
-from jax_comm_gemm.registry import REGISTRY
-
-AG_TARGET = "jax_comm_gemm_all_gather_matmul"
-RS_TARGET = "jax_comm_gemm_matmul_reduce_scatter"
+from jax_comm_gemm.backends.xla import XlaBackend
+from jax_comm_gemm.runtime import comm_id
+from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS, TARGETS
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool, return_gathered: bool,
                       algorithm: int, layout: str):
-  """(y,) or (y, gathered_x); see backends.Backend. Checked by the caller."""
+  """(y,) or (y, gathered_x); see backends.base.Backend. Checked by the caller."""
   x, w = vma.match(x, w)
   return tuple(_ag_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
-                    transpose_w=bool(transpose_w), return_gathered=bool(return_gathered),
-                    algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout]))
+                          transpose_w=bool(transpose_w), return_gathered=bool(return_gathered),
+                          algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout]))
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool, algorithm: int):
@@ -64,26 +66,24 @@ def _comm_id(ctx, axis_name: str) -> np.int64:
         "jax_comm_gemm's cuBLASMp ops need the concrete mesh when they are "
         "lowered: call them inside jax.shard_map(..., mesh=jax.sharding.Mesh(...)) "
         "or under `with jax.set_mesh(mesh):`")
-  return np.int64(REGISTRY.bind_axis(mesh, axis_name))
+  return np.int64(comm_id(mesh, axis_name))
 
 
 def _ag_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, return_gathered,
                  algorithm, layout):
   del axis_size, return_gathered  # visible in the result types
-  return jax.ffi.ffi_lowering(AG_TARGET)(
+  return jax.ffi.ffi_lowering(TARGETS["all_gather_matmul"])(
       ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
       transpose_w=bool(transpose_w), layout=np.int64(layout))
 
 
 def _rs_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, algorithm):
   del axis_size
-  return jax.ffi.ffi_lowering(RS_TARGET)(
+  return jax.ffi.ffi_lowering(TARGETS["matmul_reduce_scatter"])(
       ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
       transpose_w=bool(transpose_w))
 
 
-# Lowered for another platform (a program traced where GPUs are the default
-# but compiled for CPU devices), the ops fall back to XLA's collectives.
 def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
   out = XlaBackend().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
                                        return_gathered=return_gathered)
@@ -92,6 +92,27 @@ def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
 
 def _rs_elsewhere(x, w, *, axis_name, transpose_w, **_):
   return XlaBackend().matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w)
+
+
+def _per_element(primitive):
+  """A batching rule that runs the op once per batch element: the fused ops
+  gather along tokens, so a batch dimension cannot fold into them."""
+
+  def rule(args, dims, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
+    moved = [a if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+             for a, d in zip(args, dims)]
+    outs = []
+    for i in range(size):
+      element = [a if d is batching.not_mapped else a[i] for a, d in zip(moved, dims)]
+      out = primitive.bind(*element, **params)
+      outs.append(out if primitive.multiple_results else [out])
+    stacked = [jnp.stack(column) for column in zip(*outs)]
+    if primitive.multiple_results:
+      return stacked, [0] * len(stacked)
+    return stacked[0], 0
+
+  return rule
 
 
 def _eager(*args, **kwargs):
@@ -104,9 +125,11 @@ _ag_p.def_abstract_eval(_ag_abstract_eval)
 _ag_p.def_impl(_eager)
 mlir.register_lowering(_ag_p, _ag_lowering, platform="cuda")
 mlir.register_lowering(_ag_p, mlir.lower_fun(_ag_elsewhere, multiple_results=True))
+batching.primitive_batchers[_ag_p] = _per_element(_ag_p)
 
 _rs_p = Primitive("jax_comm_gemm_matmul_reduce_scatter")
 _rs_p.def_abstract_eval(_rs_abstract_eval)
 _rs_p.def_impl(_eager)
 mlir.register_lowering(_rs_p, _rs_lowering, platform="cuda")
 mlir.register_lowering(_rs_p, mlir.lower_fun(_rs_elsewhere, multiple_results=False))
+batching.primitive_batchers[_rs_p] = _per_element(_rs_p)

@@ -1,0 +1,19 @@
+"""Backends: how one AllGather+GEMM or GEMM+ReduceScatter runs inside shard_map.
+
+* ``base``: the interface. ``xla``: XLA's collectives (runs everywhere).
+* ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
+* ``select``: which one a layer takes (``choose_backend``), and why.
+
+A new backend is one module here implementing ``base.Backend``.
+"""
+
+from jax_comm_gemm.backends.base import Backend
+from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.select import Choice, choose_backend, resolve_backend
+from jax_comm_gemm.backends.xla import (XlaBackend, all_gather_tokens, gathered_matmul_t,
+                                        local_matmul, ring_matmul_reduce_scatter)
+from jax_comm_gemm.runtime.capability import Capability
+
+__all__ = ["Backend", "Capability", "Choice", "CublasMpBackend", "XlaBackend",
+           "all_gather_tokens", "choose_backend", "gathered_matmul_t", "local_matmul",
+           "resolve_backend", "ring_matmul_reduce_scatter"]

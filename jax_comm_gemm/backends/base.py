@@ -1,0 +1,38 @@
+"""What a backend is: how one AllGather+GEMM or GEMM+ReduceScatter runs on
+local shards inside ``jax.shard_map``.
+
+Backends are frozen dataclasses: they are static arguments of the custom_vjp
+rules in ``collective_matmul.py``, so they must hash and compare by value. They
+do what they are told; whether to ask for the gathered operand is decided in
+``collective_matmul.gathered_route`` alone.
+"""
+
+from __future__ import annotations
+
+from jax_comm_gemm.runtime.capability import Capability
+
+
+class Backend:
+  """Interface of a backend. All arrays are per-shard, inside shard_map.
+
+  all_gather_matmul: x [n/P, k], w [k, m] (or [m, k] with transpose_w)
+    -> y [n, m] (and the gathered x [n, k] with return_gathered).
+  matmul_reduce_scatter: x [n, k], w [k, m] (or [m, k]) -> y [n/P, m],
+    summed over the axis.
+  gathered_reuse: whether return_gathered hands out the operand the op
+    gathered anyway (no extra all-gather), for this group size, dtype and
+    transpose. Only then may a caller ask for it.
+  `precision` is passed to the GEMMs that XLA runs (``lax.dot_general``).
+  """
+
+  name = "abstract"
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    raise NotImplementedError
+
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
+    raise NotImplementedError
+
+  def gathered_reuse(self, axis_size: int, dtype, transpose_w: bool) -> Capability:
+    raise NotImplementedError

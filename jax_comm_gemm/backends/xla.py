@@ -1,0 +1,67 @@
+"""XLA's own collectives and dot: the fallback everywhere, the reference for
+speed, and the GEMM helpers the other backends and the weight gradients share."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax import lax
+
+from jax_comm_gemm.backends.base import Backend
+from jax_comm_gemm.runtime.capability import Capability
+
+
+def local_matmul(x, w, transpose_w: bool, precision=None):
+  """x @ w, or x @ w.T when `transpose_w`, in the input dtype."""
+  contract = 1 if transpose_w else 0
+  return lax.dot_general(x, w, (((1,), (contract,)), ((), ())), precision=precision)
+
+
+def gathered_matmul_t(g, dy, precision=None):
+  """g.T @ dy: the weight gradient from a gathered operand."""
+  return lax.dot_general(g, dy, (((0,), (0,)), ((), ())), precision=precision)
+
+
+def all_gather_tokens(x, axis_name: str):
+  return lax.all_gather(x, axis_name, axis=0, tiled=True)
+
+
+def ring_matmul_reduce_scatter(x, w, axis_name: str, transpose_w: bool, precision=None):
+  """RS(x @ w) as P chunked GEMMs whose partial sums travel a ring by ppermute,
+  so that XLA overlaps each transfer with the next GEMM (the collective-matmul
+  pattern of JAX's shard_map documentation)."""
+  size = lax.axis_size(axis_name)
+  rank = lax.axis_index(axis_name)
+  rows = x.shape[0] // size
+
+  def partial_sum(chunk):
+    return local_matmul(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w, transpose_w,
+                        precision)
+
+  # Step s adds this shard's part of chunk (rank + 1 + s) % P to the sum that
+  # arrives from rank + 1; after P - 1 steps each rank holds its own chunk.
+  acc = partial_sum((rank + 1) % size)
+  to_previous = [(i, (i - 1) % size) for i in range(size)]
+  for step in range(1, size):
+    acc = lax.ppermute(acc, axis_name, to_previous) + partial_sum((rank + 1 + step) % size)
+  return acc
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaBackend(Backend):
+  """``lax.all_gather`` + dot and dot + ``lax.psum_scatter``."""
+
+  name = "xla"
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    g = all_gather_tokens(x, axis_name)
+    y = local_matmul(g, w, transpose_w, precision)
+    return (y, g) if return_gathered else y
+
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
+    return lax.psum_scatter(local_matmul(x, w, transpose_w, precision), axis_name,
+                            scatter_dimension=0, tiled=True)
+
+  def gathered_reuse(self, axis_size, dtype, transpose_w):
+    return Capability(True, "XLA's all_gather result is an ordinary array")

@@ -1,0 +1,86 @@
+"""Counting collectives in compiled HLO: how the routing shows in the program.
+
+XLA may emit a collective synchronously (``all-gather``) or as an async pair
+(``all-gather-start`` / ``all-gather-done``), and its combiner passes merge
+independent collectives into one instruction with several operands: each
+operand counts as one collective. The fused cuBLASMp ops are custom calls to
+the FFI targets named in ``runtime.constants``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from jax_comm_gemm.runtime.constants import TARGETS
+
+# One HLO instruction per line: "  name = type opcode(operands), attrs".
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", re.M)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveCounts:
+  all_gather: int
+  reduce_scatter: int
+  all_reduce: int
+  fused_all_gather_matmul: int
+  fused_matmul_reduce_scatter: int
+
+
+def _opcodes(hlo_text: str) -> list[tuple[str, str]]:
+  """(opcode, whole line) of every instruction."""
+  out = []
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      out.append((m.group(1), line))
+  return out
+
+
+def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCounts:
+  """Counts in compiled HLO text, optionally only instructions whose metadata
+  op_name contains `scope` (a ``jax.named_scope``)."""
+  ops = [(op, line) for op, line in _opcodes(hlo_text)
+         if scope is None or scope in _op_name(line)]
+
+  def n(*names):
+    return sum(_operand_count(line, op) for op, line in ops if op in names)
+
+  def calls(target):
+    return sum(op == "custom-call" and f'custom_call_target="{target}"' in line
+               for op, line in ops)
+
+  return CollectiveCounts(
+      all_gather=n("all-gather", "all-gather-start"),
+      reduce_scatter=n("reduce-scatter", "reduce-scatter-start"),
+      all_reduce=n("all-reduce", "all-reduce-start"),
+      fused_all_gather_matmul=calls(TARGETS["all_gather_matmul"]),
+      fused_matmul_reduce_scatter=calls(TARGETS["matmul_reduce_scatter"]))
+
+
+def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:
+  """Compiles ``fn`` (a jitted function) for `args` and counts its collectives."""
+  return count_collectives(fn.lower(*args).compile().as_text(), scope)
+
+
+def _operand_count(line: str, opcode: str) -> int:
+  """Top-level operands of `opcode(...)` on `line` (shapes hold commas too)."""
+  start = line.index(opcode + "(") + len(opcode) + 1
+  depth, count, seen = 0, 1, False
+  for ch in line[start:]:
+    if ch in "([{":
+      depth += 1
+    elif ch in ")]}":
+      if depth == 0:
+        return count if seen else 0
+      depth -= 1
+    elif ch == "," and depth == 0:
+      count += 1
+    elif not ch.isspace():
+      seen = True
+  return count
+
+
+def _op_name(line: str) -> str:
+  m = re.search(r'op_name="([^"]*)"', line)
+  return m.group(1) if m else ""

@@ -1,0 +1,57 @@
+"""Do the processes of a tensor-parallel group agree on how they will run?
+
+Every setting that changes what a rank enqueues (the fence, the library
+versions, which backend is forced) is read per process. If two ranks differ,
+the collective calls stop matching and the job hangs, or a peer's workspace is
+written past its end. So at connect every process publishes a fingerprint of
+those settings through the key-value store, reads the others', and a mismatch
+is a Python error naming the setting and the processes, raised before any
+collective runs. (Per-call shapes are checked once per plan on the C++ side.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax_comm_gemm.runtime.kv as kv
+
+
+class DisagreementError(ValueError):
+  """The processes of a tensor-parallel group were set up differently."""
+
+
+def compare(fingerprints: dict[int, dict[str, str]]) -> str | None:
+  """None when every process has the same fingerprint, else a message naming
+  each setting that differs and which processes have which value."""
+  fields = sorted(set().union(*(fp.keys() for fp in fingerprints.values())))
+  problems = []
+  for field in fields:
+    by_value: dict[str, list[int]] = {}
+    for process, fp in sorted(fingerprints.items()):
+      by_value.setdefault(fp.get(field, "<missing>"), []).append(process)
+    if len(by_value) > 1:
+      sides = "; ".join(f"process{'es' if len(p) > 1 else ''} {', '.join(map(str, p))}: "
+                        f"{value!r}" for value, p in by_value.items())
+      problems.append(f"{field} differs ({sides})")
+  if not problems:
+    return None
+  return ("jax_comm_gemm: the processes of the tensor-parallel group disagree: "
+          + "; ".join(problems) + ". Every process must run with the same settings.")
+
+
+def check(fingerprint: dict[str, str], *, comm_id: int, attempt: int, me: int,
+          processes: list[int], timeout_s: float) -> None:
+  """Exchanges fingerprints among `processes` (this one is `me`) and raises
+  DisagreementError on any difference. Every process sees every fingerprint,
+  so all of them raise, each with the same message."""
+  if len(processes) < 2:
+    return
+  kv.publish(kv.key(comm_id, attempt, "fingerprint", me), json.dumps(fingerprint))
+  seen = {me: fingerprint}
+  for process in processes:
+    if process != me:
+      seen[process] = json.loads(kv.fetch(kv.key(comm_id, attempt, "fingerprint", process),
+                                          timeout_s))
+  message = compare(seen)
+  if message:
+    raise DisagreementError(message)

@@ -1,0 +1,125 @@
+"""May a weight gradient take the operand that a fused AllGather+GEMM left in
+cuBLASMp's workspace? The verdict, and the self-test behind it.
+
+The cuBLASMp version says where the operand should be (the layout); the
+self-test then runs small AllGather+GEMMs on a known pattern and compares the
+operand they expose with ``lax.all_gather``'s, bit for bit, for every
+(algorithm, dtype, transpose) that the layers may ask for, at an aligned shape
+and at one that is not a multiple of 128. It runs once, inside ``connect`` (a
+collective step), never while tracing; the custom_vjp rules only read the
+cached verdicts (runtime.registry). No exception is raised or caught per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_comm_gemm.runtime.constants import (ALGORITHMS, GATHERED_LAYOUTS,
+                                             MULTICAST_ALGORITHMS, TARGETS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capability:
+  """Whether something can run here, and why (not)."""
+  ok: bool
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class VerdictKey:
+  """What the layout of the gathered operand may depend on."""
+  axis_size: int
+  algorithm: str
+  dtype: str
+  transpose_w: bool
+  layout: str
+
+
+# cuBLASMp 0.11.0 documents the gathered B at the start of its workspace; 0.10
+# leaves it at the tail (measured, DESIGN.md).
+FRONT_LAYOUT_SINCE = 1100
+SELF_TESTED_ALGORITHMS = tuple(a for a in ALGORITHMS if a not in MULTICAST_ALGORITHMS)
+SELF_TESTED_DTYPES = ("bfloat16", "float16", "float32")
+# (local tokens, features, local outputs): aligned, and not a multiple of 128.
+PROBE_SHAPES = ((256, 1024, 512), (200, 520, 264))
+
+
+def default_layout(cublasmp_version: int) -> str:
+  return "front" if cublasmp_version >= FRONT_LAYOUT_SINCE else "tail"
+
+
+def version_text(version: int) -> str:
+  """cuBLASMp and NCCL (since 2.9) both encode major*10000 + minor*100 + patch."""
+  return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
+
+
+def untested(key: VerdictKey) -> Capability:
+  why = ("the self-test never runs the NVLink-multicast algorithms"
+         if key.algorithm in MULTICAST_ALGORITHMS else "no self-test covered it")
+  return Capability(False, f"reuse not verified for {key.algorithm}, {key.dtype}, "
+                           f"{'TN' if key.transpose_w else 'NN'}, {key.layout!r} layout: {why}")
+
+
+def _pattern(rows: int, cols: int, row0, dtype):
+  """Small integers, exact in every tested dtype, different in every row."""
+  i = lax.broadcasted_iota(jnp.int32, (rows, cols), 0) + row0
+  j = lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+  return ((i * 31 + j * 7) % 61 - 30).astype(dtype)
+
+
+def _cases(axis_size: int, layout: str):
+  return [VerdictKey(axis_size, a, d, t, layout) for a in SELF_TESTED_ALGORITHMS
+          for d in SELF_TESTED_DTYPES for t in (False, True)]
+
+
+def self_test(mesh, axis_name: str, comm_id: int, layout: str,
+              version: int) -> dict[VerdictKey, Capability]:
+  """Runs the probe for `layout` on every device of `mesh` (collective: every
+  process calls it) and returns a verdict per case."""
+  axis_size = int(mesh.shape[axis_name])
+  cases = _cases(axis_size, layout)
+  axes = tuple(mesh.axis_names)
+
+  def body():
+    rank = lax.axis_index(axis_name)
+    oks = []
+    for case in cases:
+      dtype = jnp.dtype(case.dtype)
+      ok = jnp.bool_(True)
+      for rows, features, outputs in PROBE_SHAPES:
+        x = _pattern(rows, features, rank * rows, dtype)
+        w_shape = (outputs, features) if case.transpose_w else (features, outputs)
+        w = _pattern(*w_shape, 0, dtype)
+        call = jax.ffi.ffi_call(TARGETS["all_gather_matmul"], (
+            jax.ShapeDtypeStruct((rows * axis_size, outputs), dtype),
+            jax.ShapeDtypeStruct((rows * axis_size, features), dtype)))
+        _, gathered = call(x, w, comm_id=np.int64(comm_id),
+                           algorithm=np.int64(ALGORITHMS[case.algorithm]),
+                           transpose_w=case.transpose_w,
+                           layout=np.int64(GATHERED_LAYOUTS[layout]))
+        ok = ok & jnp.array_equal(gathered, lax.all_gather(x, axis_name, axis=0, tiled=True))
+      oks.append(ok.astype(jnp.int32))
+    return lax.pmin(jnp.stack(oks), axes)
+
+  probe = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=P(),
+                                check_vma=False))
+  text = version_text(version)
+  try:
+    passed = np.asarray(probe().addressable_data(0))
+  except Exception as e:  # noqa: BLE001  (once per layout at connect, never per call)
+    reason = f"the layout self-test could not run on cuBLASMp {text}: {e}"
+    return {case: Capability(False, reason) for case in cases}
+  return {case: (Capability(True, f"cuBLASMp {text}, {layout!r} layout verified by "
+                                  "self-test")
+                 if ok else
+                 Capability(False, f"cuBLASMp {text} does not leave the gathered operand "
+                                   f"where the {layout!r} layout says (self-test, "
+                                   f"{case.algorithm}, {case.dtype}, "
+                                   f"{'TN' if case.transpose_w else 'NN'})"))
+          for case, ok in zip(cases, passed)}

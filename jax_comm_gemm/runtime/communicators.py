@@ -1,0 +1,144 @@
+"""Communicators: ``connect``, the one collective set-up step of the cuBLASMp backend.
+
+For one mesh axis it makes the NCCL communicators of the tensor-parallel groups
+that the axis forms (one per group and local device, owned by the C++
+registry), after checking that every process agrees on its settings, and then
+runs the layout self-test. Every process calls it for the same mesh axis,
+before the first program that uses the axis runs.
+
+Why here, and not while lowering (as before) or in the FFI handler's
+instantiate/prepare stage (README, "Decisions"): set-up is collective, so it
+must run exactly when every process runs it. Lowering and compiling are not
+that: one process may lower alone (to dump HLO), and it then waited for peers
+that never came. The handler stages run inside XLA without jax.distributed's
+key-value store, through which the NCCL unique id travels. ``connect`` is
+explicit, runs outside any trace and outside CUDA-graph capture, and serves
+one process per GPU and one per host alike. Tracing, lowering and
+``jax.eval_shape`` only read what it recorded (``comm_id`` below is a pure
+function of the mesh).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+
+import jax
+import numpy as np
+
+import jax_comm_gemm.runtime.agreement as agreement
+import jax_comm_gemm.runtime.kv as kv
+import jax_comm_gemm.runtime.settings as settings
+from jax_comm_gemm.runtime.capability import Capability, self_test
+from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS
+from jax_comm_gemm.runtime.registry import REGISTRY, Registry
+
+
+def stable_key(value) -> int:
+  """The same non-negative int64 in every process for the same `value`."""
+  digest = hashlib.sha256(repr(value).encode()).digest()
+  return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def axis_groups(mesh, axis_name: str) -> np.ndarray:
+  """The devices of each tensor-parallel group that `axis_name` forms, one
+  row per group, in rank order."""
+  devices = np.asarray(mesh.devices)
+  axis = list(mesh.axis_names).index(axis_name)
+  return np.moveaxis(devices, axis, -1).reshape(-1, devices.shape[axis])
+
+
+def comm_id(mesh, axis_name: str) -> int:
+  """The id that a custom call carries to name the groups of a mesh axis
+  (pure: no registry, no NCCL; the lowering rule calls it)."""
+  groups = axis_groups(mesh, axis_name)
+  return stable_key(("axis", tuple(tuple(d.id for d in g) for g in groups)))
+
+
+def _fingerprint(native, fence: str) -> dict[str, str]:
+  try:
+    package = importlib.metadata.version("jax-comm-gemm")
+  except importlib.metadata.PackageNotFoundError:
+    package = "unknown"
+  return {
+      "jax_comm_gemm version": package,
+      "jax version": jax.__version__,
+      "cuBLASMp version": str(native.cublasmp_version()),
+      "NCCL version": str(native.nccl_version()),
+      settings.FENCE: fence,
+      settings.BACKEND: settings.backend_override(),
+      settings.CALL_TIMEOUT: f"{settings.call_timeout_s():g}",
+  }
+
+
+def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Capability:
+  """Sets up the cuBLASMp backend on `axis_name` of `mesh` (collective).
+
+  Call it once in every process, with the same mesh, after
+  ``jax.distributed.initialize()`` and before running programs that use the
+  cuBLASMp backend on that axis; again for each other mesh axis. Without it
+  ``backend="auto"`` runs XLA and ``backend="cublasmp"`` raises.
+
+  Returns whether the axis can use cuBLASMp and why not: where cuBLASMp cannot
+  run (no GPU, no extension) this does nothing and says so. Raises
+  ``agreement.DisagreementError`` when the processes were set up differently,
+  TimeoutError when a peer does not come, RuntimeError when NCCL or cuBLASMp
+  fail (with the library's message). A failed connect can be called again.
+  """
+  if axis_name not in mesh.axis_names:
+    raise ValueError(f"connect: axis_name={axis_name!r} is not an axis of the mesh, whose "
+                     f"axes are {tuple(mesh.axis_names)}")
+  status = registry.cublasmp_status()
+  if not status.ok:
+    return status
+  if mesh.shape[axis_name] == 1:
+    return Capability(True, f"axis {axis_name!r} has size 1: nothing to communicate")
+  with registry.connect_lock:
+    ident = comm_id(mesh, axis_name)
+    if registry.comm_id(mesh, axis_name) == ident:
+      return status
+    native = registry.native()
+    fence = settings.fence()  # bad values fail here, before any collective
+    connect_s, call_s = settings.connect_timeout_s(), settings.call_timeout_s()
+    attempt = registry.next_attempt(ident)
+    me = jax.process_index()
+    groups = axis_groups(mesh, axis_name)
+    processes = sorted({d.process_index for d in groups.flat})
+    agreement.check(_fingerprint(native, fence), comm_id=ident, attempt=attempt, me=me,
+                    processes=processes, timeout_s=connect_s)
+    known = registry.known_groups()
+    new_groups, device_groups = [], []
+    for group in groups:
+      local = [(int(d.local_hardware_id), rank) for rank, d in enumerate(group)
+               if d.process_index == me]
+      if not local:
+        continue
+      key = stable_key(("group", tuple(d.id for d in group)))
+      device_groups += [(device, key) for device, _ in local]
+      if key not in known:
+        unique_id = _unique_id(native, ident, attempt, key, group[0].process_index == me,
+                               connect_s)
+        new_groups.append((key, unique_id, len(group), local))
+    if new_groups:
+      native.connect(new_groups, fence, connect_s, call_s)
+    native.bind(ident, device_groups)
+    layout = registry.default_layout()
+    verdicts = {}
+    for tested in sorted(GATHERED_LAYOUTS, key=lambda name: name != layout):
+      verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version()))
+    registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
+    return status
+
+
+def _unique_id(native, ident: int, attempt: int, group_key: int, is_leader: bool,
+               timeout_s: float) -> bytes:
+  """The group's NCCL unique id: made by its leader, shared with the other
+  processes through the key-value store."""
+  if not kv.multi_process():
+    return native.nccl_unique_id()
+  name = kv.key(ident, attempt, "nccl_unique_id", f"{group_key:016x}")
+  if is_leader:
+    unique_id = native.nccl_unique_id()
+    kv.publish(name, unique_id.hex())
+    return unique_id
+  return bytes.fromhex(kv.fetch(name, timeout_s))

@@ -1,0 +1,36 @@
+"""The values that Python and the C++ extension must agree on, defined once here.
+
+The extension's own definitions (``xla_ffi/``) are exported by the small module
+``jax_comm_gemm._constants``, which loads without a GPU;
+``tests/test_constants.py`` fails if the two sides differ.
+"""
+
+from __future__ import annotations
+
+# XLA FFI target names of the two handlers.
+TARGETS: dict[str, str] = {
+    "all_gather_matmul": "jax_comm_gemm_all_gather_matmul",
+    "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
+}
+
+# cuBLASMp's cublasMpMatmulAlgoType_t, by name.
+ALGORITHMS: dict[str, int] = {
+    "default": 0,
+    "split_p2p": 1,
+    "split_multicast": 2,
+    "atomic_p2p": 3,
+    "atomic_multicast": 4,
+    "no_overlap": 5,
+}
+
+# NVLink multicast can take a shared host's GPUs out of service: never without
+# an explicit opt-in, and never in the self-test.
+MULTICAST_ALGORITHMS = frozenset({"split_multicast", "atomic_multicast"})
+
+# Where cuBLASMp leaves the gathered operand in its workspace (capability.py).
+GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
+
+# How each cuBLASMp call is ordered against XLA's work (xla_ffi/context.h),
+# the default first. "none" is unsafe (wrong results seen) and needs an opt-in.
+FENCES: tuple[str, ...] = ("isolated", "own_stream", "barrier", "host", "none")
+UNSAFE_FENCES = frozenset({"none"})

@@ -1,0 +1,72 @@
+"""The environment variables that steer the runtime, read and checked in one place.
+
+Each reader raises a ValueError that names the variable and what it allows,
+before any device work.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from jax_comm_gemm.runtime.constants import FENCES, UNSAFE_FENCES
+
+BACKEND = "JAX_COMM_GEMM_BACKEND"              # overrides every config's backend
+FENCE = "JAX_COMM_GEMM_FENCE"                  # how calls are ordered against XLA
+ALLOW_UNSAFE_FENCE = "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE"
+CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"  # seconds for communicator set-up
+CALL_TIMEOUT = "JAX_COMM_GEMM_TIMEOUT"         # seconds a call may wait for its peers
+
+BACKENDS = ("auto", "cublasmp", "xla")
+
+
+def backend_override() -> str:
+  """The backend $JAX_COMM_GEMM_BACKEND forces on every layer (for A/B runs),
+  or "" when it is unset."""
+  value = os.environ.get(BACKEND, "").strip().lower()
+  if value and value not in BACKENDS:
+    raise ValueError(f"environment variable {BACKEND}={value!r}: allowed values are "
+                     f"{BACKENDS}")
+  return value
+
+
+def fence() -> str:
+  """The fence new communicators take: $JAX_COMM_GEMM_FENCE, else the default.
+
+  The unsafe ones (see constants.UNSAFE_FENCES) need
+  $JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1 and warn every time they are taken."""
+  value = os.environ.get(FENCE, "").strip() or FENCES[0]
+  if value not in FENCES:
+    raise ValueError(f"{FENCE}={value!r} is not a fence; use one of {', '.join(FENCES)} "
+                     f"(or leave it unset for {FENCES[0]!r})")
+  if value in UNSAFE_FENCES:
+    if os.environ.get(ALLOW_UNSAFE_FENCE) != "1":
+      raise ValueError(
+          f"{FENCE}={value!r} gives wrong results when XLA's work overlaps the fused "
+          f"calls (xla_ffi/context.h, Fence); it is kept for investigation only: set "
+          f"{ALLOW_UNSAFE_FENCE}=1 to take it anyway")
+    warnings.warn(f"jax_comm_gemm: {FENCE}={value!r} is unsafe: results can be wrong",
+                  RuntimeWarning, stacklevel=3)
+  return value
+
+
+def _seconds(name: str, default: float) -> float:
+  raw = os.environ.get(name, "").strip()
+  if not raw:
+    return default
+  try:
+    value = float(raw)
+  except ValueError:
+    value = -1.0
+  if not value > 0:
+    raise ValueError(f"environment variable {name}={raw!r} must be a positive number of "
+                     f"seconds (default {default:g})")
+  return value
+
+
+def connect_timeout_s() -> float:
+  return _seconds(CONNECT_TIMEOUT, 300.0)
+
+
+def call_timeout_s() -> float:
+  return _seconds(CALL_TIMEOUT, 300.0)

@@ -1,0 +1,217 @@
+"""``connect`` and the registry, with a stand-in for the C++ extension.
+
+On CPU the real extension cannot load, so a FakeNative records what the
+runtime asks of it. What is checked: which NCCL groups a mesh axis forms and
+that each is made once; that tracing, ``jax.eval_shape`` and lowering for the
+GPU make no communicator (so one process can lower alone); the settings read
+from the environment; and that verdicts are looked up per transpose.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jax_comm_gemm as jcg
+from jax_comm_gemm.collective_matmul import gathered_route
+from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
+import jax_comm_gemm.runtime.communicators as connect_module
+from jax_comm_gemm.runtime.capability import Capability, VerdictKey
+from jax_comm_gemm.runtime.constants import TARGETS
+
+
+class FakeNative:
+  """Records what the runtime asks of the extension."""
+
+  def __init__(self):
+    self.connected, self.bound = [], []
+
+  def cublasmp_version(self):
+    return 1000
+
+  def nccl_version(self):
+    return 23203
+
+  def nccl_unique_id(self):
+    return bytes(128)
+
+  def connect(self, groups, fence, connect_timeout_s, call_timeout_s):
+    self.connected.append({"groups": [(key, n, members) for key, _, n, members in groups],
+                           "fence": fence, "timeouts": (connect_timeout_s, call_timeout_s)})
+
+  def bind(self, ident, device_groups):
+    self.bound.append((ident, device_groups))
+
+  def contexts(self):
+    return []
+
+
+def fake_self_test(passing=lambda key: True):
+  def run(mesh, axis_name, ident, layout, version):
+    return {key: Capability(passing(key), "fake self-test")
+            for key in capability._cases(int(mesh.shape[axis_name]), layout)}
+  return run
+
+
+@pytest.fixture
+def fake(monkeypatch):
+  """REGISTRY with cuBLASMp "available" through FakeNative, emptied for the test."""
+  native = FakeNative()
+  for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
+                      ("_axes", {}), ("_groups", set()), ("_attempts", {}),
+                      ("_verdicts", {})]:
+    monkeypatch.setattr(REGISTRY, name, value)
+  monkeypatch.setattr(connect_module, "self_test", fake_self_test())
+  return native
+
+
+def mesh_2x4():
+  return Mesh(np.asarray(jax.devices("cpu")[:8]).reshape(2, 4), ("dp", "tp"))
+
+
+def test_connect_makes_one_group_per_row_in_rank_order(fake):
+  mesh = mesh_2x4()
+  assert jcg.connect(mesh, "tp").ok
+  (call,) = fake.connected
+  assert [(n, members) for _, n, members in call["groups"]] == [
+      (4, [(int(d.local_hardware_id), r) for r, d in enumerate(row)])
+      for row in np.asarray(mesh.devices)]
+  assert call["fence"] == "isolated" and call["timeouts"] == (300.0, 300.0)
+  (ident, device_groups), = fake.bound
+  assert ident == comm_id(mesh, "tp") == REGISTRY.comm_id(mesh, "tp")
+  assert sorted(d for d, _ in device_groups) == list(range(8))
+
+
+def test_connect_is_idempotent_and_shares_groups(fake):
+  devices = np.asarray(jax.devices("cpu")[:4])
+  a = Mesh(devices, ("tp",))
+  jcg.connect(a, "tp")
+  jcg.connect(a, "tp")
+  assert len(fake.connected) == 1 and len(fake.bound) == 1
+  # Another mesh whose axis forms the same group binds it, and makes nothing new.
+  jcg.connect(Mesh(devices.reshape(1, 4), ("dp", "tp")), "tp")
+  assert len(fake.connected) == 1 and len(fake.bound) == 2
+
+
+def test_a_failed_connect_can_be_retried(fake, monkeypatch):
+  """The attempt number grows, so a retry's key-value keys are new."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  working = fake.connect
+
+  def failing(*args):
+    monkeypatch.setattr(fake, "connect", working)  # fails once
+    raise RuntimeError("ncclCommInitRank failed: unhandled system error")
+
+  monkeypatch.setattr(fake, "connect", failing)
+  with pytest.raises(RuntimeError, match="ncclCommInitRank failed"):
+    jcg.connect(mesh, "tp")
+  assert REGISTRY.comm_id(mesh, "tp") is None
+  jcg.connect(mesh, "tp")
+  ident = comm_id(mesh, "tp")
+  assert REGISTRY._attempts[ident] == 2
+  assert connect_module.kv.key(ident, 2, "x").endswith("/attempt2/x")
+
+
+def test_connect_without_cublasmp_does_nothing():
+  """On CPU, connect answers why cuBLASMp cannot run, and raises nothing."""
+  status = jcg.connect(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)), "tp")
+  assert not status.ok and "cpu" in status.reason
+
+
+def test_connect_checks_the_axis(fake):
+  with pytest.raises(ValueError, match=r"connect: axis_name='model' is not an axis"):
+    jcg.connect(mesh_2x4(), "model")
+
+
+def _layer_program(mesh, backend):
+  config = jcg.CommGemmConfig(backend=backend)
+
+  def local(x, w):
+    return jcg.all_gather_matmul(x, w, "tp", config=config)
+
+  return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                               out_specs=P(None, "tp")))
+
+
+ARGS = (jax.ShapeDtypeStruct((16, 8), jnp.float32), jax.ShapeDtypeStruct((8, 16), jnp.float32))
+
+
+def test_tracing_never_connects(fake):
+  """Unconnected: 'cublasmp' is a trace-time error that says what to do, and
+  'auto' runs XLA with a warning; neither makes a communicator."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  with pytest.raises(RuntimeError, match=r"not connected: call "
+                     r"jax_comm_gemm.connect\(mesh, 'tp'\) in every process"):
+    jax.eval_shape(_layer_program(mesh, "cublasmp"), *ARGS)
+  with pytest.warns(RuntimeWarning, match="not connected"):
+    jax.eval_shape(_layer_program(mesh, "auto"), *ARGS)
+  assert fake.connected == [] and fake.bound == []
+
+
+def test_lowering_for_gpu_alone_makes_no_communicator(fake):
+  """After connect, eval_shape and lowering for CUDA (what one process does to
+  dump HLO) only read the registry: the custom call carries comm_id, and no
+  further connect or bind happens. Lowering needs no peer, so it cannot hang."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  before = (len(fake.connected), len(fake.bound))
+  program = _layer_program(mesh, "cublasmp")
+  jax.eval_shape(program, *ARGS)
+  text = program.trace(*ARGS).lower(lowering_platforms=("cuda",)).as_text()
+  assert TARGETS["all_gather_matmul"] in text
+  assert str(comm_id(mesh, "tp")) in text
+  assert (len(fake.connected), len(fake.bound)) == before
+
+
+def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
+  """A verdict that passed for NN says nothing about TN: reuse is refused
+  there, and the reason says which case was not verified."""
+  monkeypatch.setattr(connect_module, "self_test",
+                      fake_self_test(passing=lambda key: not key.transpose_w))
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  backend = jcg.CublasMpBackend(gathered_layout="tail")
+  assert gathered_route(backend, None, 2, jnp.bfloat16, False).reuse
+  route = gathered_route(backend, None, 2, jnp.bfloat16, True)
+  assert not route.reuse and route.reason == "fake self-test"
+  # A case the self-test never ran (another group size) is refused with why.
+  route = gathered_route(backend, None, 4, jnp.bfloat16, False)
+  assert not route.reuse and "no self-test covered it" in route.reason
+  assert "never runs the NVLink-multicast" in REGISTRY.verdict(
+      VerdictKey(2, "split_multicast", "bfloat16", False, "tail")).reason
+
+
+@pytest.mark.parametrize("env, match", [
+    ({"JAX_COMM_GEMM_FENCE": "fast"}, r"JAX_COMM_GEMM_FENCE='fast' is not a fence; use one "
+                                      r"of isolated, own_stream, barrier, host, none"),
+    ({"JAX_COMM_GEMM_FENCE": "none"}, r"set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
+    ({"JAX_COMM_GEMM_TIMEOUT": "soon"}, r"JAX_COMM_GEMM_TIMEOUT='soon' must be a positive"),
+    ({"JAX_COMM_GEMM_CONNECT_TIMEOUT": "-3"}, r"JAX_COMM_GEMM_CONNECT_TIMEOUT='-3' must"),
+])
+def test_bad_settings_fail_before_any_collective(fake, monkeypatch, env, match):
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=match):
+    jcg.connect(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)), "tp")
+  assert fake.connected == []
+
+
+def test_unsafe_fence_warns_on_every_connect(fake, monkeypatch):
+  monkeypatch.setenv(settings.FENCE, "none")
+  monkeypatch.setenv(settings.ALLOW_UNSAFE_FENCE, "1")
+  with pytest.warns(RuntimeWarning, match="'none' is unsafe"):
+    jcg.connect(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)), "tp")
+  assert fake.connected[0]["fence"] == "none"
+
+
+def test_fingerprints_compare_by_setting():
+  """The message names each setting that differs and the processes on each side."""
+  same = {"fence": "isolated", "cuBLASMp version": "1000"}
+  assert agreement.compare({0: same, 1: dict(same)}) is None
+  message = agreement.compare({0: same, 1: {**same, "fence": "own_stream"},
+                               2: dict(same)})
+  assert "fence differs (processes 0, 2: 'isolated'; process 1: 'own_stream')" in message
+  assert "cuBLASMp version" not in message
+  assert "<missing>" in agreement.compare({0: same, 1: {"fence": "isolated"}})
