@@ -1,6 +1,8 @@
 # The two commands of the README, each doing all set-up on a fresh machine:
 #   make example   the main job: trains a sequence-parallel MLP stack
 #   make test      the test suite (the GPU tests skip without two GPUs)
+# and, run by make test as well:
+#   make cpp-test  the C++ unit tests (CTest; no GPU needed)
 # Set-up: a virtualenv in .venv with jax, flax and the NVIDIA wheels (CUDA 13 by
 # default, CUDA=12 for the twin), then the package itself, built in place with
 # its cuBLASMp extension. ARGS is passed on: make example ARGS="--steps 200".
@@ -10,11 +12,14 @@ CUDA ?= 13
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 
-.PHONY: setup example test clean
+.PHONY: setup example test cpp-test clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
+# The package's folders too: the editable install maps each module file, so a
+# file added or removed needs a reinstall.
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*) \
+    $(shell find jax_comm_gemm -type d -not -name __pycache__)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet scikit-build-core nanobind cmake ninja "jax>=0.10"
@@ -28,8 +33,15 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*)
 example: setup
 	$(PY) examples/train_sp_mlp.py $(ARGS)
 
-test: setup
+test: setup cpp-test
 	JCG_REQUIRE_EXTENSION=1 $(PY) -m pytest -q $(ARGS)
+
+CPP_TEST_DIR := build/cpp-tests
+cpp-test: setup
+	$(VENV)/bin/cmake -S tests/cpp -B $(CPP_TEST_DIR) -G Ninja \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja
+	$(VENV)/bin/cmake --build $(CPP_TEST_DIR)
+	$(VENV)/bin/ctest --test-dir $(CPP_TEST_DIR) --output-on-failure
 
 clean:
 	rm -rf $(VENV) build

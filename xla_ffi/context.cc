@@ -1,9 +1,11 @@
 #include "context.h"
 
-#include <algorithm>
-#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
+
+#include "layout.h"
+#include "library_status.h"
 
 namespace jax_comm_gemm {
 namespace {
@@ -11,77 +13,20 @@ namespace {
 // Workspaces grow in steps of this size, so that shapes that change a little
 // from step to step do not reallocate (a collective) every time.
 constexpr size_t kWorkspaceGranule = size_t{32} << 20;
-// cuBLASMp 0.10 ends the gathered operand this many bytes before the end of
-// its workspace (measured, see DESIGN.md).
-constexpr size_t kTailPadding = 16;
-
-// cudaSetDevice for the current thread, restored on scope exit.
-class DeviceScope {
- public:
-  Status Enter(int device) {
-    JCG_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) JCG_CUDA(cudaSetDevice(device));
-    entered_ = true;
-    return Status();
-  }
-  ~DeviceScope() {
-    int now = -1;
-    if (entered_ && cudaGetDevice(&now) == cudaSuccess && now != previous_) {
-      (void)cudaSetDevice(previous_);
-    }
-  }
-
- private:
-  int previous_ = -1;
-  bool entered_ = false;
-};
-
-template <typename T>
-Status SetAttribute(cublasMpMatmulDescriptor_t desc, cublasMpMatmulDescriptorAttribute_t attr,
-                    const T& value) {
-  JCG_CUBLASMP(cublasMpMatmulDescriptorSetAttribute(desc, attr, &value, sizeof(value)));
-  return Status();
-}
-
-Status CreateMatrix(int64_t m, int64_t n, int64_t mb, int64_t nb, int64_t lld,
-                    cudaDataType_t type, cublasMpGrid_t grid, MatrixDescriptor* out) {
-  cublasMpMatrixDescriptor_t desc = nullptr;
-  JCG_CUBLASMP(cublasMpMatrixDescriptorCreate(m, n, mb, nb, 0, 0, lld, type, grid, &desc));
-  out->reset(desc);
-  return Status();
-}
 
 }  // namespace
 
-const std::vector<std::pair<std::string, Fence>>& FenceNames() {
-  static const auto* names = new std::vector<std::pair<std::string, Fence>>{
-      {"isolated", Fence::kIsolated}, {"own_stream", Fence::kOwnStream},
-      {"barrier", Fence::kBarrier},   {"host", Fence::kHost},
-      {"none", Fence::kNone},
-  };
-  return *names;
-}
+Context::Context(const ContextOptions& options)
+    : options_(options), call_timeout_(SecondsToDuration(options.call_timeout_s)) {}
 
-Status ParseFence(const std::string& name, Fence* out) {
-  std::string known;
-  for (const auto& [n, fence] : FenceNames()) {
-    if (n == name) {
-      *out = fence;
-      return Status();
-    }
-    known += (known.empty() ? "" : ", ") + n;
-  }
-  return Status::InvalidArgument("'" + name + "' is not a fence; use one of " + known);
-}
-
-Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank, Fence fence,
-                       std::unique_ptr<Context>* out) {
+Status Context::Create(const ContextOptions& options, const ncclUniqueId& id,
+                       std::shared_ptr<Context>* out) {
   DeviceScope scope;
-  JCG_RETURN_IF_ERROR(scope.Enter(device));
-  std::unique_ptr<Context> ctx(new Context(device, nranks, rank, fence));
+  JCG_RETURN_IF_ERROR(scope.Enter(options.device));
+  std::shared_ptr<Context> ctx(new Context(options));
   Status status = ctx->Init(id);
   if (!status.ok()) {
-    ctx->Abort();
+    ctx->Abort("set-up failed: " + status.message());
     return status;
   }
   *out = std::move(ctx);
@@ -90,7 +35,7 @@ Status Context::Create(int device, const ncclUniqueId& id, int nranks, int rank,
 
 Status Context::Init(const ncclUniqueId& id) {
   ncclComm_t comm = nullptr;
-  ncclResult_t r = ncclCommInitRank(&comm, nranks_, id, rank_);
+  ncclResult_t r = ncclCommInitRank(&comm, options_.nranks, id, options_.rank);
   if (r != ncclSuccess) return NcclError("ncclCommInitRank", r, comm);
   comm_.reset(comm);
   cudaStream_t stream = nullptr;
@@ -99,26 +44,54 @@ Status Context::Init(const ncclUniqueId& id) {
   cublasMpHandle_t handle = nullptr;
   JCG_CUBLASMP(cublasMpCreate(&handle, stream));
   handle_.reset(handle);
+  const int P = options_.nranks;
   cublasMpGrid_t grid = nullptr;
-  JCG_CUBLASMP(cublasMpGridCreate(nranks_, 1, CUBLASMP_GRID_LAYOUT_COL_MAJOR, comm, &grid));
+  JCG_CUBLASMP(cublasMpGridCreate(P, 1, CUBLASMP_GRID_LAYOUT_COL_MAJOR, comm, &grid));
   col_grid_.reset(grid);
-  JCG_CUBLASMP(cublasMpGridCreate(1, nranks_, CUBLASMP_GRID_LAYOUT_ROW_MAJOR, comm, &grid));
+  JCG_CUBLASMP(cublasMpGridCreate(1, P, CUBLASMP_GRID_LAYOUT_ROW_MAJOR, comm, &grid));
   row_grid_.reset(grid);
-  for (CudaEvent* e : {&event_in_, &event_out_}) {
+  for (CudaEvent* e : {&event_in_, &event_out_, &host_wait_event_}) {
     cudaEvent_t event = nullptr;
     JCG_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     e->reset(event);
   }
-  void* word = nullptr;
-  JCG_CUDA(cudaMalloc(&word, sizeof(float)));
-  barrier_word_.reset(word);
-  JCG_CUDA(cudaMemset(word, 0, sizeof(float)));
+  void* ptr = nullptr;
+  JCG_CUDA(cudaMalloc(&ptr, sizeof(float)));
+  barrier_word_.reset(ptr);
+  JCG_CUDA(cudaMemset(ptr, 0, sizeof(float)));
+  const size_t key_bytes = kPlanKeyBytes * (1 + P);
+  JCG_CUDA(cudaMalloc(&ptr, key_bytes));
+  keys_device_.reset(ptr);
+  JCG_CUDA(cudaMallocHost(&ptr, key_bytes));
+  keys_host_.reset(ptr);
+  // NCCL connects peers at a collective's first launch, blocking the host until
+  // they answer. Do that here, under connect()'s deadline, for the two
+  // collectives a call issues, rather than inside a call.
+  JCG_RETURN_IF_ERROR(Barrier(stream));
+  JCG_RETURN_IF_ERROR(EnqueueKeyExchange(PlanKey{}));
+  JCG_CUDA(cudaStreamSynchronize(stream));
   return Status();
 }
 
+Context::~Context() {
+  if (aborted_) {
+    Abandon();
+    return;
+  }
+  // In-flight work may still read the workspace; members are destroyed on this device.
+  if (cudaSetDevice(options_.device) == cudaSuccess) (void)cudaDeviceSynchronize();
+}
+
+template <typename Body>
+Status Context::WithComm(Body&& body) {
+  std::shared_lock<std::shared_timed_mutex> lock(comm_lock_);
+  if (aborted_) return AbortedStatus();
+  return body();
+}
+
 Status Context::Barrier(cudaStream_t stream) {
-  ncclResult_t r = ncclAllReduce(barrier_word_.get(), barrier_word_.get(), 1, ncclFloat32,
-                                 ncclSum, comm_.get(), stream);
+  const ncclResult_t r = ncclAllReduce(barrier_word_.get(), barrier_word_.get(), 1, ncclFloat32,
+                                       ncclSum, comm_.get(), stream);
   if (r != ncclSuccess) return NcclError("ncclAllReduce", r, comm_.get());
   return Status();
 }
@@ -129,149 +102,143 @@ Status Context::Join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t ev
   return Status();
 }
 
-Context::~Context() {
-  // In-flight work may still read the workspace; members are destroyed on this device.
-  if (cudaSetDevice(device_) == cudaSuccess) (void)cudaDeviceSynchronize();
-}
-
-void Context::Abort() {
-  std::lock_guard<std::mutex> lock(mu_);
-  workspace_.Abandon();
-  // Grid destruction is collective and its peers are gone: leak the grids.
-  (void)col_grid_.release();
-  (void)row_grid_.release();
-  if (comm_) (void)ncclCommAbort(comm_.release());
-}
-
-size_t Context::workspace_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return workspace_.size();
-}
-
-size_t Context::plan_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return plans_.size();
-}
-
-// cuBLASMp sees column-major matrices: a row-major [r, c] array is its [c, r]
-// transpose. So y = x @ w becomes D = A * B with A = w^T, B = x^T, D = y^T, and
-// the token dimension is cuBLASMp's n.
-Status Context::MakePlan(const MatmulCall& c, Plan* plan) const {
-  const int64_t P = nranks_;
-  const cudaDataType_t t = c.dtype;
-  cublasOperation_t trans_a = c.transpose_w ? CUBLAS_OP_T : CUBLAS_OP_N;
-  if (c.op == CommOp::kAllGather) {
-    // x [n/P, k] is B (k x n, columns split); y [n, m/P] is D (m x n, rows split).
-    const int64_t nl = c.x_rows, k = c.x_cols;
-    const int64_t ml = c.transpose_w ? c.w_rows : c.w_cols;
-    plan->m = ml * P, plan->n = nl * P, plan->k = k;
-    if (c.transpose_w) {  // w [m/P, k] is op(A) = A^T with A k x m, columns split.
-      JCG_RETURN_IF_ERROR(CreateMatrix(k, plan->m, k, ml, k, t, row_grid_.get(), &plan->a));
-    } else {  // w [k, m/P] is A (m x k), rows split.
-      JCG_RETURN_IF_ERROR(CreateMatrix(plan->m, k, ml, k, ml, t, col_grid_.get(), &plan->a));
-    }
-    JCG_RETURN_IF_ERROR(CreateMatrix(k, plan->n, k, nl, k, t, row_grid_.get(), &plan->b));
-    JCG_RETURN_IF_ERROR(CreateMatrix(plan->m, plan->n, ml, nl, ml, t, col_grid_.get(), &plan->d));
-  } else {
-    // x [n, k/P] is B (k x n, rows split); y [n/P, m] is D (m x n, columns split).
-    const int64_t n = c.x_rows, kl = c.x_cols, nl = n / P;
-    const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
-    plan->m = m, plan->n = n, plan->k = kl * P;
-    if (c.transpose_w) {  // w [m, k/P] is op(A) = A^T with A k x m, rows split.
-      JCG_RETURN_IF_ERROR(CreateMatrix(plan->k, m, kl, m, kl, t, col_grid_.get(), &plan->a));
-    } else {  // w [k/P, m] is A (m x k), columns split.
-      JCG_RETURN_IF_ERROR(CreateMatrix(m, plan->k, m, kl, m, t, row_grid_.get(), &plan->a));
-    }
-    JCG_RETURN_IF_ERROR(CreateMatrix(plan->k, n, kl, nl, kl, t, col_grid_.get(), &plan->b));
-    JCG_RETURN_IF_ERROR(CreateMatrix(m, n, m, nl, m, t, row_grid_.get(), &plan->d));
+Status Context::WaitForStream(cudaStream_t stream, Clock::time_point deadline,
+                              const char* what) {
+  JCG_CUDA(cudaEventRecord(host_wait_event_.get(), stream));
+  Status s = WaitForEvent(host_wait_event_.get(), deadline, aborted_);
+  switch (s.code()) {
+    case Status::Code::kDeadlineExceeded:
+      return Status::DeadlineExceeded(PeerTimeout() + " while " + what);
+    case Status::Code::kAborted:
+      return AbortedStatus();
+    default:
+      return s;
   }
-  cublasMpMatmulDescriptor_t md = nullptr;
-  JCG_CUBLASMP(cublasMpMatmulDescriptorCreate(&md, CUBLAS_COMPUTE_32F));
-  plan->matmul.reset(md);
-  const cublasOperation_t trans_b = CUBLAS_OP_N;
-  JCG_RETURN_IF_ERROR(SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSA, trans_a));
-  JCG_RETURN_IF_ERROR(SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSB, trans_b));
-  JCG_RETURN_IF_ERROR(SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE, c.algorithm));
-  if (c.op == CommOp::kReduceScatter) {
-    // Partial sums travel in the output type, as XLA's psum_scatter does.
-    JCG_RETURN_IF_ERROR(SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_COMMUNICATION_TYPE, t));
-  }
-  const float alpha = 1.0f, beta = 0.0f;
-  JCG_CUBLASMP(cublasMpMatmul_bufferSize(
-      handle_.get(), md, plan->m, plan->n, plan->k, &alpha, c.w, 1, 1, plan->a.get(), c.x, 1, 1,
-      plan->b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1, plan->d.get(),
-      &plan->device_bytes, &plan->host_bytes));
+}
+
+// Sends this rank's key to every rank on stream_: keys_host_ holds this rank's
+// key, then every rank's, once the stream gets there.
+Status Context::EnqueueKeyExchange(const PlanKey& key) {
+  const PlanKeyBytes mine = SerializePlanKey(key);
+  auto* host = static_cast<unsigned char*>(keys_host_.get());
+  auto* device = static_cast<unsigned char*>(keys_device_.get());
+  std::memcpy(host, mine.data(), kPlanKeyBytes);
+  cudaStream_t s = stream_.get();
+  JCG_CUDA(cudaMemcpyAsync(device, host, kPlanKeyBytes, cudaMemcpyHostToDevice, s));
+  const ncclResult_t r = ncclAllGather(device, device + kPlanKeyBytes, kPlanKeyBytes, ncclUint8,
+                                       comm_.get(), s);
+  if (r != ncclSuccess) return NcclError("ncclAllGather", r, comm_.get());
+  JCG_CUDA(cudaMemcpyAsync(host + kPlanKeyBytes, device + kPlanKeyBytes,
+                           kPlanKeyBytes * options_.nranks, cudaMemcpyDeviceToHost, s));
   return Status();
 }
 
-Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream) {
+// Once per plan, before cuBLASMp sees its shapes: a rank whose shapes differ
+// would make its peers read and write past their buffers.
+Status Context::AgreeOnPlan(const PlanKey& key, Clock::time_point deadline) {
+  if (options_.nranks == 1) return Status();
+  JCG_RETURN_IF_ERROR(WithComm([&] { return EnqueueKeyExchange(key); }));
+  JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, "the ranks agreed on a new plan"));
+  const auto* gathered = static_cast<const unsigned char*>(keys_host_.get()) + kPlanKeyBytes;
+  return CheckGatheredPlanKeys(gathered, options_.nranks);
+}
+
+Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream,
+                                Clock::time_point deadline) {
   if (bytes <= workspace_.size()) return Status();
   // Earlier calls on these streams may still use the old buffer.
-  JCG_CUDA(cudaStreamSynchronize(stream));
-  JCG_CUDA(cudaStreamSynchronize(stream_.get()));
+  const char* what = "earlier calls finished before the workspace grew";
+  JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
+  JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
   const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
-  return workspace_.Allocate(col_grid_.get(), row_grid_.get(), rounded);
+  Status s = WithComm(
+      [&] { return workspace_.Allocate(col_grid_.get(), row_grid_.get(), rounded); });
+  workspace_bytes_ = workspace_.size();
+  return s;
 }
 
-Status Context::CopyGathered(const MatmulCall& c, const Plan& plan, cudaStream_t stream) const {
-  size_t offset = 0;
-  if (c.layout == GatheredLayout::kTail) {
-    if (c.gathered_bytes + kTailPadding > plan.device_bytes) {
-      return Status::FailedPrecondition(
-          "the gathered operand (" + std::to_string(c.gathered_bytes) +
-          " bytes) cannot sit at the tail of a " + std::to_string(plan.device_bytes) +
-          "-byte cuBLASMp workspace; the 'tail' layout does not hold here");
+Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
+  return CatchExceptions("jax_comm_gemm", [&]() -> Status {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::FailedPrecondition("jax_comm_gemm was shut down");
+    if (aborted_) return AbortedStatus();
+    const Clock::time_point start = Clock::now();
+    Status s;
+    {
+      CallTracker::HostCall host_call(tracker_, start);
+      s = CatchExceptions("jax_comm_gemm", [&] { return RunLocked(stream, call, start); });
     }
-    offset = plan.device_bytes - c.gathered_bytes - kTailPadding;
-  } else if (c.gathered_bytes > plan.device_bytes) {
-    return Status::FailedPrecondition(
-        "the gathered operand (" + std::to_string(c.gathered_bytes) +
-        " bytes) is larger than the " + std::to_string(plan.device_bytes) +
-        "-byte cuBLASMp workspace; the 'front' layout does not hold here");
-  }
-  JCG_CUDA(cudaMemcpyAsync(c.gathered, workspace_.data() + offset, c.gathered_bytes,
-                           cudaMemcpyDeviceToDevice, stream));
-  return Status();
+    switch (s.code()) {
+      case Status::Code::kOk:
+      case Status::Code::kAborted:  // already aborted; s says why
+        return s;
+      case Status::Code::kInvalidArgument:
+      case Status::Code::kFailedPrecondition:  // alike on every rank: still in step
+        s.message() = "jax_comm_gemm: " + s.message() + " (" + Where() + ")";
+        return s;
+      default:
+        return AbortFor(std::move(s));
+    }
+  });
 }
 
-Status Context::Run(cudaStream_t stream, const MatmulCall& c) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!comm_) return Status::FailedPrecondition("this cuBLASMp context was aborted");
+Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
+                          Clock::time_point start) {
+  const Clock::time_point deadline = start + call_timeout_;
   DeviceScope scope;
-  JCG_RETURN_IF_ERROR(scope.Enter(device_));
-  const PlanKey key{c.op,     static_cast<int>(c.dtype), c.transpose_w, static_cast<int>(c.algorithm),
-                    c.x_rows, c.x_cols,                   c.w_rows,      c.w_cols};
+  JCG_RETURN_IF_ERROR(scope.Enter(options_.device));
+  const PlanKey key = c.key();
   auto it = plans_.find(key);
   if (it == plans_.end()) {
-    if (plans_.size() >= kMaxPlans) plans_.clear();  // shapes churn: start over
+    JCG_RETURN_IF_ERROR(AgreeOnPlan(key, deadline));
+    // Shapes churn: start over. Every rank agreed on every plan, so every
+    // rank's cache is the same and all start over at the same call.
+    if (plans_.size() >= kMaxPlans) plans_.clear();
     Plan plan;
-    JCG_RETURN_IF_ERROR(MakePlan(c, &plan));
+    const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
+    JCG_RETURN_IF_ERROR(WithComm([&] { return MakePlan(target, c, &plan); }));
     it = plans_.emplace(key, std::move(plan)).first;
+    plan_count_ = plans_.size();
   }
   const Plan& plan = it->second;
-  JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream));
+  size_t gathered_offset = 0;
+  if (c.gathered != nullptr) {  // before any collective: fails alike on every rank
+    JCG_RETURN_IF_ERROR(
+        GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
+  }
+  JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
   if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   // Under kIsolated and kOwnStream, cuBLASMp runs on stream_, after everything
   // XLA enqueued before the call and before anything XLA enqueues after it.
-  const bool own = fence_ == Fence::kIsolated || fence_ == Fence::kOwnStream;
+  const Fence fence = options_.fence;
+  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
   cudaStream_t run = own ? stream_.get() : stream;
-  if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
-  JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
-  const float alpha = 1.0f, beta = 0.0f;
-  JCG_CUBLASMP(cublasMpMatmul(
-      handle_.get(), plan.matmul.get(), plan.m, plan.n, plan.k, &alpha, c.w, 1, 1, plan.a.get(),
-      c.x, 1, 1, plan.b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1, plan.d.get(),
-      workspace_.data(), plan.device_bytes, host_workspace_.data(), plan.host_bytes));
-  if (c.op == CommOp::kAllGather && c.gathered != nullptr) {
-    JCG_RETURN_IF_ERROR(CopyGathered(c, plan, run));
-  }
-  // The barrier keeps a peer's next call off this rank's workspace until the
-  // gathered copy above, which cuBLASMp does not know about, has read it.
-  if (fence_ == Fence::kIsolated || fence_ == Fence::kBarrier) {
-    JCG_RETURN_IF_ERROR(Barrier(run));
-  }
+  JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
+    if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
+    JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
+    const float alpha = 1.0f, beta = 0.0f;
+    JCG_CUBLASMP(cublasMpMatmul(
+        handle_.get(), plan.matmul.get(), plan.m, plan.n, plan.k, &alpha, c.w, 1, 1,
+        plan.a.get(), c.x, 1, 1, plan.b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1,
+        plan.d.get(), workspace_.data(), plan.device_bytes, host_workspace_.data(),
+        plan.host_bytes));
+    if (c.gathered != nullptr) {
+      JCG_CUDA(cudaMemcpyAsync(c.gathered, workspace_.data() + gathered_offset, c.gathered_bytes,
+                               cudaMemcpyDeviceToDevice, run));
+    }
+    // The barrier keeps a peer's next call off this rank's workspace until the
+    // gathered copy above, which cuBLASMp does not know about, has read it.
+    if (fence == Fence::kIsolated || fence == Fence::kBarrier) {
+      JCG_RETURN_IF_ERROR(Barrier(run));
+    }
+    return Status();
+  }));
+  // The watchdog times the call up to here, its last operation on `run`.
+  JCG_RETURN_IF_ERROR(tracker_.RecordCompletion(run, start));
   if (own) JCG_RETURN_IF_ERROR(Join(stream, run, event_out_.get()));
-  if (fence_ == Fence::kHost) JCG_CUDA(cudaStreamSynchronize(stream));
+  if (fence == Fence::kHost) {
+    JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, "the call finished (fence 'host')"));
+  }
   return Status();
 }
 

@@ -1,136 +1,148 @@
 // Context: everything one device needs to run cuBLASMp comm+GEMMs within one
 // tensor-parallel group: the group's NCCL communicator, a cuBLASMp handle, the
-// two 1-D process grids, descriptor plans per problem, and the registered
-// device workspace. One per (group, device); owned by the Registry.
+// two 1-D process grids, descriptor plans per problem, the registered device
+// workspace, and what the watchdog needs to tell whether its calls finish.
+// One per (group, device), shared (std::shared_ptr) by the Registry, the
+// watchdog and each call in flight, so that none of them outlives it.
+//
+// A context is healthy until Abort(reason): a call that failed in a way that
+// may leave the group out of step (a library error, a wait past the deadline),
+// or the watchdog (an NCCL error, a call that never completed). Abort frees
+// the communicator with ncclCommAbort (never a collective destroy); every later
+// call fails with the reason, and destruction leaks what only the peers or a
+// possibly stuck device could release (Abandon).
 #ifndef JAX_COMM_GEMM_CONTEXT_H_
 #define JAX_COMM_GEMM_CONTEXT_H_
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
-#include <tuple>
-#include <utility>
 #include <vector>
 
-#include <cublasmp.h>
 #include <cuda_runtime_api.h>
-#include <library_types.h>
 #include <nccl.h>
 
+#include "call_tracker.h"
+#include "constants.h"
+#include "cuda_wait.h"
 #include "handles.h"
+#include "plan.h"
+#include "plan_key.h"
 #include "status.h"
 
 namespace jax_comm_gemm {
 
-enum class CommOp { kAllGather, kReduceScatter };
-
-// Where cuBLASMp leaves the gathered operand B of an AllGather+GEMM in its
-// workspace. kFront: at offset 0 (documented for cuBLASMp >= 0.11.0).
-// kTail: after its cuBLASLt workspaces, ending 16 bytes before the end
-// (measured for 0.10.0). Python picks one and verifies it once (registry.py).
-enum class GatheredLayout : int64_t { kFront = 0, kTail = 1 };
-
-// One comm+GEMM call, in the row-major (JAX) terms of one shard:
-//   AllGather:      y[n, m/P] = AG(x[n/P, k]) @ w[k, m/P]   (w[m/P, k] if transpose_w)
-//   ReduceScatter:  y[n/P, m] = RS(x[n, k/P] @ w[k/P, m])   (w[m, k/P] if transpose_w)
-struct MatmulCall {
-  CommOp op;
-  cudaDataType_t dtype;
-  bool transpose_w;
-  cublasMpMatmulAlgoType_t algorithm;
-  const void* x;
-  int64_t x_rows, x_cols;
-  const void* w;
-  int64_t w_rows, w_cols;
-  void* y;
-  // AllGather only: where to copy the gathered x ([n, k]), or null.
-  void* gathered = nullptr;
-  size_t gathered_bytes = 0;
-  GatheredLayout layout = GatheredLayout::kFront;
+struct ContextOptions {
+  int64_t group = 0;  // the Registry's key for the group, for messages
+  int device = 0, nranks = 1, rank = 0;
+  Fence fence = Fence::kIsolated;
+  double call_timeout_s = 300;  // JAX_COMM_GEMM_TIMEOUT
 };
-
-// How a call is ordered against the XLA work around it (JAX_COMM_GEMM_FENCE,
-// which registry.py reads and passes to Registry::Connect). With cuBLASMp enqueued straight on XLA's
-// compute stream, XLA work around a fused call read wrong data on the 2xH200
-// test machine (about 1 run in 10 of the MLP checks; never with XLA's async
-// collectives off). Each fence below but kNone removed it there; see
-// benchmarks/results/2026-11-30_h200x2/README.md for the runs.
-enum class Fence {
-  kIsolated,   // "isolated" (default): kOwnStream, then a barrier on the group
-  kOwnStream,  // "own_stream": cuBLASMp on the context's stream, joined to XLA's by events
-  kBarrier,    // "barrier": on XLA's stream, a 1-element ncclAllReduce after the call
-  kHost,       // "host": on XLA's stream, then wait for it on the host (slowest)
-  kNone,       // "none": on XLA's stream, nothing else; for that investigation only
-};
-
-// The fences by name, the default first.
-const std::vector<std::pair<std::string, Fence>>& FenceNames();
-Status ParseFence(const std::string& name, Fence* out);
 
 class Context {
  public:
   // Collective: every member of the group calls it at the same time, each on
   // its own thread (or process).
-  static Status Create(int device, const ncclUniqueId& id, int nranks, int rank, Fence fence,
-                       std::unique_ptr<Context>* out);
-  // Collective as well (cublasMpFree, grid destruction): the Registry destroys
-  // all contexts concurrently at shutdown.
+  static Status Create(const ContextOptions& options, const ncclUniqueId& id,
+                       std::shared_ptr<Context>* out);
+  // Collective while healthy (cublasMpFree, grid destruction): the Registry
+  // destroys all contexts concurrently at shutdown. Local after an abort.
   ~Context();
   Context(const Context&) = delete;
   Context& operator=(const Context&) = delete;
 
-  // Enqueues the call on `stream`. Grows the workspace when a problem needs
-  // more (collective; every rank reaches the same call in SPMD programs).
-  Status Run(cudaStream_t stream, const MatmulCall& call);
+  // Enqueues the call on `stream`. The first call of a plan checks that every
+  // rank made the same plan; a call grows the workspace when it needs more
+  // (collective). A check that fails alike on every rank before the call's
+  // collectives (a plan mismatch, a layout that does not fit) leaves the
+  // context usable; any other failure aborts it: its peers are out of step.
+  Status Run(cudaStream_t stream, const MatmulCall& call) noexcept;
 
-  // After a peer failed: aborts the communicator and forgets the handles whose
-  // destruction would wait for peers. The context must not be used again.
-  void Abort();
+  // Any thread, any time; the first reason wins. Waits a few seconds at most
+  // for a library call on the communicator to return before freeing it.
+  void Abort(const std::string& reason) noexcept;
 
-  int device() const { return device_; }
-  int nranks() const { return nranks_; }
-  int rank() const { return rank_; }
-  size_t workspace_bytes() const;
-  size_t plan_count() const;
+  // The watchdog's poll: aborts the context on an NCCL asynchronous error or
+  // on a call that has outlived the call timeout.
+  void Watch(Clock::time_point now) noexcept;
+
+  // At shutdown: later calls fail at once.
+  void Close() noexcept { closed_ = true; }
+
+  int64_t group() const { return options_.group; }
+  int device() const { return options_.device; }
+  int nranks() const { return options_.nranks; }
+  int rank() const { return options_.rank; }
+  // These never wait for a call in flight (Registry::Describe polls them).
+  size_t workspace_bytes() const { return workspace_bytes_.load(); }
+  size_t plan_count() const { return plan_count_.load(); }
+  std::string error() const;  // "" while healthy, else why it was aborted
 
  private:
-  // Everything that fixes the descriptors and the workspace size of a call.
-  using PlanKey = std::tuple<CommOp, int, bool, int, int64_t, int64_t, int64_t, int64_t>;
-  struct Plan {
-    int64_t m = 0, n = 0, k = 0;
-    MatrixDescriptor a, b, d;
-    MatmulDescriptor matmul;
-    size_t device_bytes = 0, host_bytes = 0;
-  };
-  static constexpr size_t kMaxPlans = 64;
-
-  Context(int device, int nranks, int rank, Fence fence)
-      : device_(device), nranks_(nranks), rank_(rank), fence_(fence) {}
+  explicit Context(const ContextOptions& options);
   Status Init(const ncclUniqueId& id);
-  Status MakePlan(const MatmulCall& call, Plan* plan) const;
-  Status EnsureWorkspace(size_t bytes, cudaStream_t stream);
-  Status CopyGathered(const MatmulCall& call, const Plan& plan, cudaStream_t stream) const;
+  Status RunLocked(cudaStream_t stream, const MatmulCall& call, Clock::time_point start);
+  Status AgreeOnPlan(const PlanKey& key, Clock::time_point deadline);
+  Status EnqueueKeyExchange(const PlanKey& key);
+  Status EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
+  Status WaitForStream(cudaStream_t stream, Clock::time_point deadline, const char* what);
   Status Barrier(cudaStream_t stream);
   Status Join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event);
+  // Runs `body` (library calls that may touch the communicator) under
+  // comm_lock_, shared, unless the context was aborted.
+  template <typename Body>
+  Status WithComm(Body&& body);
+  Status AbortedStatus() const;
+  // Aborts the context for `error` and returns it, saying so.
+  Status AbortFor(Status error) noexcept;
+  std::string Where() const;       // "group 7, device 0, rank 1 of 2"
+  std::string PeerTimeout() const;  // "a peer did not answer within 300 s (...)"
+  void Abandon() noexcept;
 
-  const int device_, nranks_, rank_;
-  const Fence fence_;
+  static constexpr size_t kMaxPlans = 64;
+
+  const ContextOptions options_;
+  const Clock::duration call_timeout_;
+
+  // Locks, in the one order they may be taken (never the other way round):
+  //   mu_ -> comm_lock_ -> state_mu_ / the CallTracker's mutex (leaves).
+  // mu_ is held through a whole call, across blocking collectives, so nothing
+  // that must stay responsive takes it: Abort, Watch and the queries above do
+  // not. Abort takes comm_lock_ exclusively (with a timeout) so that it frees
+  // the communicator only when no library call is using it. Registry::mu_ is
+  // never held while any of these is taken.
+  std::mutex mu_;  // one call at a time per context
+  std::shared_timed_mutex comm_lock_;
+  mutable std::mutex state_mu_;
+  std::string error_;  // guarded by state_mu_
+  std::atomic<bool> aborted_{false};
+  std::atomic<bool> closed_{false};
+  std::atomic<size_t> workspace_bytes_{0};
+  std::atomic<size_t> plan_count_{0};
+  CallTracker tracker_;
+
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.
+  // comm_ never changes after Init, so threads may read it without a lock.
   NcclComm comm_;
   CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns
   CudaEvent event_in_, event_out_;  // XLA's stream -> stream_ -> XLA's stream
-  DeviceBuffer barrier_word_;        // the one float the barrier all-reduces
+  CudaEvent host_wait_event_;       // the bounded host waits, one at a time
+  DeviceBuffer barrier_word_;       // the one float the barrier all-reduces
+  DeviceBuffer keys_device_;        // plan agreement: this rank's key, then all ranks'
+  PinnedHostBuffer keys_host_;      // pinned, so the copies never block the host
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;
   std::vector<char> host_workspace_;
-  mutable std::mutex mu_;  // one call at a time per context
 };
 
 }  // namespace jax_comm_gemm

@@ -1,6 +1,7 @@
-// RAII owners for the NCCL and cuBLASMp handles of a context. Each wrapper
-// frees its handle exactly once; destroy errors are ignored because they only
-// happen at shutdown, where nothing can be done about them.
+// RAII owners for the CUDA, NCCL and cuBLASMp handles of a context. Each
+// wrapper frees its handle exactly once; destroy errors are ignored because they
+// only happen at shutdown, where nothing can be done about them. After an abort
+// a context leaks its handles instead (release()): see Context::Abandon.
 #ifndef JAX_COMM_GEMM_HANDLES_H_
 #define JAX_COMM_GEMM_HANDLES_H_
 
@@ -13,7 +14,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "status.h"
+#include "library_status.h"
 
 namespace jax_comm_gemm {
 
@@ -31,6 +32,7 @@ using NcclComm = Owned<ncclComm_t, ncclCommDestroy>;
 using CudaStream = Owned<cudaStream_t, cudaStreamDestroy>;
 using CudaEvent = Owned<cudaEvent_t, cudaEventDestroy>;
 using DeviceBuffer = Owned<void*, cudaFree>;
+using PinnedHostBuffer = Owned<void*, cudaFreeHost>;  // for copies that must not block the host
 using CublasMpHandle = Owned<cublasMpHandle_t, cublasMpDestroy>;
 using Grid = Owned<cublasMpGrid_t, cublasMpGridDestroy>;
 using MatrixDescriptor = Owned<cublasMpMatrixDescriptor_t, cublasMpMatrixDescriptorDestroy>;

@@ -1,23 +1,18 @@
 #include "registry.h"
 
+#include <algorithm>
 #include <chrono>
-#include <condition_variable>
-#include <future>
 #include <string>
 #include <thread>
+
+#include "collective_setup.h"
 
 namespace jax_comm_gemm {
 namespace {
 
-struct Created {
-  Status status;
-  Context* context = nullptr;  // owned by whoever collects it in time
-};
-
-std::string Where(int64_t group, int device, int rank) {
-  return "group " + std::to_string(group) + ", device " + std::to_string(device) + ", rank " +
-         std::to_string(rank);
-}
+// How often the watchdog looks at every context: an NCCL error query and a
+// few event queries each, cheap next to the timeouts it enforces.
+constexpr auto kWatchInterval = std::chrono::milliseconds(100);
 
 }  // namespace
 
@@ -26,66 +21,33 @@ Registry& Registry::Instance() {
   return *registry;
 }
 
-Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s) {
-  struct Pending {
-    int64_t group;
-    int device, rank;
-    std::future<Created> result;
-  };
-  std::vector<Pending> pending;
+Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s,
+                         double call_timeout_s) {
+  std::vector<ContextRequest> requests;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (shut_down_) return Status::FailedPrecondition("jax_comm_gemm was shut down");
     for (const GroupSpec& g : groups) {
       for (auto [device, rank] : g.local_members) {
         if (contexts_.count({g.key, device})) continue;
-        // A detached thread per member: a member that never returns (a peer
-        // that never joined) must not block the caller past the deadline.
-        auto task = std::make_shared<std::packaged_task<Created()>>(
-            [device = device, rank = rank, id = g.id, nranks = g.nranks, fence] {
-              Created out;
-              std::unique_ptr<Context> ctx;
-              out.status = Context::Create(device, id, nranks, rank, fence, &ctx);
-              out.context = ctx.release();
-              return out;
-            });
-        pending.push_back({g.key, device, rank, task->get_future()});
-        std::thread([task] { (*task)(); }).detach();
+        ContextOptions o;
+        o.group = g.key, o.device = device, o.nranks = g.nranks, o.rank = rank;
+        o.fence = fence, o.call_timeout_s = call_timeout_s;
+        requests.push_back({o, g.id});
       }
     }
   }
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s));
-  Status first_error;
-  std::vector<std::pair<const Pending*, Context*>> made;
-  for (Pending& p : pending) {
-    if (p.result.wait_until(deadline) != std::future_status::ready) {
-      if (first_error.ok()) {
-        first_error = Status::FailedPrecondition(
-            "NCCL/cuBLASMp set-up of " + Where(p.group, p.device, p.rank) +
-            " did not finish within " + std::to_string(timeout_s) +
-            " s: a member of the tensor-parallel group did not join (every process must run "
-            "the same jitted program; raise JAX_COMM_GEMM_CONNECT_TIMEOUT for slow starts)");
-      }
-      continue;  // abandoned: its thread may still be blocked in NCCL
-    }
-    Created c = p.result.get();
-    if (!c.status.ok() && first_error.ok()) {
-      first_error = Status(c.status.code() == Status::Code::kInternal
-                               ? Status::Internal(Where(p.group, p.device, p.rank) + ": " +
-                                                  c.status.message())
-                               : c.status);
-    }
-    if (c.context != nullptr) made.emplace_back(&p, c.context);
-  }
-  if (!first_error.ok()) {
-    // Peers of a failed member cannot complete collectives: abort, then leak.
-    for (auto& [p, ctx] : made) ctx->Abort();
-    return first_error;
-  }
+  std::vector<std::shared_ptr<Context>> made;
+  JCG_RETURN_IF_ERROR(CreateContexts(requests, timeout_s, &made));
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [p, ctx] : made) contexts_[{p->group, p->device}].reset(ctx);
+  for (auto& ctx : made) {
+    // Python connects from one thread; should two connects race, keep the first.
+    auto [it, inserted] = contexts_.emplace(std::make_pair(ctx->group(), ctx->device()), ctx);
+    if (!inserted) ctx->Abort("a duplicate of an existing context");
+  }
+  if (!watchdog_ && !contexts_.empty()) {
+    watchdog_ = std::make_unique<Watchdog>([this] { WatchAll(); }, kWatchInterval);
+  }
   return Status();
 }
 
@@ -99,12 +61,12 @@ Status Registry::Bind(int64_t comm_id, const std::vector<std::pair<int, int64_t>
                                         " on device " + std::to_string(device) +
                                         "; connect() it first");
     }
-    bindings_[{comm_id, device}] = it->second.get();
+    bindings_[{comm_id, device}] = it->second;
   }
   return Status();
 }
 
-Context* Registry::Find(int64_t comm_id, int device, Status* error) {
+std::shared_ptr<Context> Registry::Find(int64_t comm_id, int device, Status* error) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = bindings_.find({comm_id, device});
   if (it != bindings_.end()) return it->second;
@@ -117,35 +79,60 @@ Context* Registry::Find(int64_t comm_id, int device, Status* error) {
   return nullptr;
 }
 
+std::vector<std::shared_ptr<Context>> Registry::Snapshot() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Context>> out;
+  for (const auto& [key, ctx] : contexts_) out.push_back(ctx);
+  return out;
+}
+
+void Registry::WatchAll() noexcept {
+  try {
+    const Clock::time_point now = Clock::now();
+    for (const auto& ctx : Snapshot()) ctx->Watch(now);
+  } catch (...) {
+    // Out of memory for the snapshot: the next poll tries again.
+  }
+}
+
 bool Registry::Shutdown(double timeout_s) {
-  std::map<std::pair<int64_t, int>, std::unique_ptr<Context>> contexts;
+  const Clock::time_point deadline = Clock::now() + SecondsToDuration(timeout_s);
+  std::vector<std::shared_ptr<Context>> contexts;
+  std::unique_ptr<Watchdog> watchdog;
   {
     std::lock_guard<std::mutex> lock(mu_);
     shut_down_ = true;
     bindings_.clear();
-    contexts.swap(contexts_);
+    for (auto& [key, ctx] : contexts_) contexts.push_back(std::move(ctx));
+    contexts_.clear();
+    watchdog = std::move(watchdog_);
   }
-  if (contexts.empty()) return true;
-  auto state = std::make_shared<std::pair<std::mutex, std::condition_variable>>();
-  auto remaining = std::make_shared<size_t>(contexts.size());
-  for (auto& [key, ctx] : contexts) {
-    std::thread([ctx = ctx.release(), state, remaining] {
-      delete ctx;
-      std::lock_guard<std::mutex> lock(state->first);
-      if (--*remaining == 0) state->second.notify_all();
-    }).detach();
+  watchdog.reset();  // joins its thread, which drops its references
+  for (auto& ctx : contexts) ctx->Close();
+  // Calls in flight hold references of their own; closed, the contexts turn new
+  // calls away, so once a count reaches 1 it stays there.
+  auto idle = [&] {
+    return std::all_of(contexts.begin(), contexts.end(),
+                       [](const auto& c) { return c.use_count() == 1; });
+  };
+  while (!idle() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  std::unique_lock<std::mutex> lock(state->first);
-  return state->second.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                                [&] { return *remaining == 0; });
+  bool in_time = true;
+  for (auto& ctx : contexts) {
+    if (ctx.use_count() == 1) continue;
+    // Destroyed when its call lets go, then without collective frees.
+    ctx->Abort("jax_comm_gemm was shut down while a call on this context was still running");
+    in_time = false;
+  }
+  return DestroyContexts(std::move(contexts), deadline) && in_time;
 }
 
 std::vector<ContextInfo> Registry::Describe() {
-  std::lock_guard<std::mutex> lock(mu_);
   std::vector<ContextInfo> out;
-  for (auto& [key, ctx] : contexts_) {
-    out.push_back({key.first, ctx->device(), ctx->rank(), ctx->nranks(), ctx->workspace_bytes(),
-                   ctx->plan_count()});
+  for (const auto& ctx : Snapshot()) {
+    out.push_back({ctx->group(), ctx->device(), ctx->rank(), ctx->nranks(),
+                   ctx->workspace_bytes(), ctx->plan_count(), ctx->error()});
   }
   return out;
 }

@@ -1,10 +1,11 @@
 // Registry: the project's one piece of global state. It owns every Context,
-// keyed by (tensor-parallel group, device), and maps the `comm_id` attribute of
-// a custom call plus the executing device to the context to run on.
+// keyed by (tensor-parallel group, device), maps the `comm_id` attribute of a
+// custom call plus the executing device to the context to run on, and owns the
+// watchdog that polls the contexts.
 //
-// Python fills it while lowering (registry.py): connect() creates the contexts
-// of the groups this process takes part in, bind() names the set of groups that
-// one mesh axis forms. The FFI handlers only look contexts up.
+// Python fills it while lowering: connect() creates the contexts of the groups
+// this process takes part in, bind() names the set of groups that one mesh axis
+// forms. The FFI handlers only look contexts up.
 #ifndef JAX_COMM_GEMM_REGISTRY_H_
 #define JAX_COMM_GEMM_REGISTRY_H_
 
@@ -13,19 +14,22 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include <nccl.h>
 
+#include "constants.h"
 #include "context.h"
 #include "status.h"
+#include "watchdog.h"
 
 namespace jax_comm_gemm {
 
 struct GroupSpec {
-  int64_t key;                                  // identifies the group's devices
-  ncclUniqueId id;                              // shared by all members
+  int64_t key;                                     // identifies the group's devices
+  ncclUniqueId id;                                 // shared by all members
   int nranks;
   std::vector<std::pair<int, int>> local_members;  // (device ordinal, rank) on this process
 };
@@ -34,6 +38,7 @@ struct ContextInfo {
   int64_t group;
   int device, rank, nranks;
   size_t workspace_bytes, plans;
+  std::string error;  // "" while healthy
 };
 
 class Registry {
@@ -42,32 +47,42 @@ class Registry {
   // Python calls Shutdown() at exit.
   static Registry& Instance();
 
-  // Creates the contexts of `groups` that do not exist yet, one thread per
-  // local member so that the collective set-up of all members overlaps; each
-  // orders its calls by `fence`. Fails, aborting what it made, if any member
-  // fails or the set-up outlasts `timeout_s`.
-  Status Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s);
+  // Creates the contexts of `groups` that do not exist yet, concurrently (their
+  // set-up is collective); each orders its calls by `fence` and aborts a call
+  // that outlives `call_timeout_s`. Fails, aborting what it made, if any member
+  // fails or the set-up outlasts `timeout_s`. Starts the watchdog.
+  Status Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s,
+                 double call_timeout_s);
 
   // `comm_id` on `device` runs on the context of group `group`.
   Status Bind(int64_t comm_id, const std::vector<std::pair<int, int64_t>>& device_groups);
 
-  // The context for a custom call, or null with `error` set.
-  Context* Find(int64_t comm_id, int device, Status* error);
+  // The context for a custom call, or null with `error` set. The caller's
+  // reference keeps the context alive through the call.
+  std::shared_ptr<Context> Find(int64_t comm_id, int device, Status* error);
 
-  // Destroys every context, concurrently (their destruction is collective).
-  // Returns false if that outlasted `timeout_s`; the rest is then left to
-  // process exit.
+  // Stops the watchdog, lets calls in flight finish (aborting the contexts of
+  // those still running at the deadline), then destroys every context,
+  // concurrently. Returns false if that did not all finish within `timeout_s`.
   bool Shutdown(double timeout_s);
 
+  // Never waits for a call in flight.
   std::vector<ContextInfo> Describe();
 
  private:
   Registry() = default;
+  std::vector<std::shared_ptr<Context>> Snapshot();
+  void WatchAll() noexcept;
 
+  // mu_ guards the members below and nothing else: it is never held while
+  // calling into a Context (so never while taking a context's locks), nor
+  // while stopping the watchdog, whose poll takes it. context.h gives the
+  // order of the contexts' own locks.
   std::mutex mu_;
   bool shut_down_ = false;
-  std::map<std::pair<int64_t, int>, std::unique_ptr<Context>> contexts_;  // (group, device)
-  std::map<std::pair<int64_t, int>, Context*> bindings_;                  // (comm_id, device)
+  std::map<std::pair<int64_t, int>, std::shared_ptr<Context>> contexts_;  // (group, device)
+  std::map<std::pair<int64_t, int>, std::shared_ptr<Context>> bindings_;  // (comm_id, device)
+  std::unique_ptr<Watchdog> watchdog_;
 };
 
 }  // namespace jax_comm_gemm

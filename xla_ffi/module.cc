@@ -1,0 +1,151 @@
+// The Python module `jax_comm_gemm._comm_gemm`: the handlers' capsules, the
+// library versions, and the Registry's entry points. nanobind turns a C++
+// exception into a Python one, so these may throw; Status errors become
+// RuntimeError, malformed arguments ValueError.
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <cublasmp.h>
+#include <nccl.h>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/pair.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/tuple.h"
+#include "nanobind/stl/vector.h"
+
+#include "constants.h"
+#include "handlers.h"
+#include "registry.h"
+#include "status.h"
+
+namespace nb = nanobind;
+
+namespace jax_comm_gemm {
+namespace {
+
+void ThrowIfError(const Status& s) {
+  if (!s.ok()) throw std::runtime_error(s.message());
+}
+
+using GroupTuple = std::tuple<int64_t, nb::bytes, int, std::vector<std::pair<int, int>>>;
+
+std::vector<GroupSpec> ToSpecs(const std::vector<GroupTuple>& groups) {
+  std::vector<GroupSpec> specs;
+  for (const auto& [key, id, nranks, members] : groups) {
+    GroupSpec g;
+    g.key = key;
+    if (id.size() != sizeof(g.id.internal)) {
+      throw std::invalid_argument("an ncclUniqueId has " + std::to_string(sizeof(g.id.internal)) +
+                                  " bytes");
+    }
+    std::memcpy(g.id.internal, id.c_str(), sizeof(g.id.internal));
+    g.nranks = nranks;
+    g.local_members = members;
+    specs.push_back(std::move(g));
+  }
+  return specs;
+}
+
+void Connect(const std::vector<GroupTuple>& groups, const std::string& fence_name,
+             double timeout_s, double call_timeout_s) {
+  const std::optional<Fence> fence = FenceByName(fence_name);
+  if (!fence) {
+    throw std::runtime_error("'" + fence_name + "' is not a fence; use one of " + FenceList());
+  }
+  if (!(call_timeout_s > 0)) {
+    throw std::invalid_argument("call_timeout_s must be positive, got " +
+                                std::to_string(call_timeout_s));
+  }
+  std::vector<GroupSpec> specs = ToSpecs(groups);
+  nb::gil_scoped_release release;  // XLA threads may need the GIL meanwhile
+  ThrowIfError(Registry::Instance().Connect(specs, *fence, timeout_s, call_timeout_s));
+}
+
+nb::list Contexts() {
+  nb::list out;
+  for (const ContextInfo& c : Registry::Instance().Describe()) {
+    nb::dict d;
+    d["group"] = c.group;
+    d["device"] = c.device;
+    d["rank"] = c.rank;
+    d["nranks"] = c.nranks;
+    d["workspace_bytes"] = c.workspace_bytes;
+    d["plans"] = c.plans;
+    d["error"] = c.error;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace jax_comm_gemm
+
+NB_MODULE(_comm_gemm, m) {
+  namespace jcg = jax_comm_gemm;
+
+  m.def("handlers", [] {
+    nb::dict d;
+    d[jcg::kAllGatherMatmulTarget] = nb::capsule(reinterpret_cast<void*>(kAllGatherMatmul));
+    d[jcg::kMatmulReduceScatterTarget] = nb::capsule(reinterpret_cast<void*>(kMatmulReduceScatter));
+    return d;
+  }, "The FFI handlers by target name (the names _constants.constants() lists).");
+
+  m.def("cublasmp_version", [] {
+    int version = 0;
+    return cublasMpGetVersion(&version) == CUBLASMP_STATUS_SUCCESS ? version : 0;
+  }, "cuBLASMp's version as major*10000 + minor*100 + patch; 0 if it does not answer.");
+
+  m.def("nccl_version", [] {
+    int version = 0;
+    return ncclGetVersion(&version) == ncclSuccess ? version : 0;
+  });
+
+  m.def("nccl_unique_id", [] {
+    ncclUniqueId id;
+    const ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) {
+      throw std::runtime_error(std::string("ncclGetUniqueId failed: ") + ncclGetErrorString(r));
+    }
+    return nb::bytes(id.internal, sizeof(id.internal));
+  }, "A new ncclUniqueId (its process hosts the bootstrap root).");
+
+  m.def("connect", &jcg::Connect, nb::arg("groups"), nb::arg("fence"), nb::arg("timeout_s"),
+        nb::arg("call_timeout_s"),
+        "Creates the contexts of (group key, unique id, nranks, [(device, rank)]) groups,\n"
+        "which order their calls by `fence` (one of fences()). Set-up must finish within\n"
+        "`timeout_s`; afterwards a call that does not complete within `call_timeout_s`\n"
+        "(JAX_COMM_GEMM_TIMEOUT) aborts its context's communicator.");
+
+  m.def("fences", [] {
+    std::vector<std::string> names;
+    for (const jcg::FenceName& f : jcg::kFences) names.push_back(f.name);
+    return names;
+  }, "The fence names that connect() takes, the default first.");
+
+  m.def(
+      "bind",
+      [](int64_t comm_id, const std::vector<std::pair<int, int64_t>>& device_groups) {
+        jcg::ThrowIfError(jcg::Registry::Instance().Bind(comm_id, device_groups));
+      },
+      nb::arg("comm_id"), nb::arg("device_groups"));
+
+  m.def(
+      "shutdown",
+      [](double timeout_s) {
+        nb::gil_scoped_release release;
+        return jcg::Registry::Instance().Shutdown(timeout_s);
+      },
+      nb::arg("timeout_s"),
+      "Destroys every context; False if that outlasted `timeout_s` (the rest is leaked).");
+
+  m.def("contexts", &jcg::Contexts,
+        "One dict per context: group, device, rank, nranks, workspace_bytes, plans, and\n"
+        "error ('' while healthy, else why its communicator was aborted).");
+}

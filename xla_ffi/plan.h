@@ -1,0 +1,68 @@
+// MatmulCall, one comm-GEMM call as the handlers see it, and Plan, the
+// cuBLASMp descriptors and workspace sizes made for it once and then reused.
+#ifndef JAX_COMM_GEMM_PLAN_H_
+#define JAX_COMM_GEMM_PLAN_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cublasmp.h>
+#include <library_types.h>
+
+#include "constants.h"
+#include "handles.h"
+#include "plan_key.h"
+#include "status.h"
+
+namespace jax_comm_gemm {
+
+// One comm+GEMM call, in the row-major (JAX) terms of one shard:
+//   AllGather:      y[n, m/P] = AG(x[n/P, k]) @ w[k, m/P]   (w[m/P, k] if transpose_w)
+//   ReduceScatter:  y[n/P, m] = RS(x[n, k/P] @ w[k/P, m])   (w[m, k/P] if transpose_w)
+struct MatmulCall {
+  CommOp op = CommOp::kAllGather;
+  cudaDataType_t dtype = CUDA_R_32F;
+  bool transpose_w = false;
+  cublasMpMatmulAlgoType_t algorithm = CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT;
+  const void* x = nullptr;
+  int64_t x_rows = 0, x_cols = 0;
+  const void* w = nullptr;
+  int64_t w_rows = 0, w_cols = 0;
+  void* y = nullptr;
+  // AllGather only: where to copy the gathered x ([n, k]), or null.
+  void* gathered = nullptr;
+  size_t gathered_bytes = 0;
+  GatheredLayout layout = GatheredLayout::kFront;
+
+  PlanKey key() const {
+    return {op,     static_cast<int64_t>(dtype), transpose_w, static_cast<int64_t>(algorithm),
+            x_rows, x_cols,                      w_rows,      w_cols};
+  }
+};
+
+struct Plan {
+  int64_t m = 0, n = 0, k = 0;  // cuBLASMp's global problem
+  MatrixDescriptor a, b, d;
+  MatmulDescriptor matmul;
+  size_t device_bytes = 0, host_bytes = 0;
+
+  // Leaks the descriptors (after an abort; see Context::Abandon).
+  void Abandon() {
+    (void)a.release(), (void)b.release(), (void)d.release(), (void)matmul.release();
+  }
+};
+
+// What a plan is made on: one context's handle and grids.
+struct PlanTarget {
+  cublasMpHandle_t handle;
+  cublasMpGrid_t col_grid;  // nranks x 1: matrices split along their rows
+  cublasMpGrid_t row_grid;  // 1 x nranks: matrices split along their columns
+  int64_t nranks;
+};
+
+// Creates the descriptors of `call` and asks cuBLASMp for its workspace sizes.
+Status MakePlan(const PlanTarget& target, const MatmulCall& call, Plan* plan);
+
+}  // namespace jax_comm_gemm
+
+#endif  // JAX_COMM_GEMM_PLAN_H_
