@@ -2,11 +2,15 @@
 
 * ``base``: the interface. ``xla``: XLA's collectives (runs everywhere).
 * ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
+* ``auto``: per problem, the implementation that measured fastest; ``tuning``
+  measures it (``autotune``).
 * ``select``: which one a layer takes (``choose_backend``), and why.
 
 A new backend is one module here implementing ``base.Backend``.
 """
 
+from jax_comm_gemm.backends.auto import AutoBackend
+from jax_comm_gemm.backends.tuning import autotune
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.select import Choice, choose_backend, resolve_backend
@@ -14,6 +18,6 @@ from jax_comm_gemm.backends.xla import (XlaBackend, all_gather_tokens, gathered_
                                         local_matmul, ring_matmul_reduce_scatter)
 from jax_comm_gemm.runtime.capability import Capability
 
-__all__ = ["Backend", "Capability", "Choice", "CublasMpBackend", "XlaBackend",
+__all__ = ["AutoBackend", "Backend", "autotune", "Capability", "Choice", "CublasMpBackend", "XlaBackend",
            "all_gather_tokens", "choose_backend", "gathered_matmul_t", "local_matmul",
            "resolve_backend", "ring_matmul_reduce_scatter"]

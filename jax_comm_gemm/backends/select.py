@@ -8,6 +8,7 @@ import warnings
 
 import jax
 
+from jax_comm_gemm.backends.auto import AutoBackend
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import XlaBackend
@@ -23,7 +24,24 @@ class Choice:
 def choose_backend(config, axis_name: str, mesh=None) -> Choice:
   """The backend for `config` (a ``CommGemmConfig``) on `axis_name` of `mesh`
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
-  reason."""
+  reason. Says once if the config's cuBLASMp options do nothing there."""
+  choice = _choose(config, axis_name, mesh)
+  if isinstance(choice.backend, XlaBackend):
+    unused = [f"{name}={getattr(config, name)!r}" for name, default in _FUSED_OPTIONS
+              if getattr(config, name) != default]
+    if unused:
+      warnings.warn(f"jax_comm_gemm: CommGemmConfig({', '.join(unused)}) has no effect: "
+                    f"the layers run on XLA's collectives ({choice.reason})",
+                    RuntimeWarning, stacklevel=3)
+  return choice
+
+
+# The config fields that only the cuBLASMp backend reads, with their defaults.
+_FUSED_OPTIONS = (("all_gather_algorithm", "split_p2p"), ("reduce_scatter", "xla"),
+                  ("gathered_layout", None))
+
+
+def _choose(config, axis_name, mesh) -> Choice:
   forced = settings.backend_override()
   requested = forced or config.backend
   if forced == "xla":
@@ -47,11 +65,14 @@ def choose_backend(config, axis_name: str, mesh=None) -> Choice:
     if requested == "cublasmp":
       raise RuntimeError(f"backend='cublasmp': {why}")
     warnings.warn(f"jax_comm_gemm: {why}; using XLA's collectives", RuntimeWarning,
-                  stacklevel=2)
+                  stacklevel=3)
     return Choice(XlaBackend(), why)
-  return Choice(CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter,
-                                config.gathered_layout),
-                f"{status.reason}, axis {axis_name!r} connected")
+  fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter,
+                          config.gathered_layout)
+  if requested == "cublasmp":
+    return Choice(fused, f"backend='cublasmp': {status.reason}, axis {axis_name!r} connected")
+  return Choice(AutoBackend(fused), f"backend='auto': per problem, the fastest measured "
+                                    f"({status.reason}, axis {axis_name!r} connected)")
 
 
 def resolve_backend(config, axis_name: str = "tp", mesh=None) -> Backend:

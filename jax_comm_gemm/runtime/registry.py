@@ -7,7 +7,9 @@ It holds what this process knows about the cuBLASMp runtime, and nothing else:
 * the mesh axes that ``connect`` set up, and the NCCL groups behind them (the
   communicators themselves live in the C++ registry, which owns every context);
 * the capability verdicts of the self-test (``verdict``), which the custom_vjp
-  rules read at trace time.
+  rules read at trace time;
+* the choices of ``backend="auto"`` per problem (``decision``), measured by
+  ``backends.autotune``, and the problems traced without one (``wanted``).
 
 Reading it never touches NCCL: tracing, lowering and ``jax.eval_shape`` only
 read. Everything collective happens in ``communicators.connect``.
@@ -46,6 +48,8 @@ class Registry:
     self._groups: set[int] = set()            # NCCL groups made on this process
     self._attempts: dict[int, int] = {}       # comm_id -> connect attempts so far
     self._verdicts: dict[VerdictKey, Capability] = {}
+    self._decisions: dict = {}                # problem key -> (implementation, reason)
+    self._wanted: dict = {}                   # traced problems without a decision, in order
 
   # --- the extension and the library ------------------------------------------
 
@@ -113,6 +117,24 @@ class Registry:
     with self._lock:
       found = self._verdicts.get(key)
     return found if found is not None else untested(key)
+
+  def decision(self, key):
+    """The measured choice for a problem, or None (and the problem is noted
+    as wanted, for the next autotune)."""
+    with self._lock:
+      found = self._decisions.get(key)
+      if found is None:
+        self._wanted.setdefault(key, None)
+      return found
+
+  def record_decision(self, key, decision) -> None:
+    with self._lock:
+      self._decisions[key] = decision
+      self._wanted.pop(key, None)
+
+  def wanted(self) -> list:
+    with self._lock:
+      return list(self._wanted)
 
   def contexts(self) -> list[dict]:
     """One dict per context on this process (device, rank, workspace bytes...)."""

@@ -16,6 +16,8 @@ FENCE = "JAX_COMM_GEMM_FENCE"                  # how calls are ordered against X
 ALLOW_UNSAFE_FENCE = "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE"
 CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"  # seconds for communicator set-up
 CALL_TIMEOUT = "JAX_COMM_GEMM_TIMEOUT"         # seconds a call may wait for its peers
+AUTOTUNE = "JAX_COMM_GEMM_AUTOTUNE"            # "on", "off", or an implementation to force
+AUTOTUNE_CACHE = "JAX_COMM_GEMM_AUTOTUNE_CACHE"  # the JSON file of measured choices
 
 BACKENDS = ("auto", "cublasmp", "xla")
 
@@ -70,3 +72,22 @@ def connect_timeout_s() -> float:
 
 def call_timeout_s() -> float:
   return _seconds(CALL_TIMEOUT, 300.0)
+
+
+def autotune(implementations) -> str:
+  """$JAX_COMM_GEMM_AUTOTUNE: "on" (measure, the default), "off" (no
+  measuring: the rule of thumb decides) or one of `implementations`, which
+  backend="auto" then takes for every op that can run it."""
+  value = os.environ.get(AUTOTUNE, "").strip().lower() or "on"
+  allowed = ("on", "off", *implementations)
+  if value not in allowed:
+    raise ValueError(f"environment variable {AUTOTUNE}={value!r}: allowed values are "
+                     f"{allowed}")
+  return value
+
+
+def autotune_cache() -> str:
+  """Where measured choices are kept between runs ("" keeps them in memory)."""
+  default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+                         "jax_comm_gemm", "autotune.json")
+  return os.environ.get(AUTOTUNE_CACHE, default)

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import primitives
+from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import VerdictKey
 from jax_comm_gemm.runtime.constants import FENCES, TARGETS
@@ -191,7 +192,8 @@ def mlp_reference(x, w1, w2, g):
   return y, dh @ w1.T, x.T @ dh, a.T @ g
 
 
-def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False):
+def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
+              backend: str = "cublasmp"):
   """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
   n, d, f = 1024, 512, 1024
   dt = DTYPES[dtype]
@@ -200,7 +202,7 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False)
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
   x, w1, w2, g = (put(mesh, a, s, dt) for a, s in
                   zip(hosts, (P("tp"), P(None, "tp"), P("tp"), P("tp"))))
-  config = cublasmp(reduce_scatter=reduce_scatter)
+  config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter)
 
   def loss(x, w1, w2, g):
     y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)
@@ -419,6 +421,28 @@ def check_memory_flat(mesh, steps: int = 200):
   return {"memory_used_mib": [before[0], after[0]], "workspace_bytes": after[1]}
 
 
+def check_autotune(mesh):
+  """autotune measures every candidate and every process takes the same choice
+  (the test compares the processes' answers); backend="auto" then computes
+  the MLP right with whatever was chosen."""
+  size = mesh.shape["tp"]
+  problems = [Problem(AG, 2048, 4096, 2048, "bfloat16", False, size),
+              Problem(AG, 4096, 4096, 4096 // size, "bfloat16", False, size),
+              Problem(RS, 4096, 4096 // size, 4096, "bfloat16", False, size)]
+  os.environ[settings.AUTOTUNE_CACHE] = ""  # measure now, whatever an earlier run kept
+  try:
+    choices = jcg.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
+  finally:
+    del os.environ[settings.AUTOTUNE_CACHE]
+  assert set(choices) == set(problems), choices
+  for p, (name, why) in choices.items():
+    assert name in CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
+  errs = check_mlp(mesh, "bf16", backend="auto")
+  return {"choices": {p.text(): list(c) for p, c in sorted(choices.items(),
+                                                           key=lambda i: i[0].text())},
+          "mlp_auto": errs}
+
+
 def check_status(mesh):
   status = jcg.cublasmp_status()
   assert status.ok, status.reason
@@ -443,7 +467,9 @@ CHECKS["layout_self_test"] = check_layout_self_test
 CHECKS["fences"] = check_fences
 CHECKS["ffi_errors"] = check_ffi_errors
 CHECKS["memory_flat"] = check_memory_flat
+CHECKS["autotune"] = check_autotune
 
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
-                         "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_repeated", "routing")
+                         "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_repeated", "routing",
+                         "layout_self_test", "autotune")

@@ -124,3 +124,11 @@ def test_one_process_per_gpu(check, multi_process_results):
 @pytest.mark.parametrize("check", checks.SINGLE_PROCESS_CHECKS)
 def test_one_process_all_gpus(check, single_process_results):
   _assert_ok(single_process_results[check])
+
+
+def test_autotune_takes_the_same_choice_on_every_rank(multi_process_results):
+  """Process 0 decides and publishes; the others must have recorded the same."""
+  per_process = multi_process_results["autotune"]
+  _assert_ok(per_process)
+  choices = [r["details"]["choices"] for r in per_process]
+  assert all(c == choices[0] for c in choices), choices

@@ -1,0 +1,127 @@
+"""``backend="auto"``: per problem, the implementation that measured fastest.
+
+A problem is one op at one shape: (op, local rows, k, local m, dtype,
+transpose, group size). Its implementation comes from, in order:
+
+1. ``$JAX_COMM_GEMM_AUTOTUNE`` naming an implementation (forced);
+2. the choice ``autotune`` measured (once per process, cached on disk, the
+   same on every rank: see tuning.py), read from the registry;
+3. a rule of thumb where nothing was measured (or measuring is off): XLA for
+   per-GPU GEMMs under ``FUSED_FROM_FLOP`` (there the fused op's fixed cost
+   outweighs the hidden all-gather: 1.45x slower than XLA at 4096^3 on 2xH200),
+   else the configured cuBLASMp algorithm. The problem is then noted as
+   wanted, so that the next ``autotune`` measures it.
+
+Every step is a dict read at trace time, the same in every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_comm_gemm.backends.base import Backend
+from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.xla import XlaBackend
+from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime.capability import Capability
+
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+# What autotune measures, per op. "cublasmp_<algorithm>" runs the fused op.
+CANDIDATES = {
+    AG: ("xla", "cublasmp_split_p2p"),
+    RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p"),
+}
+IMPLEMENTATIONS = tuple(sorted(set(CANDIDATES[AG]) | set(CANDIDATES[RS])))
+# 2 * rows * k * m per GPU: 4096^3 at TP 2 is 0.69e11 (XLA won), 8192x4096x4096
+# and 2048x8192x8192 are 1.37e11 (fused won), DESIGN.md "Measured against peers".
+FUSED_FROM_FLOP = 1.0e11
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  op: str
+  rows: int  # local rows of x
+  k: int
+  m: int     # output features of the local GEMM
+  dtype: str
+  transpose_w: bool
+  axis_size: int
+
+  def flop(self) -> float:
+    gathered = self.rows * (self.axis_size if self.op == AG else 1)
+    return 2.0 * gathered * self.k * self.m
+
+  def text(self) -> str:
+    return (f"{self.op} rows={self.rows} k={self.k} m={self.m} {self.dtype} "
+            f"{'TN' if self.transpose_w else 'NN'} P={self.axis_size}")
+
+
+def problem(op: str, x, w, transpose_w: bool, axis_name: str) -> Problem:
+  m = w.shape[0] if transpose_w else w.shape[1]
+  return Problem(op, int(x.shape[0]), int(x.shape[1]), int(m), jnp.dtype(x.dtype).name,
+                 bool(transpose_w), int(lax.axis_size(axis_name)))
+
+
+def choose(p: Problem, default: str) -> tuple[str, str]:
+  """(implementation, why) for `p`; `default` is the configured fused one."""
+  mode = settings.autotune(IMPLEMENTATIONS)
+  if mode in CANDIDATES[p.op]:
+    return mode, f"forced by {settings.AUTOTUNE}={mode}"
+  decided = REGISTRY.decision(p) if mode == "on" else None
+  if decided is not None:
+    return decided
+  why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
+  if p.flop() < FUSED_FROM_FLOP:
+    return "xla", f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU is too small to fuse"
+  return default, f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU, fused"
+
+
+def implementation(name: str, template: CublasMpBackend) -> Backend:
+  """The backend that runs implementation `name`."""
+  if name == "xla":
+    return XlaBackend()
+  if name == "ring":
+    return dataclasses.replace(template, reduce_scatter="ring")
+  algorithm = name.removeprefix("cublasmp_")
+  return dataclasses.replace(template, all_gather_algorithm=algorithm,
+                             reduce_scatter=algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBackend(Backend):
+  """Runs each op with :func:`choose`'s implementation; `fused` carries the
+  configured algorithms and layout, used where the fused op is chosen by
+  rule of thumb."""
+
+  fused: CublasMpBackend = CublasMpBackend()
+
+  name = "auto"
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name),
+                       f"cublasmp_{self.fused.all_gather_algorithm}")
+    return implementation(chosen, self.fused).all_gather_matmul(
+        x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
+        precision=precision)
+
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
+    configured = self.fused.reduce_scatter
+    default = configured if configured in ("xla", "ring") else f"cublasmp_{configured}"
+    chosen, _ = choose(problem(RS, x, w, transpose_w, axis_name), default)
+    return implementation(chosen, self.fused).matmul_reduce_scatter(
+        x, w, axis_name, transpose_w=transpose_w, precision=precision)
+
+  def gathered_reuse(self, axis_size, dtype, transpose_w):
+    # XLA hands out its all_gather result for free; every fused algorithm that
+    # may be chosen must have passed the self-test.
+    for name in CANDIDATES[AG]:
+      if name != "xla":
+        verdict = implementation(name, self.fused).gathered_reuse(axis_size, dtype,
+                                                                  transpose_w)
+        if not verdict.ok:
+          return verdict
+    return Capability(True, "every implementation auto may choose hands it out")

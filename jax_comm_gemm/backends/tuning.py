@@ -1,0 +1,202 @@
+"""``autotune``: measure which implementation is fastest for each problem that
+``backend="auto"`` met, once, and make every rank take the same choice.
+
+Collective, like ``connect``: every process calls it, after tracing the
+program once (``jax.eval_shape`` or ``.lower``) so that the problems it needs
+are known (``REGISTRY.wanted``), and before compiling it for real. Process 0
+leads: it says which problems to measure (those not in its disk cache), every
+process times every candidate on its devices, interleaved (A B C A B C ...,
+medians, so that clock changes under the power cap hit all alike), process 0
+takes the slowest process's time per candidate, picks the fastest candidate
+and publishes the choices through the key-value store. The choices go to the
+registry and to the disk cache, keyed by GPU model and versions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_comm_gemm.runtime.kv as kv
+from jax_comm_gemm.backends.auto import AG, CANDIDATES, IMPLEMENTATIONS, Problem, implementation
+from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
+
+
+def decide(times: dict[str, list[float]]) -> tuple[str, str]:
+  """(fastest candidate, why) from each candidate's time (seconds) in every
+  process; a candidate that failed has ``inf``. The slowest process counts."""
+  worst = {name: max(per_process) for name, per_process in times.items()}
+  chosen = min(worst, key=lambda name: (worst[name], name))
+  if not math.isfinite(worst[chosen]):
+    return "xla", "every candidate failed to run; XLA is the fallback"
+  parts = ", ".join(f"{name} {t * 1e3:.3f} ms" if math.isfinite(t) else f"{name} failed"
+                    for name, t in sorted(worst.items(), key=lambda kv_: kv_[1]))
+  return chosen, f"measured: {parts}"
+
+
+def time_candidates(runs: dict, *, rounds: int, timer=time.perf_counter) -> dict[str, float]:
+  """Median seconds per call of each runnable, interleaved over `rounds`.
+
+  Each value of `runs` is ``(call, iterations)``: ``call()`` runs once and
+  blocks until done. A runnable that raises gets ``inf`` (caught once per
+  candidate at tuning time, never per call of a program)."""
+  samples = {name: [] for name in runs}
+  failed = set()
+  for name, (call, _) in runs.items():  # compile and warm up, untimed
+    try:
+      call()
+    except Exception:  # noqa: BLE001  (a candidate this machine cannot run)
+      failed.add(name)
+  for _ in range(rounds):
+    for name, (call, iterations) in runs.items():
+      if name in failed:
+        continue
+      try:
+        start = timer()
+        for _ in range(iterations):
+          call()
+        samples[name].append((timer() - start) / iterations)
+      except Exception:  # noqa: BLE001  (a candidate this machine cannot run)
+        failed.add(name)
+  return {name: (statistics.median(s) if s and name not in failed else math.inf)
+          for name, s in samples.items()}
+
+
+def _random(mesh, shape, spec, dtype, seed):
+  sharding = NamedSharding(mesh, spec)
+  make = jax.jit(lambda key: jax.random.normal(key, shape, "float32").astype(dtype),
+                 out_shardings=sharding)
+  return make(jax.random.key(seed))
+
+
+def iterations(p: Problem, seconds: float) -> int:
+  """Calls per timed batch, about `seconds / 10` of work. It must be the same
+  in every process (a collective program called a different number of times
+  would hang), so it comes from the problem's size, never from a timing:
+  roughly 400 TFLOP/s plus 30 us a call."""
+  estimate = p.flop() / 4e14 + 3e-5
+  return max(1, min(200, int(seconds / 10 / estimate)))
+
+
+def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
+  """A jitted program per candidate of `p` on random data."""
+  size = p.axis_size
+  if p.op == AG:
+    x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
+    w_spec = P(axis_name) if p.transpose_w else P(None, axis_name)
+    w_shape = (p.m * size, p.k) if p.transpose_w else (p.k, p.m * size)
+    specs = dict(in_specs=(P(axis_name), w_spec), out_specs=P(None, axis_name))
+  else:
+    x = _random(mesh, (p.rows, p.k * size), P(None, axis_name), p.dtype, 1)
+    w_spec = P(None, axis_name) if p.transpose_w else P(axis_name)
+    w_shape = (p.m, p.k * size) if p.transpose_w else (p.k * size, p.m)
+    specs = dict(in_specs=(P(None, axis_name), w_spec), out_specs=P(axis_name))
+  w = _random(mesh, w_shape, w_spec, p.dtype, 2)
+  runs = {}
+  for name in CANDIDATES[p.op]:
+    backend = implementation(name, CublasMpBackend())
+
+    def local(x, w, backend=backend):
+      if p.op == AG:
+        return backend.all_gather_matmul(x, w, axis_name, transpose_w=p.transpose_w,
+                                         return_gathered=False)
+      return backend.matmul_reduce_scatter(x, w, axis_name, transpose_w=p.transpose_w)
+
+    program = jax.jit(jax.shard_map(local, mesh=mesh, **specs))
+    runs[name] = (lambda program=program: jax.block_until_ready(program(x, w)),
+                  iterations(p, seconds))
+  return runs
+
+
+def _signature() -> str:
+  native = REGISTRY.native()
+  return (f"{jax.devices()[0].device_kind}|jax {jax.__version__}|cuBLASMp "
+          f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|{settings.fence()}")
+
+
+def _load_cache(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return {}
+
+
+def _save_cache(path: str, cache: dict) -> None:
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  temporary = f"{path}.{os.getpid()}.tmp"
+  with open(temporary, "w") as f:
+    json.dump(cache, f, indent=1, sort_keys=True)
+  os.replace(temporary, path)
+
+
+def autotune(mesh, axis_name: str = "tp", problems=(), *,
+             seconds_per_problem: float = 1.0) -> dict[Problem, tuple[str, str]]:
+  """Measures the problems traced without a choice, and `problems`; returns
+  the choices made (collective: every process calls it; see the module
+  docstring). Does nothing where cuBLASMp cannot run, or with
+  ``JAX_COMM_GEMM_AUTOTUNE`` other than "on". Call ``jax.clear_caches()`` or
+  trace anew afterwards so that programs traced before see the choices."""
+  if settings.autotune(IMPLEMENTATIONS) != "on" or not REGISTRY.cublasmp_status().ok:
+    return {}
+  if REGISTRY.comm_id(mesh, axis_name) is None:
+    raise RuntimeError(f"autotune: mesh axis {axis_name!r} is not connected; call "
+                       f"jax_comm_gemm.connect(mesh, {axis_name!r}) first")
+  size = int(mesh.shape[axis_name])
+  ident = comm_id(mesh, axis_name)
+  attempt = REGISTRY.next_attempt(("autotune", ident))
+  leader = jax.process_index() == 0
+  multi = kv.multi_process()
+  timeout = settings.connect_timeout_s()
+  path, signature = settings.autotune_cache(), _signature()
+  cache = _load_cache(path) if leader and path else {}
+  known = cache.get(signature, {})
+  # The leader's view rules: which problems, and which the cache answers.
+  if leader:
+    wanted = [q for q in [*REGISTRY.wanted(), *problems] if q.axis_size == size]
+    plan = {"measure": [], "cached": []}
+    for q in dict.fromkeys(wanted):
+      entry = known.get(q.text())
+      plan["cached" if entry else "measure"].append([vars(q), entry])
+    if multi:
+      kv.publish(kv.key(ident, attempt, "autotune", "plan"), json.dumps(plan))
+  else:
+    plan = json.loads(kv.fetch(kv.key(ident, attempt, "autotune", "plan"), timeout))
+  choices = {Problem(**q): tuple(entry) for q, entry in plan["cached"]}
+  measured = {}
+  for index, (q, _) in enumerate(plan["measure"]):
+    p = Problem(**q)
+    runs = _runnables(mesh, axis_name, p, seconds_per_problem)
+    mine = time_candidates(runs, rounds=10)
+    if multi:
+      kv.publish(kv.key(ident, attempt, "autotune", index, jax.process_index()),
+                 json.dumps(mine))
+    measured[p] = (index, mine)
+  if leader:
+    for p, (index, mine) in measured.items():
+      per_process = [mine] + [
+          json.loads(kv.fetch(kv.key(ident, attempt, "autotune", index, other), timeout))
+          for other in range(1, jax.process_count())] if multi else [mine]
+      choices[p] = decide({name: [t[name] for t in per_process] for name in mine})
+      known[p.text()] = list(choices[p])
+    if multi:
+      kv.publish(kv.key(ident, attempt, "autotune", "choices"),
+                 json.dumps([[vars(p), list(c)] for p, c in choices.items()]))
+    if path and measured:
+      cache[signature] = known
+      _save_cache(path, cache)
+  elif measured or plan["cached"]:
+    choices = {Problem(**q): tuple(c) for q, c in json.loads(
+        kv.fetch(kv.key(ident, attempt, "autotune", "choices"), timeout))}
+  for p, choice in choices.items():
+    REGISTRY.record_decision(p, choice)
+  return choices

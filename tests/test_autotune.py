@@ -1,0 +1,130 @@
+"""backend="auto": the choice per problem, and how autotune makes it.
+
+The selection logic runs on CPU with a fake timer and stand-in candidates; the
+AutoBackend's dispatch is seen in the traced program (on CPU the cuBLASMp
+primitive lowers to XLA's collectives, so the numbers are checked too).
+"""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import cpu_mesh
+import jax_comm_gemm.backends.tuning as autotune
+from jax_comm_gemm.backends import auto
+from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
+from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime.capability import Capability
+
+
+def test_decide_takes_the_fastest_by_its_slowest_process():
+  choice, why = autotune.decide({"xla": [1.0e-3, 1.1e-3],
+                                 "cublasmp_split_p2p": [0.8e-3, 1.2e-3],
+                                 "ring": [math.inf, 0.5e-3]})
+  assert choice == "xla"
+  assert why == "measured: xla 1.100 ms, cublasmp_split_p2p 1.200 ms, ring failed"
+
+
+def test_decide_falls_back_to_xla_when_everything_failed():
+  assert autotune.decide({"ring": [math.inf], "xla": [math.inf]})[0] == "xla"
+
+
+def test_time_candidates_interleaves_and_takes_medians():
+  clock = itertools.count()
+  order = []
+
+  def runner(name, cost, fail=False):
+    def call():
+      order.append(name)
+      if fail:
+        raise RuntimeError("cublasMpMatmul failed: not supported")
+      for _ in range(cost - 1):
+        next(clock)
+    return call
+
+  timer = lambda: float(next(clock))  # noqa: E731  (each call costs its `cost` ticks)
+  times = autotune.time_candidates(
+      {"a": (runner("a", 3), 2), "b": (runner("b", 5), 1), "bad": (runner("bad", 1, True), 1)},
+      rounds=3, timer=timer)
+  assert times["bad"] == math.inf
+  assert times["b"] > times["a"]
+  # Warm-up once each, then a b a b a b: interleaved rounds.
+  assert order[3:] == ["a", "a", "b"] * 3
+
+
+def test_iterations_are_a_function_of_the_problem_alone():
+  small = Problem(AG, 256, 256, 256, "bfloat16", False, 2)
+  large = Problem(AG, 8192, 8192, 14336, "bfloat16", False, 2)
+  assert autotune.iterations(small, 1.0) == 200
+  assert 1 <= autotune.iterations(large, 1.0) < autotune.iterations(small, 1.0)
+
+
+@pytest.fixture
+def empty_decisions(monkeypatch):
+  monkeypatch.setattr(REGISTRY, "_decisions", {})
+  monkeypatch.setattr(REGISTRY, "_wanted", {})
+  monkeypatch.delenv(settings.AUTOTUNE, raising=False)
+
+
+def test_rule_of_thumb_and_wanted(empty_decisions):
+  small = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)
+  large = Problem(AG, 4096, 8192, 4096, "bfloat16", False, 2)
+  assert auto.choose(small, "cublasmp_split_p2p")[0] == "xla"
+  name, why = auto.choose(large, "cublasmp_split_p2p")
+  assert name == "cublasmp_split_p2p" and "not measured yet" in why
+  assert REGISTRY.wanted() == [small, large]
+  REGISTRY.record_decision(small, ("cublasmp_split_p2p", "measured: ..."))
+  assert auto.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
+  assert REGISTRY.wanted() == [large]
+
+
+def test_environment_forces_or_turns_off(empty_decisions, monkeypatch):
+  p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
+  REGISTRY.record_decision(p, ("cublasmp_default", "measured"))
+  monkeypatch.setenv(settings.AUTOTUNE, "ring")
+  assert auto.choose(p, "xla") == ("ring", "forced by JAX_COMM_GEMM_AUTOTUNE=ring")
+  monkeypatch.setenv(settings.AUTOTUNE, "off")
+  assert auto.choose(p, "xla")[1].startswith("measuring is off")
+  monkeypatch.setenv(settings.AUTOTUNE, "fastest")
+  with pytest.raises(ValueError, match=r"JAX_COMM_GEMM_AUTOTUNE='fastest': allowed values"):
+    auto.choose(p, "xla")
+
+
+@pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_split_p2p", 1)])
+def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatch, chosen,
+                                                     fused_calls):
+  monkeypatch.setattr(REGISTRY, "_verdicts", {})
+  mesh = cpu_mesh(2)
+  x = jax.random.normal(jax.random.key(0), (16, 8), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (8, 12), jnp.float32)
+  REGISTRY.record_decision(Problem(AG, 8, 8, 6, "float32", False, 2), (chosen, "test"))
+  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+
+  def local(x, w):
+    return backend.all_gather_matmul(x, w, "tp", transpose_w=False, return_gathered=False)
+
+  program = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                  out_specs=P(None, "tp")))
+  jaxpr = str(jax.make_jaxpr(program)(x, w))
+  assert jaxpr.count("jax_comm_gemm_all_gather_matmul") == fused_calls
+  np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
+  monkeypatch.setattr(REGISTRY, "_verdicts", {})
+  verdict = AutoBackend(CublasMpBackend(gathered_layout="tail")).gathered_reuse(
+      2, jnp.bfloat16, True)
+  assert not verdict.ok and "no self-test covered it" in verdict.reason
+  monkeypatch.setattr(REGISTRY, "verdict", lambda key: Capability(True, "ok"))
+  assert AutoBackend(CublasMpBackend()).gathered_reuse(2, jnp.bfloat16, True).ok
+
+
+def test_autotune_without_cublasmp_does_nothing():
+  assert autotune.autotune(cpu_mesh(2), "tp") == {}
