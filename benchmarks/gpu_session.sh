@@ -4,7 +4,7 @@
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
-# JOB_TIMEOUT, HANG_DUMP, BENCH_TIMEOUT (see each step).
+# JOB_TIMEOUT, HANG_DUMP, BENCH_BUDGET, BENCH_ARGS (see each step).
 # Usage: benchmarks/gpu_session.sh [build] [tests] [race] [schedule] [example] [example-mp] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
@@ -115,22 +115,27 @@ if has example-mp; then
 fi
 
 if has fence-bench; then
-  # The cost of each fence: one AG+GEMM shape and one MLP shape per variant.
+  # The cost of each fence: the quick AG+GEMM and MLP shapes, auto against XLA.
   for fence in ${FENCE_BENCH:-none isolated own_stream}; do
     start=$SECONDS
-    JAX_COMM_GEMM_FENCE=$fence timeout 120 python3 benchmarks/bench_comm_gemm.py \
-      --out /tmp/fence.json --quick --sections ag,mlp 2>&1 | grep -E "^(AG|SP-MLP)" \
+    JAX_COMM_GEMM_FENCE=$fence timeout 150 python3 benchmarks/bench.py --quick --budget 110 \
+      --out /tmp/fence_$fence.json --ops all_gather_matmul,mlp_fwd_bwd --max-shapes 1 \
+      --variants auto,xla,pure_jax 2>&1 | grep -E "^(all_gather_matmul|mlp_fwd_bwd) [0-9]" \
       | sed "s/^/[$fence] /" | tee -a "$OUT/fence_bench.log"
     summary+=("fence-bench $fence: ($((SECONDS - start)) s)")
   done
 fi
 
+# The project's side of the benchmark alone (benchmarks/run_all.sh runs it with
+# the peers); BENCH_BUDGET seconds, BENCH_ARGS added.
 for mode in bench bench-quick; do
   if has $mode; then
     start=$SECONDS
     extra=$([ $mode = bench-quick ] && echo --quick)
-    timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_comm_gemm.py --out "$OUT/bench.json" $extra 2>&1 \
-      | grep -v "^W\|^I0" | tee "$OUT/bench.log"
+    budget=${BENCH_BUDGET:-$([ $mode = bench-quick ] && echo 150 || echo 300)}
+    timeout $((budget + 40)) python3 benchmarks/bench.py --out "$OUT/bench.json" \
+      --budget "$budget" $extra ${BENCH_ARGS:-} 2>&1 \
+      | grep -v -E "^[IW][0-9]{4} " | tee "$OUT/bench.log"
     summary+=("$mode: rc=${PIPESTATUS[0]} ($((SECONDS - start)) s)")
   fi
 done
