@@ -103,3 +103,14 @@ def test_environment_forces_xla(monkeypatch, backend):
   even a request for cuBLASMp that could not be met."""
   monkeypatch.setenv("JAX_COMM_GEMM_BACKEND", " XLA ")
   assert resolve_backend(CommGemmConfig(backend=backend)) == XlaBackend()
+
+
+def test_fused_options_on_xla_say_so(monkeypatch):
+  """A cuBLASMp option does nothing where the layers run on XLA, and a warning
+  says which option and why."""
+  monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
+  config = CommGemmConfig(reduce_scatter="ring", all_gather_algorithm="no_overlap")
+  with pytest.warns(RuntimeWarning, match=r"CommGemmConfig\(all_gather_algorithm='no_overlap', "
+                    r"reduce_scatter='ring'\) has no effect: the layers run on XLA's "
+                    r"collectives \(cuBLASMp is unavailable: "):
+    assert resolve_backend(config) == XlaBackend()
