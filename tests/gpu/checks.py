@@ -23,7 +23,7 @@ from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import primitives
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem
 from jax_comm_gemm.runtime import REGISTRY, settings
-from jax_comm_gemm.runtime.capability import VerdictKey
+from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
 from jax_comm_gemm.runtime.constants import FENCES, TARGETS
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -301,7 +301,7 @@ def check_layout_self_test(mesh):
   right = REGISTRY.default_layout()
   wrong = "front" if right == "tail" else "tail"
   verdicts = {}
-  for algorithm in ("split_p2p", "default", "atomic_p2p", "no_overlap"):
+  for algorithm in SELF_TESTED_ALGORITHMS:
     for dtype in ("bfloat16", "float16", "float32"):
       for transpose_w in (False, True):
         good = REGISTRY.verdict(VerdictKey(size, algorithm, dtype, transpose_w, right))

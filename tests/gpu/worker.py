@@ -63,7 +63,14 @@ def main() -> None:
           file=sys.stderr, flush=True)
   print("JCG_RESULTS " + json.dumps(results, default=str), flush=True)
   if args.num_processes > 1:
-    jax.distributed.shutdown()  # all processes leave together: no error lines at exit
+    # Leave together: wait for every process, release the contexts (collective)
+    # while all are there, then stop the coordination service. A process that
+    # stops it early leaves the others' PjRt clients logging that they lost it.
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    multihost_utils.sync_global_devices("jax_comm_gemm worker done")
+    jcg.REGISTRY.shutdown()
+    jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
