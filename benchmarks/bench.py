@@ -469,6 +469,12 @@ class Runner:
     entries = {n: {} for n in names}
     self.progress("build")
     fns, args = spec.build(self.ctx, shape, names)
+    if not self.args.cpu_smoke:
+      self.progress("autotune")
+      choices = autotune_auto_variants(self.jax, self.ctx.jcg, self.mesh, fns, args, names)
+      for n in names:
+        if n.startswith("auto"):
+          entries[n]["autotune"] = choices
     lowered = {}
     for n in names:
       if n in self.banned.get(spec.name, {}):
@@ -720,6 +726,21 @@ def line_for(rec: dict) -> str:
 # Memory: one fresh process per MLP variant
 
 
+def autotune_auto_variants(jax, jcg, mesh, fns, args, names) -> dict:
+  """What a user of backend="auto" does before training: trace the program once
+  (auto notes the problems it meets), autotune them (collective; choices cached
+  on disk), then drop the traces so that the programs are traced anew with the
+  choices. Returns {problem: [choice, why]} of this program's problems."""
+  auto = [n for n in names if n.startswith("auto")]
+  if not auto or not hasattr(jcg, "autotune"):
+    return {}
+  for n in auto:
+    fns[n].trace(*args[n])
+  choices = jcg.autotune(mesh, AXIS, seconds_per_problem=0.6)
+  jax.clear_caches()
+  return {p.text(): list(c) for p, c in choices.items()}
+
+
 def memory_worker(args):
   """Runs in its own process: the MLP step of one variant at each shape,
   ascending; prints one JSON line per shape."""
@@ -741,6 +762,9 @@ def memory_worker(args):
            "shape_str": shape_str(shape), "variant": variant}
     try:
       fns, fargs = spec.build(ctx, shape, [variant])
+      import jax_comm_gemm as jcg  # noqa: PLC0415
+      # The main process measured these problems first; here they come from its cache.
+      autotune_auto_variants(jax, jcg, mesh, fns, fargs, [variant])
       c = fns[variant].lower(*fargs[variant]).compile()
       ma = c.memory_analysis()
       row["temp_mib"] = mib(getattr(ma, "temp_size_in_bytes", None))
