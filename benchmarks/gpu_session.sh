@@ -5,7 +5,7 @@
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
 # JOB_TIMEOUT, HANG_DUMP, BENCH_BUDGET, BENCH_ARGS (see each step).
-# Usage: benchmarks/gpu_session.sh [build] [tests] [race] [schedule] [example] [example-mp] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [tests] [failures] [race] [schedule] [example] [example-mp] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -35,13 +35,34 @@ if has tests; then
   start=$SECONDS
   JCG_GPU_LOG_DIR=/tmp/jcg_gpu_logs JCG_GPU_JOB_TIMEOUT_S=${JOB_TIMEOUT:-200} \
     JCG_HANG_DUMP_S=${HANG_DUMP:-170} timeout ${TESTS_TIMEOUT:-420} \
-    python3 -m pytest tests/gpu -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+    python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_gpu_failures.py \
+      > "$OUT/gpu_tests.log" 2>&1
   rc=$?
   for f in /tmp/jcg_gpu_logs/*.log; do
     [ -f "$f" ] && { echo; echo "===== $(basename "$f")"; cat "$f"; } >> "$OUT/gpu_tests.log"
   done
   grep -E "passed|failed|error|FAILED" "$OUT/gpu_tests.log" | grep -v "^\[process" | tail -25
   summary+=("gpu tests: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/gpu_tests.log" | tail -1) ($((SECONDS - start)) s)")
+fi
+
+if has failures; then
+  # The failure scenarios and the 500-run stress check (tests/gpu/failures.py):
+  # the workers' logs follow pytest's; failures_summary.txt has the kill
+  # scenario's exit path and the stress counts, fence `none` beside the default.
+  start=$SECONDS
+  rm -rf /tmp/jcg_failure_logs
+  JCG_GPU_LOG_DIR=/tmp/jcg_failure_logs timeout ${FAILURES_TIMEOUT:-420} \
+    python3 -m pytest tests/gpu/test_gpu_failures.py -q -rs -p no:cacheprovider \
+    > "$OUT/gpu_failures.log" 2>&1
+  rc=$?
+  cat /tmp/jcg_failure_logs/failures_summary.log /tmp/jcg_failure_logs/stress.log \
+    > "$OUT/failures_summary.txt" 2>/dev/null
+  for f in /tmp/jcg_failure_logs/failures_*_process*.log; do
+    [ -f "$f" ] && { echo; echo "===== $(basename "$f")"; cat "$f"; } >> "$OUT/gpu_failures.log"
+  done
+  cat "$OUT/failures_summary.txt"
+  grep -E "passed|failed|FAILED|Warning" "$OUT/gpu_failures.log" | grep -v "^\[process" | tail -25
+  summary+=("gpu failures: rc=$rc, $(grep -E '^[0-9]+ (passed|failed)|passed|failed' "$OUT/gpu_failures.log" | tail -1) ($((SECONDS - start)) s)")
 fi
 
 if has race; then
