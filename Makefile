@@ -1,5 +1,5 @@
 # The two commands of the README, each doing all set-up on a fresh machine:
-#   make example   the main job: trains a sequence-parallel MLP stack
+#   make example   the main job: trains a byte-level GPT of sequence-parallel blocks
 #   make test      the test suite (the GPU tests skip without two GPUs)
 # and, run by make test as well:
 #   make cpp-test  the C++ unit tests (CTest; no GPU needed)
@@ -31,7 +31,7 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*) \
 	touch $@
 
 example: setup
-	$(PY) examples/train_sp_mlp.py $(ARGS)
+	$(PY) examples/train_byte_gpt.py $(ARGS)
 
 test: setup cpp-test
 	JCG_REQUIRE_EXTENSION=1 $(PY) -m pytest -q $(ARGS)

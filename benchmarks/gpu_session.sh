@@ -5,7 +5,7 @@
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
 # JOB_TIMEOUT, HANG_DUMP, BENCH_BUDGET, BENCH_ARGS (see each step).
-# Usage: benchmarks/gpu_session.sh [build] [tests] [failures] [race] [schedule] [example] [example-mp] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [tests] [failures] [race] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -110,29 +110,14 @@ EOF
 fi
 
 if has example; then
+  # The main example (the byte-level GPT) in both process modes, each ending
+  # with its A/B of backend="auto" against "xla" (tests/gpu/example_ab.py).
   start=$SECONDS
-  timeout 120 python3 examples/train_sp_mlp.py ${EXAMPLE_ARGS:-} --json-out "$OUT/example.json" \
-    > "$OUT/example.log" 2>&1
+  JCG_EXAMPLE_TIMEOUT_S=${EXAMPLE_TIMEOUT:-200} timeout ${EXAMPLE_TIMEOUT_ALL:-420} \
+    python3 tests/gpu/example_ab.py "$OUT/example" ${EXAMPLE_ARGS:-} > "$OUT/example.log" 2>&1
   rc=$?
-  tail -25 "$OUT/example.log"
-  summary+=("example ${EXAMPLE_ARGS:-}: rc=$rc ($((SECONDS - start)) s)")
-fi
-
-if has example-mp; then
-  # The example again with one process per GPU.
-  start=$SECONDS
-  port=$((20000 + RANDOM % 20000))
-  pids=()
-  for i in 0 1; do
-    CUDA_VISIBLE_DEVICES=$i timeout 150 python3 examples/train_sp_mlp.py ${EXAMPLE_ARGS:-} \
-      --coordinator 127.0.0.1:$port --num-processes 2 --process-id $i > /tmp/example_mp_$i.log 2>&1 &
-    pids+=($!)
-  done
-  wait "${pids[0]}"; rc0=$?; wait "${pids[1]}"; rc1=$?
-  { grep -v '^W\|^I\|^Additional\|^:' /tmp/example_mp_0.log; echo "===== process 1"; \
-    grep -v '^W\|^I\|^Additional\|^:' /tmp/example_mp_1.log | tail -4; } > "$OUT/example_mp.log"
-  tail -14 "$OUT/example_mp.log"
-  summary+=("example, 2 processes ${EXAMPLE_ARGS:-}: rc=$rc0,$rc1 ($((SECONDS - start)) s)")
+  tail -30 "$OUT/example.log"
+  summary+=("example (both process modes) ${EXAMPLE_ARGS:-}: rc=$rc ($((SECONDS - start)) s)")
 fi
 
 if has fence-bench; then

@@ -2,5 +2,7 @@
 
 from jax_comm_gemm.flax.linen import (ColumnParallelDense, RowParallelDense,
                                       SequenceParallelMLP)
+from jax_comm_gemm.flax.transformer_linen import SequenceParallelTransformerBlock
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "SequenceParallelMLP"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "SequenceParallelMLP",
+           "SequenceParallelTransformerBlock"]

@@ -1,17 +1,16 @@
-"""examples/train_sp_mlp.py, run as a user would: the loss falls, the report is
-printed, and the compiled training step holds the all-gathers the design expects;
-and jax_comm_gemm.report, which states those expectations, for every backend.
+"""examples/train_byte_gpt.py, run as a user would (in a subprocess, output
+not a terminal), on the CPU: 8 simulated devices, mesh dp=4 x tp=2, where every
+layer takes the XLA fallback. Small sizes keep each run to a few seconds.
 
-The runs are pinned to the CPU (8 simulated devices, mesh dp=4 x tp=2), where
-the layers take the XLA fallback. Per SP-MLP block and training step that is 2
-all-gathers: fc1's forward gather and fc2's dgrad gather (whose result fc2's
-weight gradient reuses). fc1's backward gathers its input again for the weight
-gradient, but that all-gather is the forward's op on the same operand, so XLA's
-CSE merges the two; with --keep-gathered-input the backward takes the forward's
-result directly. Either way 2 per block, as plain autodiff of
-shard_map(all_gather -> dot) gives. Reduce-scatters: fc2's forward and fc1's
-dgrad, 2 per block (block0's dgrad feeds its LayerNorm's gradient, so none is
-dead).
+* A run trains (the loss falls), prints progress lines, the layer report with
+  the fallback's reason and the collective counts, and writes checkpoints; a
+  resumed run continues from the last one and repeats the steps the first run
+  took after it, loss for loss.
+* Options (bfloat16, --keep-gathered-input, --remat, the A/B) and two
+  processes joined by jax.distributed.
+* Help text and defaults for every option; clear errors.
+* diagnostics.report, which says what each layer runs and what a block should
+  count, for every backend.
 """
 
 import dataclasses
@@ -19,66 +18,152 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import cpu_mesh
 from jax_comm_gemm import CommGemmConfig
-from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.backends import Capability, CublasMpBackend
+from jax_comm_gemm.diagnostics import report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "train_sp_mlp.py"
+EXAMPLES = ROOT / "examples"
+EXAMPLE = EXAMPLES / "train_byte_gpt.py"
+sys.path.insert(0, str(EXAMPLES))
+
+import run_report  # noqa: E402
+import train_byte_gpt  # noqa: E402
+
+SMALL = ("--d-model", "64", "--heads", "2", "--layers", "2", "--hidden", "128",
+         "--seq-len", "64", "--batch", "8", "--eval-batches", "2")
 
 
-def run_example(tmp_path, *flags):
-  out = tmp_path / "summary.json"
+def run_example(tmp_path, *flags, name="summary"):
+  out = tmp_path / f"{name}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")])))
   env.pop("JAX_COMM_GEMM_BACKEND", None)
-  proc = subprocess.run([sys.executable, str(EXAMPLE), "--json-out", str(out), *flags],
-                        env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--json-out", str(out),
+                         *flags], env=env, capture_output=True, text=True, timeout=300,
+                        cwd=tmp_path)
   assert proc.returncode == 0, proc.stdout + proc.stderr
-  return proc.stdout, json.loads(out.read_text())
+  return proc.stdout, proc.stderr, json.loads(out.read_text())
 
 
-def check_xla_fallback_run(stdout, summary, layers):
-  # The loss falls well within a few dozen steps (about 0.25x on this task).
-  assert summary["last_loss"] < 0.7 * summary["first_loss"], summary["losses"]
-  assert summary["tokens_per_s"] > 0
-  assert summary["mesh"] == {"dp": 4, "tp": 2}
-  for line in ("loss: first", "layers (backend 'auto', tp=2",
-               "collectives per training step", "standalone all-gathers",
-               "fused AllGather+GEMM calls"):
-    assert line in stdout
+def check_report(stdout, summary, layers, remat=False):
+  reason = "cuBLASMp is unavailable"
   for i in range(layers):
-    assert re.search(rf"block{i}: fc1 \(column-parallel\): xla fallback +"
-                     r"fc2 \(row-parallel\): xla fallback", stdout), stdout
-  assert "MISMATCH" not in stdout
-  assert summary["paths"] == [{"block": i, "fc1": "xla fallback", "fc2": "xla fallback"}
-                              for i in range(layers)]
-  counts = summary["counts"]
-  assert counts["standalone_all_gathers"] == 2 * layers
-  assert counts["fused_all_gather_matmuls"] == 0
-  assert counts["reduce_scatters"] == 2 * layers
-  assert counts["fused_matmul_reduce_scatters"] == 0
-  assert summary["expected"] == {"standalone_all_gathers": 2 * layers,
+    assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
+                     r"fallback +fc2 xla fallback", stdout), stdout
+  assert f"qkv, fc1 (column-parallel): xla fallback ({reason}" in stdout
+  assert f"out-proj, fc2 (row-parallel): xla fallback ({reason}" in stdout
+  assert summary["paths"]["row_parallel"]["path"] == "xla fallback"
+  assert "MISMATCH" not in stdout and "all-gathers in the blocks" in stdout
+  # XLA fallback, per block: QKV's and fc1's forward gathers, out-proj's and
+  # fc2's dgrad gathers (their weight gradients reuse them); remat reruns the
+  # forward two.
+  per_block = 6 if remat else 4
+  assert summary["counts"]["standalone_all_gathers"] == per_block * layers
+  assert summary["expected"] == {"standalone_all_gathers": per_block * layers,
                                  "fused_all_gather_matmuls": 0}
+  assert summary["counts"]["fused_all_gather_matmuls"] == 0
+  assert summary["counts"]["reduce_scatters"] == (5 if remat else 4) * layers
 
 
-@pytest.mark.parametrize("flags, layers", [
-    (("--steps", "30"), 4),
-    (("--steps", "30", "--layers", "3", "--keep-gathered-input", "--dtype", "bfloat16"), 3),
-], ids=["float32", "keep-bfloat16"])
-def test_train_sp_mlp(tmp_path, flags, layers):
-  stdout, summary = run_example(tmp_path, *flags)
-  check_xla_fallback_run(stdout, summary, layers)
-  assert len(summary["losses"]) == 30
-  assert summary["args"]["keep_gathered_input"] == ("--keep-gathered-input" in flags)
+def test_train_checkpoint_and_resume(tmp_path, capsys):
+  checkpoints = tmp_path / "checkpoints"
+  flags = ("--steps", "12", "--checkpoint-every", "6", "--eval-every", "6", "--log-every",
+           "3", "--checkpoint-dir", str(checkpoints))
+  stdout, _, first = run_example(tmp_path, *flags, name="first")
+  train, val = first["history"]["train"], first["history"]["validation"]
+  assert [s for s, _ in train] == list(range(1, 13))
+  assert train[-1][1] < 0.9 * train[0][1], train
+  assert [s for s, _ in val] == [0, 6, 12] and val[-1][1] < 0.9 * val[0][1], val
+  assert first["tokens_per_s"] > 0 and first["mesh"] == {"dp": 4, "tp": 2}
+  # Not a terminal: progress lines, no progress bar.
+  assert "\r" not in stdout
+  assert re.search(r"step +12/12 +loss \d\.\d{4} +[\d,]+ tokens/s", stdout), stdout
+  assert "validation loss" in stdout and "tokens/s" in stdout
+  check_report(stdout, first, layers=2)
+  assert first["checkpoint_steps"] == [6, 12]
+  assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["12", "6"]
+
+  # As if the run had stopped after step 6: resume, and repeat steps 7..12.
+  shutil.rmtree(checkpoints / "12")
+  stdout, _, resumed = run_example(tmp_path, *flags, "--resume", name="resumed")
+  assert "resumed from step 6" in stdout
+  assert resumed["start_step"] == 6
+  assert [s for s, _ in resumed["history"]["train"]] == list(range(7, 13))
+  np.testing.assert_allclose([l for _, l in resumed["history"]["train"]],
+                             [l for _, l in train[6:]], rtol=1e-5)
+
+  # (In this process from here on, to save a start-up.) Another model refuses
+  # to resume from these checkpoints.
+  with pytest.raises(SystemExit, match=r"--resume: the checkpoint .* holds a model of"):
+    train_byte_gpt.main([*SMALL, "--d-model", "32", "--steps", "13", "--resume",
+                         "--checkpoint-dir", str(checkpoints)])
+  # A fresh run in the same directory replaces the earlier checkpoints.
+  capsys.readouterr()
+  train_byte_gpt.main([*SMALL, "--steps", "1", "--checkpoint-dir", str(checkpoints)])
+  assert "removing 2 checkpoint(s) of an earlier run" in capsys.readouterr().out
+  assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
+
+
+def test_bfloat16_keep_remat_and_the_ab(tmp_path):
+  stdout, _, summary = run_example(tmp_path, "--steps", "4", "--dtype", "bfloat16",
+                                   "--keep-gathered-input", "--remat", "--no-checkpoint",
+                                   "--ab-steps", "2")
+  check_report(stdout, summary, layers=2, remat=True)
+  assert summary["sizes"]["dtype"] == "bfloat16"
+  assert set(summary["ab"]) == {"auto", "xla"}
+  assert all(r["tokens_per_s"] > 0 for r in summary["ab"].values())
+  assert "auto / xla:" in stdout and "peak: the allocator's high-water mark" in stdout
+
+
+def test_two_processes(tmp_path):
+  stdout, stderr, summary = run_example(tmp_path, "--steps", "3", "--no-checkpoint",
+                                        "--processes", "2")
+  assert summary["process_count"] == 2 and summary["mesh"] == {"dp": 4, "tp": 2}
+  check_report(stdout, summary, layers=2)
+  assert stdout.count("layer paths") == 1  # process 0 alone prints
+  errors = [line for line in stderr.splitlines()
+            if re.search(r"error|traceback|exception", line, re.I)]
+  assert not errors, stderr
+
+
+def test_every_option_has_help_and_shows_its_default(capsys):
+  parser = train_byte_gpt.build_parser()
+  for action in parser._actions:
+    if action.help == "==SUPPRESS==" or action.dest == "help":
+      continue
+    assert action.help, action.option_strings
+    assert action.default is not None or "default:" in action.help, action.option_strings
+  with pytest.raises(SystemExit):
+    parser.parse_args(["--help"])
+  text = " ".join(capsys.readouterr().out.split())
+  for shown in ("--backend {auto,xla,cublasmp} 'auto': cuBLASMp where it runs",
+                "(default: auto)", "(default: 128 on CPU, 4096 on GPU)",
+                "(default: 1)", "(default: False)", "(default: 250)",
+                "(default: 20 on GPU, 0 on CPU, where both run XLA)"):
+    assert shown in text, shown
+
+
+@pytest.mark.parametrize("flags, match", [
+    (("--data-dir", "/nonexistent/text"), r"error: text directory /nonexistent/text does "
+                                          r"not exist"),
+    (("--heads", "3"), r"error: --heads \(3\) must be a multiple of tp=2"),
+    (("--batch", "6"), r"error: --batch \(6\) must be a multiple of dp=4"),
+    (("--resume",), r"error: --resume: no checkpoint in .*empty"),
+])
+def test_errors(tmp_path, flags, match):
+  with pytest.raises(SystemExit, match=match):
+    train_byte_gpt.main([*SMALL, "--checkpoint-dir", str(tmp_path / "empty"), *flags])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,19 +175,24 @@ class _FakeCublasMp(CublasMpBackend):
     return Capability(self.reuse_ok, "fake verdict")
 
 
-@pytest.mark.parametrize("backend, reuse_gathered, axis_size, column, keep, row, counts", [
-    # The design's table: MLP 2 -> 1 standalone all-gathers with reuse, 0 with keep.
-    (_FakeCublasMp(reuse_ok=True), None, 2, "fused with all_gather", "fused with reuse",
-     "fused with reuse", ((1, 2), (0, 2))),
-    (_FakeCublasMp(reuse_ok=False), None, 2, "fused with all_gather", "fused with all_gather",
-     "fused with all_gather", ((2, 2), (2, 2))),
-    (_FakeCublasMp(reuse_ok=True), False, 4, "fused with all_gather", "fused with all_gather",
-     "fused with all_gather", ((2, 2), (2, 2))),
-    (_FakeCublasMp(reuse_ok=True), None, 1, "xla fallback", "xla fallback", "xla fallback",
-     ((2, 0), (2, 0))),
-    ("xla", None, 2, "xla fallback", "xla fallback", "xla fallback", ((2, 0), (2, 0))),
-])
-def test_report(monkeypatch, backend, reuse_gathered, axis_size, column, keep, row, counts):
+@pytest.mark.parametrize(
+    "backend, reuse_gathered, axis_size, column, keep, row, mlp, block", [
+        # fused with reuse: MLP 1 standalone all-gather, 0 with keep; a block twice that.
+        (_FakeCublasMp(reuse_ok=True), None, 2, "fused with all_gather", "fused with reuse",
+         "fused with reuse", ((1, 2), (0, 2)), ((2, 4), (0, 4))),
+        (_FakeCublasMp(reuse_ok=False), None, 2, "fused with all_gather",
+         "fused with all_gather", "fused with all_gather", ((2, 2), (2, 2)),
+         ((4, 4), (4, 4))),
+        (_FakeCublasMp(reuse_ok=True), False, 4, "fused with all_gather",
+         "fused with all_gather", "fused with all_gather", ((2, 2), (2, 2)),
+         ((4, 4), (4, 4))),
+        (_FakeCublasMp(reuse_ok=True), None, 1, "xla fallback", "xla fallback",
+         "xla fallback", ((2, 0), (2, 0)), ((4, 0), (4, 0))),
+        ("xla", None, 2, "xla fallback", "xla fallback", "xla fallback", ((2, 0), (2, 0)),
+         ((4, 0), (4, 0))),
+    ])
+def test_report(monkeypatch, backend, reuse_gathered, axis_size, column, keep, row, mlp,
+                block):
   monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
   config = CommGemmConfig(backend=backend, reuse_gathered=reuse_gathered)
   mesh = cpu_mesh(axis_size)
@@ -111,4 +201,10 @@ def test_report(monkeypatch, backend, reuse_gathered, axis_size, column, keep, r
       column, keep, row)
   expected = lambda keep: dataclasses.astuple(report.expected_all_gathers(
       config, mesh, "tp", jnp.bfloat16, keep_gathered_input=keep))
-  assert (expected(False), expected(True)) == counts
+  assert (expected(False), expected(True)) == mlp
+  per_block = lambda keep, remat=False: run_report.expected_per_block(
+      config, mesh, jnp.bfloat16, keep, remat)
+  assert (per_block(False), per_block(True)) == block
+  # remat reruns QKV's and fc1's forward: fused where the forward is fused.
+  (standalone, fused), remat = block[0], per_block(False, remat=True)
+  assert remat == ((standalone, fused + 2) if fused else (standalone + 2, 0))

@@ -99,12 +99,12 @@ def _per_element(primitive):
   gather along tokens, so a batch dimension cannot fold into them."""
 
   def rule(args, dims, **params):
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not batching.not_mapped)
-    moved = [a if d is batching.not_mapped else jnp.moveaxis(a, d, 0)
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [a if d is None else jnp.moveaxis(a, d, 0)
              for a, d in zip(args, dims)]
     outs = []
     for i in range(size):
-      element = [a if d is batching.not_mapped else a[i] for a, d in zip(moved, dims)]
+      element = [a if d is None else a[i] for a, d in zip(moved, dims)]
       out = primitive.bind(*element, **params)
       outs.append(out if primitive.multiple_results else [out])
     stacked = [jnp.stack(column) for column in zip(*outs)]

@@ -1,0 +1,170 @@
+"""A byte-level GPT built from jax-comm-gemm's sequence-parallel transformer
+blocks, with its training step and checkpoints.
+
+Layout: tokens ``[seq, batch]`` (Megatron's order), the sequence sharded over
+the mesh axis ``tp`` and the batch over ``dp``. The activations between blocks
+are ``[seq, batch, d_model]``, sharded the same way; inside a block the
+column-parallel layers gather the sequence and split the heads and hidden
+features over ``tp`` (see ``jax_comm_gemm.layers.transformer``). The byte
+embedding (256 x d_model, tied to the output layer), the learned positions and
+the final LayerNorm are small and replicated; XLA partitions them along the
+tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_comm_gemm import CommGemmConfig
+from jax_comm_gemm.linen import SequenceParallelTransformerBlock
+
+VOCAB = 256  # bytes
+TOKENS = P("tp", "dp")  # [seq, batch]
+ACTIVATIONS = P("tp", "dp", None)  # [seq, batch, d_model]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  d_model: int
+  heads: int
+  layers: int
+  hidden: int
+  seq_len: int
+
+
+class ByteGPT(nn.Module):
+  """Bytes ``[seq, batch]`` to next-byte logits ``[seq, batch, 256]`` (float32)."""
+
+  model: ModelConfig
+  mesh: Mesh
+  dtype: Any = jnp.float32
+  keep_gathered_input: bool = False
+  remat: bool = False
+  config: CommGemmConfig = CommGemmConfig()
+  attention: str | None = None  # dot_product_attention's implementation
+
+  @nn.compact
+  def __call__(self, tokens):
+    m = self.model
+    embed = nn.Embed(VOCAB, m.d_model, embedding_init=nn.initializers.normal(0.02),
+                     name="embed")
+    positions = self.param("positions", nn.initializers.normal(0.01), (m.seq_len, m.d_model))
+    x = embed(tokens) + positions[:tokens.shape[0], None, :]
+    x = jax.lax.with_sharding_constraint(x.astype(self.dtype),
+                                         NamedSharding(self.mesh, ACTIVATIONS))
+    block = nn.remat(SequenceParallelTransformerBlock) if self.remat else \
+        SequenceParallelTransformerBlock
+    for i in range(m.layers):
+      x = block(m.heads, m.hidden, mesh=self.mesh, data_axes=("dp",), dtype=self.dtype,
+                keep_gathered_input=self.keep_gathered_input, config=self.config,
+                attention_implementation=self.attention, name=f"block{i}")(x)
+    x = nn.LayerNorm(dtype=jnp.float32, name="ln_f")(x)
+    return embed.attend(x)
+
+
+def loss_fn(model: ByteGPT, params, tokens, targets):
+  logits = model.apply(params, tokens)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
+  warmup = max(1, min(100, steps // 10))
+  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
+                                                end_value=lr / 10)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b2=0.95, weight_decay=0.1))
+
+
+@dataclasses.dataclass
+class Trainer:
+  """The model's sharded state and its compiled programs."""
+
+  model: ByteGPT
+  tx: optax.GradientTransformation
+  mesh: Mesh
+  param_shardings: Any
+  opt_shardings: Any
+
+  @classmethod
+  def create(cls, model: ByteGPT, tx, mesh: Mesh, seed: int):
+    """Returns (trainer, params, opt_state): parameters created sharded as
+    their partitioning metadata says (every array made inside jit, so that this
+    also holds with several processes)."""
+    tokens = jnp.zeros((model.model.seq_len, mesh.shape["dp"]), jnp.int32)
+    init = lambda key: model.init(key, tokens)
+    abstract = jax.eval_shape(init, jax.random.key(seed))
+    param_shardings = nn.get_sharding(abstract, mesh)
+    params = jax.jit(init, out_shardings=param_shardings)(jax.random.key(seed))
+    opt_shardings = nn.get_sharding(jax.eval_shape(tx.init, params), mesh)
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    return cls(model, tx, mesh, param_shardings, opt_shardings), params, opt_state
+
+  def with_config(self, model: ByteGPT) -> "Trainer":
+    return dataclasses.replace(self, model=model)
+
+  def train_step(self, params, opt_state, tokens, targets):
+    """Compiled ahead of time for these arguments: (params, opt_state, loss)."""
+
+    def step(params, opt_state, tokens, targets):
+      loss, grads = jax.value_and_grad(loss_fn, argnums=1)(self.model, params, tokens,
+                                                          targets)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, loss
+
+    tokens_sharding = NamedSharding(self.mesh, TOKENS)
+    return jax.jit(step, in_shardings=(self.param_shardings, self.opt_shardings,
+                                       tokens_sharding, tokens_sharding),
+                   out_shardings=(self.param_shardings, self.opt_shardings,
+                                  NamedSharding(self.mesh, P())),
+                   donate_argnums=(0, 1)).lower(params, opt_state, tokens, targets).compile()
+
+  def eval_step(self):
+    return jax.jit(lambda params, tokens, targets: loss_fn(self.model, params, tokens,
+                                                           targets))
+
+
+def to_device(mesh: Mesh, batch):
+  """A ``[batch, seq + 1]`` uint8 host batch (the same in every process) as
+  (tokens, targets) ``[seq, batch]`` int32, sharded ``P('tp', 'dp')``."""
+  windows = np.ascontiguousarray(batch.T, np.int32)
+  sharding = NamedSharding(mesh, TOKENS)
+  make = lambda a: jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+  return make(windows[:-1]), make(windows[1:])
+
+
+# --- checkpoints ------------------------------------------------------------------------
+
+def checkpoint_manager(directory) -> ocp.CheckpointManager:
+  # Synchronous saves: the training step donates the parameters' buffers, and
+  # a save must have read them before the next step reuses them.
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def save(manager: ocp.CheckpointManager, step: int, params, opt_state, meta: dict) -> None:
+  manager.save(step, args=ocp.args.Composite(
+      state=ocp.args.StandardSave({"params": params, "opt_state": opt_state}),
+      meta=ocp.args.JsonSave(meta)), force=True)
+
+
+def restore_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+
+
+def restore(manager: ocp.CheckpointManager, step: int, params, opt_state):
+  """(params, opt_state) of `step`, placed like the given arrays."""
+  target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                        {"params": params, "opt_state": opt_state})
+  state = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target))).state
+  return state["params"], state["opt_state"]

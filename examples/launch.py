@@ -1,0 +1,72 @@
+"""Several processes of one script on this machine, joined by jax.distributed
+on 127.0.0.1: one per GPU, or on the CPU the 8 simulated devices shared among
+them (XLA's CPU collectives then go through gloo)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+
+CPU_DEVICES = 8
+
+
+def gpu_count() -> int:
+  """GPUs that nvidia-smi lists (asked without starting jax's GPU backend,
+  which would take the GPUs' memory from the processes)."""
+  if shutil.which("nvidia-smi") is None:
+    return 0
+  out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+  return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def _on_cpu() -> bool:
+  return os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
+
+
+def run_processes(n: int, script: str, argv: list[str]) -> int:
+  """Runs ``script argv`` in `n` processes and waits for them; returns the
+  first failure's exit code, else 0. Only process 0 prints its progress."""
+  on_cpu = _on_cpu() or gpu_count() == 0
+  if not on_cpu and gpu_count() < n:
+    print(f"error: --processes {n} needs {n} GPUs, nvidia-smi lists {gpu_count()}",
+          file=sys.stderr)
+    return 2
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  procs = []
+  for i in range(n):
+    env = dict(os.environ)
+    if on_cpu:
+      flags = [f for f in env.get("XLA_FLAGS", "").split()
+               if "xla_force_host_platform_device_count" not in f]
+      count = max(1, CPU_DEVICES // n)
+      env.update(JAX_PLATFORMS="cpu",
+                 XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={count}"]))
+    procs.append(subprocess.Popen([sys.executable, script, *argv, "--process-id", str(i),
+                                   "--port", str(port)], env=env))
+  code = 0
+  while any(p.poll() is None for p in procs):
+    failed = [p for p in procs if p.returncode not in (None, 0)]
+    if failed:  # the others would wait for the failed one until their timeout
+      code = failed[0].returncode
+      for p in procs:
+        if p.poll() is None:
+          p.terminate()
+    time.sleep(0.2)
+  return code or next((p.returncode for p in procs if p.returncode), 0)
+
+
+def join(process_id: int, n: int, port: int) -> None:
+  """jax.distributed for a process that run_processes started."""
+  if _on_cpu():
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=process_id,
+                             local_device_ids=None if _on_cpu() else [process_id],
+                             initialization_timeout=300)

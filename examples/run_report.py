@@ -1,0 +1,262 @@
+"""What train_byte_gpt.py prints and keeps: progress, checkpoints, the layer
+path report with the collectives of the compiled step, and the GPU A/B."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import sys
+import time
+
+import jax
+from tqdm import tqdm
+
+import jax_comm_gemm as jcg
+from jax_comm_gemm import hlo
+from jax_comm_gemm.diagnostics import report
+from jax_comm_gemm.layers import transformer
+
+import byte_gpt
+
+
+# --- progress ------------------------------------------------------------------------
+
+class Progress:
+  """A tqdm bar on a terminal; elsewhere (a log file, CI) a line every `every`
+  steps, since a bar's carriage returns pile up on one line there."""
+
+  def __init__(self, total: int, start: int, every: int, tokens_per_step: int,
+               enabled: bool):
+    self.total, self.every, self.tokens = total, every, tokens_per_step
+    self.enabled = enabled
+    self.bar = (tqdm(total=total, initial=start, ncols=100, mininterval=0.5,
+                     file=sys.stdout) if enabled and _terminal() else None)
+    self.started, self.done = time.perf_counter(), 0
+
+  def step(self, step: int, loss: float, seconds: float) -> None:
+    self.done += 1
+    if self.bar is not None:
+      self.bar.update(1)
+      self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{self.tokens / seconds:,.0f}",
+                           refresh=False)
+    elif self.enabled and (step % self.every == 0 or step == self.total):
+      elapsed = time.perf_counter() - self.started
+      eta = elapsed / self.done * (self.total - step)
+      print(f"step {step:>6}/{self.total}  loss {loss:.4f}  "
+            f"{self.tokens / seconds:>10,.0f} tokens/s  elapsed {elapsed:5.0f} s  "
+            f"eta {eta:5.0f} s", flush=True)
+
+  def note(self, text: str) -> None:
+    if self.bar is not None:
+      self.bar.write(text)
+    elif self.enabled:
+      print(text, flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _terminal() -> bool:
+  """A terminal that can show a bar (tqdm hides it where the size is 0 x 0)."""
+  try:
+    return sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).lines > 0
+  except (OSError, ValueError):
+    return False
+
+
+def tokens_per_second(times: list[float], tokens_per_step: int) -> float:
+  """Leaves the run's first step out: it holds one-off allocation and warm-up."""
+  steady = times[1:] or times
+  return tokens_per_step * len(steady) / sum(steady) if steady else 0.0
+
+
+def loss_summary(history: dict, tokens_per_s: float, start: int) -> str:
+  train, val = history["train"], history["validation"]
+  parts = []
+  if train:
+    parts.append(f"train loss {train[0][1]:.4f} (step {train[0][0]}) -> {train[-1][1]:.4f} "
+                 f"(step {train[-1][0]})")
+  parts.append(f"validation loss {val[0][1]:.4f} (step {val[0][0]}) -> {val[-1][1]:.4f} "
+               f"(step {val[-1][0]})")
+  if train:
+    parts.append(f"{tokens_per_s:,.0f} tokens/s")
+  else:
+    parts.append(f"nothing to train: the run was already at step {start}")
+  return "; ".join(parts)
+
+
+# --- checkpoints ---------------------------------------------------------------------
+
+class Checkpoints:
+  """orbax-checkpoint in --checkpoint-dir: every --checkpoint-every steps and at
+  the end; --resume restores the last one."""
+
+  def __init__(self, args, model_config, say):
+    self.enabled, self.resume, self.every = not args.no_checkpoint, args.resume, \
+        args.checkpoint_every
+    self.dir = pathlib.Path(args.checkpoint_dir).absolute()
+    self.meta = {"model": dataclasses.asdict(model_config), "seed": args.seed}
+    self.say, self.saved = say, []
+    self.manager = byte_gpt.checkpoint_manager(self.dir) if self.enabled else None
+
+  def start(self, params, opt_state):
+    """(first step, params, opt_state): restored with --resume, else as given
+    (earlier checkpoints in the directory are removed)."""
+    if not self.enabled:
+      return 0, params, opt_state
+    steps = self.manager.all_steps()
+    if not self.resume:
+      if steps:
+        self.say(f"a fresh run: removing {len(steps)} checkpoint(s) of an earlier run in "
+                 f"{self.dir} (--resume continues them)")
+        for step in steps:
+          self.manager.delete(step)
+      return 0, params, opt_state
+    if not steps:
+      self._fail(f"error: --resume: no checkpoint in {self.dir}")
+    step = self.manager.latest_step()
+    meta = byte_gpt.restore_meta(self.manager, step)
+    if meta.get("model") != self.meta["model"]:
+      self._fail(f"error: --resume: the checkpoint in {self.dir} holds a model of "
+                 f"{meta.get('model')}, this run builds {self.meta['model']}: give the "
+                 "same sizes, or another --checkpoint-dir")
+    params, opt_state = byte_gpt.restore(self.manager, step, params, opt_state)
+    self.say(f"resumed from step {step} ({self.dir})")
+    return step, params, opt_state
+
+  def _fail(self, message: str):
+    self.manager.close()  # its threads would outlive the error otherwise
+    raise SystemExit(message)
+
+  def maybe_save(self, step: int, total: int, params, opt_state) -> None:
+    if self.enabled and (step == total or (self.every and step % self.every == 0)):
+      byte_gpt.save(self.manager, step, params, opt_state, dict(self.meta, step=step))
+      self.saved.append(step)
+
+  def close(self) -> None:
+    if self.manager is not None:
+      self.manager.wait_until_finished()
+      self.manager.close()
+      if self.saved:
+        self.say(f"checkpoints: steps {self.saved} saved in {self.dir}")
+
+
+# --- the layer report ----------------------------------------------------------------
+
+def expected_per_block(config, mesh, dtype, keep: bool, remat: bool) -> tuple[int, int]:
+  """(standalone all-gathers, fused AllGather+GEMMs) of one block's forward +
+  backward: twice the SP MLP block's (attention is column -> row-parallel as
+  well); remat reruns QKV's and fc1's forward gathers (2 more)."""
+  mlp = report.expected_all_gathers(config, mesh, "tp", dtype, keep_gathered_input=keep)
+  standalone, fused = 2 * mlp.standalone_all_gathers, 2 * mlp.fused_all_gather_matmuls
+  if remat:
+    standalone, fused = (standalone, fused + 2) if fused else (standalone + 2, fused)
+  return standalone, fused
+
+
+def layer_report(step_fn, config, mesh, dtype, args, layers: int, say) -> dict:
+  """Prints and returns the path of every layer, why, and the collectives of
+  the compiled training step: counted inside the blocks, and expected."""
+  column = report.layer_path(config, mesh, "tp", dtype,
+                             keep_gathered_input=args.keep_gathered_input)
+  row = report.layer_path(config, mesh, "tp", dtype, reduce_scatter_layer=True)
+  say(f"layer paths (backend {args.backend!r}, tp={mesh.shape['tp']}, {jax.numpy.dtype(dtype)}):")
+  for i in range(layers):
+    say(f"  block{i}:  qkv {column.path:<22} out-proj {row.path:<22} "
+        f"fc1 {column.path:<22} fc2 {row.path}")
+  say(f"  qkv, fc1 (column-parallel): {column}")
+  say(f"  out-proj, fc2 (row-parallel): {row}")
+
+  text = step_fn.as_text()
+  total, blocks = hlo.count_collectives(text), hlo.count_collectives(text, transformer.SCOPE)
+  standalone, fused = expected_per_block(config, mesh, dtype, args.keep_gathered_input,
+                                         args.remat)
+  expected = {"standalone_all_gathers": layers * standalone,
+              "fused_all_gather_matmuls": layers * fused}
+  got = {"standalone_all_gathers": blocks.all_gather,
+         "fused_all_gather_matmuls": total.fused_all_gather_matmul}
+  say(f"collectives of the compiled training step (forward + backward, {layers} blocks):")
+  for key, label in (("standalone_all_gathers", "all-gathers in the blocks"),
+                     ("fused_all_gather_matmuls", "fused AllGather+GEMM calls")):
+    verdict = "ok" if got[key] == expected[key] else "MISMATCH"
+    say(f"  {label:<30} counted {got[key]:>3}   expected {expected[key]:>3}  {verdict}")
+  say(f"  {'all-gathers in the whole step':<30} counted {total.all_gather:>3}")
+  say(f"  {'reduce-scatters (XLA)':<30} counted {total.reduce_scatter:>3}")
+  say(f"  {'fused GEMM+ReduceScatter calls':<30} counted {total.fused_matmul_reduce_scatter:>3}")
+  say(f"  {'all-reduces':<30} counted {total.all_reduce:>3}")
+  return {"paths": {"column_parallel": {"path": column.path, "reason": column.reason},
+                    "row_parallel": {"path": row.path, "reason": row.reason}},
+          "counts": {**got, "all_gathers_in_step": total.all_gather,
+                     "reduce_scatters": total.reduce_scatter,
+                     "fused_matmul_reduce_scatters": total.fused_matmul_reduce_scatter,
+                     "all_reduces": total.all_reduce},
+          "expected": expected}
+
+
+# --- the A/B on GPUs -----------------------------------------------------------------
+
+def ab_test(trainer, params, opt_state, steps, config, make_batch, tokens_per_step, say,
+            trained_step=None, rounds: int = 2) -> dict:
+  """Tokens/s and memory of the training step with backend="auto" against
+  backend="xla", in this process, from the trained state (both continue
+  training). Each program runs 2 warm-up steps (auto first, then xla: the
+  memory is read after each); then `rounds` times `steps` timed steps of
+  auto, then of xla, so that a drift (clocks, heat) touches both alike. The
+  batches are on the devices before the clock starts; each phase is timed as a
+  whole, with one wait at its end. `trained_step` (the training run's
+  compiled step) serves its own backend."""
+  backends = ("auto", "xla")
+  batches = iter([make_batch(i) for i in range(2 * len(backends) * (1 + rounds * steps))])
+  say(f"A/B: {rounds} rounds of {steps} timed steps per backend, after 2 warm-up steps")
+  programs, results = {}, {}
+  for backend in backends:
+    cfg = dataclasses.replace(config, backend=backend)
+    ab = trainer.with_config(dataclasses.replace(trainer.model, config=cfg))
+    first = next(batches)
+    step_fn = (trained_step if trained_step is not None and backend == config.backend
+               else ab.train_step(params, opt_state, *first))
+    for b in (first, next(batches)):
+      params, opt_state, loss = step_fn(params, opt_state, *b)
+    jax.block_until_ready((params, loss))
+    programs[backend] = step_fn
+    plan = step_fn.memory_analysis()
+    planned = 0 if plan is None else (plan.argument_size_in_bytes + plan.output_size_in_bytes
+                                      + plan.temp_size_in_bytes - plan.alias_size_in_bytes)
+    stats = [d.memory_stats() or {} for d in jax.local_devices()]
+    results[backend] = {
+        "path": report.layer_path(cfg, trainer.mesh, "tp", trainer.model.dtype,
+                                  reduce_scatter_layer=True).path,
+        "seconds": 0.0,
+        "peak_bytes_in_use": max(s.get("peak_bytes_in_use", 0) for s in stats),
+        "xla_planned_bytes": planned,
+        "cublasmp_workspace_bytes": max((c.get("workspace_bytes", 0)
+                                         for c in jcg.REGISTRY.contexts()), default=0)}
+  for _ in range(rounds):
+    for backend in backends:
+      timed = [next(batches) for _ in range(steps)]
+      start = time.perf_counter()
+      for b in timed:
+        params, opt_state, loss = programs[backend](params, opt_state, *b)
+      jax.block_until_ready((params, loss))
+      results[backend]["seconds"] += time.perf_counter() - start
+  for backend in backends:
+    r = results[backend]
+    r["tokens_per_s"] = tokens_per_step * rounds * steps / r["seconds"]
+    say(f"  backend={backend!r:<7} ({r['path']}): {r['tokens_per_s']:>10,.0f} tokens/s   "
+        f"peak {_gib(r['peak_bytes_in_use'])}   XLA plan {_gib(r['xla_planned_bytes'])}   "
+        f"cuBLASMp workspace {_gib(r['cublasmp_workspace_bytes'])}")
+  auto, xla = results["auto"], results["xla"]
+  say(f"  auto / xla: {auto['tokens_per_s'] / xla['tokens_per_s']:.3f}x tokens/s; XLA plan "
+      f"{(auto['xla_planned_bytes'] - xla['xla_planned_bytes']) / 2**20:+,.0f} MiB")
+  say("  peak: the allocator's high-water mark, Device.memory_stats()['peak_bytes_in_use'],\n"
+      "    the largest over this process's devices. It never falls within a process, so\n"
+      "    'xla' (read after 'auto') shows max(training, auto, xla).\n"
+      "  XLA plan: XLA's buffer assignment for one step, per device (arguments + outputs +\n"
+      "    temporaries - donated). cuBLASMp's workspace lies outside XLA's allocator.")
+  return results
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:7.2f} GiB" if n else "    n/a"

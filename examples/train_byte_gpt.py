@@ -1,0 +1,304 @@
+"""Train a byte-level GPT on the Python standard library's own source files,
+built from jax-comm-gemm's sequence-parallel transformer blocks.
+
+The text is every ``*.py`` file of this Python's standard library, read from
+disk (``stdlib_bytes.py``: a validation part held out by file, batches that
+depend only on the seed and the step). The model is ``byte_gpt.ByteGPT``:
+embedding, ``--layers`` SequenceParallelTransformerBlocks over the mesh
+``('dp', 'tp')`` (sequence over ``tp``, batch over ``dp``), final LayerNorm,
+tied output layer. It prints the training and validation loss with tokens/s,
+then which path every layer took (cuBLASMp fused with reuse of the gathered
+operand, fused plus an all-gather, or the XLA fallback) and why, and the
+collectives of the compiled training step next to what the design expects. On
+GPUs it ends with an A/B in the same process: tokens/s and peak device memory
+with ``backend="auto"`` against ``backend="xla"``.
+
+  python examples/train_byte_gpt.py                     # CPU: 8 simulated devices, ~2 min
+  python examples/train_byte_gpt.py --processes 2       # GPUs: one process per GPU
+  python examples/train_byte_gpt.py --resume --steps 600  # continue from the last checkpoint
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Simulated devices for CPU runs; the flag only affects the CPU platform, so it
+# is harmless on GPUs. It must be set before jax is imported.
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jax_comm_gemm as jcg  # noqa: E402
+from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS  # noqa: E402
+
+import byte_gpt  # noqa: E402
+import launch  # noqa: E402
+import run_report  # noqa: E402
+from stdlib_bytes import ByteCorpus, stdlib_dir  # noqa: E402
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Model, batch and run length for each --size. "gpu": a size where the fused
+# path matters (8 heads per GPU of 256 dims; GEMMs of 8192 tokens per step).
+PRESETS = {
+    "cpu": dict(d_model=128, heads=4, layers=2, hidden=512, seq_len=128, batch=16,
+                steps=1000, lr=3e-3, dtype="float32"),
+    "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
+                steps=60, lr=3e-4, dtype="bfloat16"),
+}
+SIZE_FIELDS = tuple(PRESETS["cpu"])
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+  """Shows defaults, except where the help text says where it comes from."""
+
+  def _get_help_string(self, action):
+    return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+  size = p.add_argument_group("size (each option overrides its --size preset)")
+  size.add_argument("--size", choices=("auto", *PRESETS), default="auto",
+                    help="preset: 'cpu' (d_model 128, 2 layers, 1000 steps: about 1.5 min on "
+                         "2 cores) or 'gpu' "
+                         "(d_model 4096, 8 heads per GPU, seq 2048, bf16); 'auto' picks 'gpu' "
+                         "when jax's default backend is a GPU")
+  for name, kind, what in (("d-model", int, "model width"),
+                           ("heads", int, "attention heads in all (a multiple of --tp)"),
+                           ("layers", int, "transformer blocks"),
+                           ("hidden", int, "MLP hidden width"),
+                           ("seq-len", int, "bytes per sequence"),
+                           ("batch", int, "sequences per step, global (a multiple of dp)"),
+                           ("steps", int, "training steps in all (a resumed run continues "
+                                          "up to this step)"),
+                           ("lr", float, "peak learning rate (warm-up, then cosine decay)")):
+    key = name.replace("-", "_")
+    cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
+    gpu = {"heads": "8 x tp", "batch": "4 x dp"}.get(key, gpu)
+    size.add_argument(f"--{name}", type=kind, help=f"{what} (default: {cpu} on CPU, {gpu} "
+                                                    "on GPU)")
+  size.add_argument("--dtype", choices=tuple(DTYPES),
+                    help="computation dtype; parameters stay float32 (default: float32 on "
+                         "CPU, bfloat16 on GPU)")
+  comm = p.add_argument_group("communication")
+  comm.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto",
+                    help="'auto': cuBLASMp where it runs, else XLA's collectives; "
+                         "'cublasmp': fail where it cannot run")
+  comm.add_argument("--keep-gathered-input", action="store_true",
+                    help="QKV and fc1 keep their forward's gathered input for the weight "
+                         "gradient (no all-gather in the backward pass, more memory)")
+  comm.add_argument("--reduce-scatter", choices=REDUCE_SCATTER_IMPLS, default="xla",
+                    help="how the cuBLASMp backend runs GEMM+ReduceScatter")
+  comm.add_argument("--remat", action="store_true",
+                    help="recompute each block's forward in the backward pass (jax.checkpoint)")
+  comm.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
+                    help="jax.nn.dot_product_attention's implementation ('auto': jax chooses)")
+  comm.add_argument("--tp", type=int,
+                    help="tensor-parallel size (default: every GPU; 2 on CPU); the rest of "
+                         "the devices is data-parallel")
+  comm.add_argument("--processes", type=int, default=1,
+                    help="run this many processes joined by jax.distributed on 127.0.0.1, "
+                         "one per GPU (on CPU: the 8 simulated devices shared among them)")
+  comm.add_argument("--process-id", type=int, help=argparse.SUPPRESS)  # set by the launcher
+  comm.add_argument("--port", type=int, help=argparse.SUPPRESS)
+  run = p.add_argument_group("run")
+  run.add_argument("--data-dir", default=str(stdlib_dir()),
+                   help="directory whose *.py files are the text")
+  run.add_argument("--seed", type=int, default=0, help="parameters and batches")
+  run.add_argument("--eval-every", type=int, help="steps between validation losses "
+                                                  "(default: --steps / 5)")
+  run.add_argument("--eval-batches", type=int, default=4,
+                   help="validation batches per validation loss")
+  run.add_argument("--log-every", type=int,
+                   help="steps between progress lines when the output is not a terminal "
+                        "(default: --steps / 20); a terminal gets a progress bar")
+  run.add_argument("--checkpoint-dir",
+                   default=os.path.join(tempfile.gettempdir(), "jax-comm-gemm-byte-gpt"),
+                   help="where orbax-checkpoint keeps the last 2 checkpoints; a run without "
+                        "--resume replaces those of an earlier run")
+  run.add_argument("--checkpoint-every", type=int, default=250,
+                   help="steps between checkpoints (and one at the end); 0: only at the end")
+  run.add_argument("--no-checkpoint", action="store_true", help="save no checkpoints")
+  run.add_argument("--resume", action="store_true",
+                   help="continue from the last checkpoint in --checkpoint-dir")
+  run.add_argument("--ab-steps", type=int,
+                   help="timed steps per backend and round in the closing A/B of "
+                        "backend='auto' against 'xla' (2 rounds, alternating); 0: no A/B "
+                        "(default: 20 on GPU, 0 on CPU, where both run XLA)")
+  run.add_argument("--json-out", metavar="PATH",
+                   help="write a JSON summary here (default: none)")
+  return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = build_parser()
+  args = p.parse_args(argv)
+  if args.resume and args.no_checkpoint:
+    p.error("--resume needs checkpoints: drop --no-checkpoint")
+  return args
+
+
+def resolve_size(args, platform: str, tp: int, dp: int) -> dict:
+  """The run's sizes: the options given, else the preset of --size."""
+  size = args.size if args.size != "auto" else ("gpu" if platform == "gpu" else "cpu")
+  preset = dict(PRESETS[size], heads=PRESETS[size]["heads"] or 8 * tp,
+                batch=PRESETS[size]["batch"] or 4 * dp)
+  out = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
+         for k in SIZE_FIELDS}
+  out["size"] = size
+  return out
+
+
+def make_mesh(tp: int | None, platform: str) -> Mesh:
+  devices = jax.devices()
+  tp = tp or (len(devices) if platform == "gpu" else min(2, len(devices)))
+  if tp < 1 or len(devices) % tp:
+    raise SystemExit(f"error: --tp={tp} must divide the device count {len(devices)}")
+  return Mesh(np.asarray(devices).reshape(len(devices) // tp, tp), ("dp", "tp"))
+
+
+def main(argv=None) -> dict | None:
+  args = parse_args(argv)
+  if args.processes > 1 and args.process_id is None:
+    raise SystemExit(launch.run_processes(args.processes, __file__,
+                                          sys.argv[1:] if argv is None else argv))
+  if args.process_id is not None:
+    launch.join(args.process_id, args.processes, args.port)
+  try:
+    return train(args)
+  finally:
+    if args.process_id is not None:
+      jax.distributed.shutdown()  # all processes leave together: no error lines at exit
+
+
+def train(args) -> dict:
+  rank0 = jax.process_index() == 0
+  say = (lambda *parts: print(*parts, flush=True)) if rank0 else (lambda *parts: None)
+  platform = jax.default_backend()
+  mesh = make_mesh(args.tp, platform)
+  status = jcg.connect(mesh, "tp")  # collective: every process, before the first step
+  tp, dp = mesh.shape["tp"], mesh.shape["dp"]
+  s = resolve_size(args, platform, tp, dp)
+  model_config = byte_gpt.ModelConfig(s["d_model"], s["heads"], s["layers"], s["hidden"],
+                                      s["seq_len"])
+  _check_sizes(s, tp, dp)
+  try:
+    corpus = ByteCorpus(args.data_dir)
+  except (OSError, ValueError) as e:
+    raise SystemExit(f"error: {e}") from None
+  dtype = DTYPES[s["dtype"]]
+  config = jcg.CommGemmConfig(backend=args.backend, reduce_scatter=args.reduce_scatter)
+  try:  # fail early and plainly where --backend cublasmp cannot run
+    jcg.resolve_backend(config, "tp", mesh)
+  except RuntimeError as e:
+    raise SystemExit(f"error: {e}") from None
+  say(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
+      f"{jax.process_count()} process(es); mesh dp={dp} tp={tp}; cuBLASMp: {status.reason}")
+  say(f"data: {corpus}")
+  say(f"model ({s['size']} size): {s['layers']} blocks, d_model {s['d_model']}, "
+      f"{s['heads']} heads ({s['heads'] // tp} per tp shard), hidden {s['hidden']}, "
+      f"seq {s['seq_len']} x batch {s['batch']} = {s['seq_len'] * s['batch']:,} tokens/step, "
+      f"{s['dtype']}, backend {args.backend!r}")
+
+  model = byte_gpt.ByteGPT(model_config, mesh, dtype, args.keep_gathered_input, args.remat,
+                           config, None if args.attention == "auto" else args.attention)
+  trainer, params, opt_state = byte_gpt.Trainer.create(
+      model, byte_gpt.optimizer(s["lr"], s["steps"]), mesh, args.seed)
+  say(f"parameters: {sum(a.size for a in jax.tree.leaves(params)):,}")
+  checkpoints = run_report.Checkpoints(args, model_config, say)
+  start, params, opt_state = checkpoints.start(params, opt_state)
+
+  def batch(part, step):
+    return byte_gpt.to_device(mesh, corpus.batch(part, step, batch=s["batch"],
+                                                 length=s["seq_len"] + 1, seed=args.seed))
+
+  tokens, targets = batch("train", start)
+  if status.ok and args.backend == "auto":
+    # What backend="auto" should do at each shape: trace the step once (auto
+    # notes the problems it meets), measure them (collective; cached on disk),
+    # then drop the traces so that the step is traced anew with the choices.
+    t0 = time.perf_counter()
+    jax.eval_shape(lambda p, t, y: jax.grad(byte_gpt.loss_fn, argnums=1)(model, p, t, y),
+                   params, tokens, targets)
+    tuned = jcg.autotune(mesh, "tp")
+    jax.clear_caches()
+    say(f"autotune: {len(tuned)} problem(s) measured in {time.perf_counter() - t0:.1f} s")
+    for problem, (choice, why) in sorted(tuned.items(), key=lambda i: i[0].text()):
+      say(f"  {problem.text()}: {choice} ({why})")
+  t0 = time.perf_counter()
+  step_fn = trainer.train_step(params, opt_state, tokens, targets)
+  say(f"compiled the training step in {time.perf_counter() - t0:.1f} s")
+  evaluate = trainer.eval_step()
+  val_batches = [batch("validation", i) for i in range(args.eval_batches)]
+
+  def val_loss(params):
+    return float(np.mean([evaluate(params, *b) for b in val_batches]))
+
+  eval_every = args.eval_every or max(1, s["steps"] // 5)
+  log = run_report.Progress(s["steps"], start, args.log_every or max(1, s["steps"] // 20),
+                            s["seq_len"] * s["batch"], rank0)
+  history = {"train": [], "validation": [(start, val_loss(params))]}
+  log.note(f"step {start}: validation loss {history['validation'][-1][1]:.4f}")
+  times = []
+  for step in range(start, s["steps"]):
+    t = time.perf_counter()
+    params, opt_state, loss = step_fn(params, opt_state, tokens, targets)
+    if step + 1 < s["steps"]:  # built on the host while the devices run the step
+      tokens, targets = batch("train", step + 1)
+    history["train"].append((step + 1, float(loss)))
+    times.append(time.perf_counter() - t)
+    log.step(step + 1, history["train"][-1][1], times[-1])
+    if (step + 1) % eval_every == 0 or step + 1 == s["steps"]:
+      history["validation"].append((step + 1, val_loss(params)))
+      log.note(f"step {step + 1}: validation loss {history['validation'][-1][1]:.4f}")
+    checkpoints.maybe_save(step + 1, s["steps"], params, opt_state)
+  log.close()
+  checkpoints.close()
+  tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
+  say(run_report.loss_summary(history, tokens_per_s, start))
+
+  summary = run_report.layer_report(step_fn, config, mesh, dtype, args, s["layers"], say)
+  summary.update(history=history, tokens_per_s=tokens_per_s, start_step=start,
+                 final_step=max(start, s["steps"]), sizes=s, mesh={"dp": dp, "tp": tp},
+                 platform=platform, process_count=jax.process_count(),
+                 checkpoint_steps=checkpoints.saved, jax_version=jax.__version__)
+  ab_steps = args.ab_steps if args.ab_steps is not None else (20 if platform == "gpu" else 0)
+  if ab_steps > 0:
+    summary["ab"] = run_report.ab_test(trainer, params, opt_state, ab_steps, config,
+                                       lambda i: batch("train", s["steps"] + i),
+                                       s["seq_len"] * s["batch"], say, trained_step=step_fn)
+  if args.json_out and rank0:
+    with open(args.json_out, "w") as f:
+      json.dump(summary, f, indent=2, default=str)
+  return summary
+
+
+def _check_sizes(s, tp: int, dp: int) -> None:
+  problems = []
+  if s["heads"] % tp:
+    problems.append(f"--heads ({s['heads']}) must be a multiple of tp={tp}")
+  if s["d_model"] % s["heads"]:
+    problems.append(f"--d-model ({s['d_model']}) must divide into --heads ({s['heads']})")
+  if s["hidden"] % tp:
+    problems.append(f"--hidden ({s['hidden']}) must be a multiple of tp={tp}")
+  if s["seq_len"] % tp:
+    problems.append(f"--seq-len ({s['seq_len']}) must be a multiple of tp={tp}")
+  if s["batch"] % dp:
+    problems.append(f"--batch ({s['batch']}) must be a multiple of dp={dp}")
+  if problems:
+    raise SystemExit("error: " + "; ".join(problems))
+
+
+if __name__ == "__main__":
+  main()

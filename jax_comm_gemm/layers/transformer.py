@@ -1,0 +1,266 @@
+"""A sequence-parallel transformer block (Megatron's arrangement): the local
+core, inside ``jax.shard_map``, and its global-array wrapper.
+
+Activations are ``[seq, batch, features]``. Between blocks the sequence is
+sharded over the tensor-parallel axis (size P) and, on global arrays, the
+batch over the data axes; a block is::
+
+  x -> LayerNorm -> QKV  (column-parallel: AllGather+GEMM)  [seq, b, 3d/P]
+    -> causal attention over this shard's heads (whole sequences)
+    -> out-proj (row-parallel: GEMM+ReduceScatter) -> + x = h  [seq/P, b, d]
+  h -> LayerNorm -> fc1 (column-parallel) -> activation
+    -> fc2 (row-parallel) -> + h                              [seq/P, b, d]
+
+LayerNorm and the residuals work per token, so they run on the token shards
+without communication. The QKV kernel's columns are ordered
+``(head, {q, k, v}, head_dim)``, so a column shard holds whole heads with their
+q, k and v, whatever P is; the out-proj kernel's rows are ordered
+``(head, head_dim)`` to match. An unsharded model that splits its QKV output
+the same way (``reshape(..., heads, 3, head_dim)``) has the same parameters.
+
+Parameters, with their global shapes and partitioning (:func:`param_layout`)::
+
+  ln_1, ln_2           scale, bias [d]           replicated
+  attention/qkv        kernel [d, 3d], bias [3d]  over axis_name along 3d
+  attention/out        kernel [d, d],  bias [d]   kernel along its rows
+  mlp/fc1              kernel [d, F],  bias [F]   over axis_name along F
+  mlp/fc2              kernel [F, d],  bias [d]   kernel along its rows
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jax_comm_gemm import validation
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.layers import local
+from jax_comm_gemm.layers.sharded import resolve_mesh
+
+SCOPE = "sp_transformer_block"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  """One parameter: its global shape and the mesh axis of each dimension."""
+  shape: tuple[int, ...]
+  names: tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockOptions:
+  """The static settings of a block (hashable: jit and shard_map key on them).
+
+  Attributes:
+    num_heads: attention heads in all, divisible by the size of the axis.
+    activation: the MLP's activation.
+    causal: mask attention to earlier positions.
+    epsilon: the LayerNorms' epsilon (as ``flax.linen.LayerNorm``).
+    dtype: the computation dtype (None: promote the inputs and parameters).
+    precision: ``lax.Precision`` of every dense GEMM that XLA runs (attention's
+      own products run at jax's default precision).
+    keep_gathered_input: QKV and fc1 keep their gathered input for the weight
+      gradient (no all-gather in the backward pass; ``seq*b*d`` memory each).
+    attention_implementation: ``jax.nn.dot_product_attention``'s
+      ``implementation`` (None: jax chooses).
+    config: backend and algorithm choices.
+  """
+  num_heads: int
+  activation: Callable = jax.nn.gelu
+  causal: bool = True
+  epsilon: float = 1e-6
+  dtype: Any = None
+  precision: Any = None
+  keep_gathered_input: bool = False
+  attention_implementation: str | None = None
+  config: CommGemmConfig = DEFAULT_CONFIG
+
+
+def param_layout(features: int, hidden_features: int, axis_name: str,
+                 use_bias: bool = True) -> dict:
+  """The block's parameters as a nested dict of :class:`ParamSpec` (global)."""
+
+  def dense(k, f, split):
+    kernel = ParamSpec((k, f), (None, axis_name) if split == 1 else (axis_name, None))
+    if not use_bias:
+      return {"kernel": kernel}
+    return {"kernel": kernel, "bias": ParamSpec((f,), (axis_name if split == 1 else None,))}
+
+  norm = {"scale": ParamSpec((features,), (None,)), "bias": ParamSpec((features,), (None,))}
+  return {"ln_1": norm,
+          "attention": {"qkv": dense(features, 3 * features, 1),
+                        "out": dense(features, features, 0)},
+          "ln_2": dict(norm),
+          "mlp": {"fc1": dense(features, hidden_features, 1),
+                  "fc2": dense(hidden_features, features, 0)}}
+
+
+def partition_specs(params, axis_name: str) -> dict:
+  """``PartitionSpec`` of each parameter in `params` (a block's parameter dict)."""
+  layout = param_layout(1, 1, axis_name, "bias" in params["attention"]["qkv"])
+  return jax.tree.map(lambda s: P(*s.names), layout)
+
+
+# --- local shards -------------------------------------------------------------------
+
+def transformer_block(x, params, *, axis_name: str, options: BlockOptions):
+  """The block on local shards, inside ``jax.shard_map`` over `axis_name`.
+
+  ``x`` is ``[seq/P, batch, d]``; `params` holds this shard's slices of the
+  parameters (cut by :func:`partition_specs`). Returns ``[seq/P, batch, d]``.
+  """
+  op = "transformer_block"
+  size = validation.bound_axis_size(op, axis_name)
+  check_block(op, "x", x, params, options.num_heads, axis_name, size, local=True)
+  return block(x, params, axis_name=axis_name, options=options)
+
+
+def block(x, params, *, axis_name: str, options: BlockOptions):
+  """:func:`transformer_block` for callers that validated the arguments."""
+  o = options
+  dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
+  dense = partial(_dense_params, dtype=dtype)
+  x = x.astype(dtype)
+  with jax.named_scope(SCOPE):
+    with jax.named_scope("attention"):
+      qkv, out = dense(params["attention"]["qkv"]), dense(params["attention"]["out"])
+      h = layer_norm(x, params["ln_1"], o.epsilon, dtype)
+      h = local.column_parallel(h, *qkv, axis_name=axis_name,
+                                keep_gathered_input=o.keep_gathered_input,
+                                precision=o.precision, config=o.config)
+      h = attention(h, o.num_heads // jax.lax.axis_size(axis_name), o.causal,
+                    o.attention_implementation)
+      x = x + local.row_parallel(h, *out, axis_name=axis_name, precision=o.precision,
+                                 config=o.config)
+    with jax.named_scope("mlp"):
+      fc1, fc2 = dense(params["mlp"]["fc1"]), dense(params["mlp"]["fc2"])
+      h = layer_norm(x, params["ln_2"], o.epsilon, dtype)
+      h = local.column_parallel(h, *fc1, axis_name=axis_name,
+                                keep_gathered_input=o.keep_gathered_input,
+                                precision=o.precision, config=o.config)
+      return x + local.row_parallel(o.activation(h), *fc2, axis_name=axis_name,
+                                    precision=o.precision, config=o.config)
+
+
+def layer_norm(x, p, epsilon: float, dtype):
+  """``flax.linen.LayerNorm`` over the last dimension, step for step: statistics
+  in float32 at least, ``var = E[x^2] - E[x]^2``, the result in `dtype`."""
+  xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  mean = jnp.mean(xf, -1, keepdims=True)
+  var = jnp.maximum(0.0, jnp.mean(jnp.square(xf), -1, keepdims=True) - jnp.square(mean))
+  y = (x - mean) * (jax.lax.rsqrt(var + epsilon) * p["scale"]) + p["bias"]
+  return y.astype(dtype)
+
+
+def attention(qkv, heads: int, causal: bool, implementation):
+  """Attention over whole sequences for `heads` local heads: ``qkv`` is
+  ``[seq, b, heads * 3 * head_dim]`` (columns ``(head, {q,k,v}, head_dim)``);
+  returns ``[seq, b, heads * head_dim]``."""
+  seq, batch = qkv.shape[:2]
+  # [seq, b, H, 3, hd] -> three [b, seq, H, hd], dot_product_attention's layout.
+  q, k, v = jnp.moveaxis(qkv.reshape(seq, batch, heads, 3, -1), (3, 0), (0, 2))
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                     implementation=implementation)
+  return jnp.swapaxes(out, 0, 1).reshape(seq, batch, -1)
+
+
+def _dense_params(p, dtype):
+  """(kernel, bias or None) in the computation dtype, like flax's promote_dtype."""
+  return p["kernel"].astype(dtype), (p["bias"].astype(dtype) if "bias" in p else None)
+
+
+# --- global arrays ------------------------------------------------------------------
+
+def sharded_transformer_block(x, params, *, mesh=None, axis_name: str = "tp",
+                              data_axes: Sequence[str] = (), options: BlockOptions,
+                              op: str = "sharded_transformer_block", x_name: str = "x"):
+  """The block on global arrays: ``x [seq, batch, d]`` with the sequence
+  sharded over `axis_name` and the batch over `data_axes`; `params` with
+  global shapes, sharded as :func:`partition_specs` says. Returns an array of
+  ``x``'s shape and sharding. `op` and `x_name` are what errors call things."""
+  mesh = resolve_mesh(op, mesh)
+  size = validation.mesh_axis_size(op, mesh, axis_name)
+  data = tuple(data_axes)
+  for name in data:
+    if name == axis_name:
+      raise ValueError(f"{op}: data_axes={data} must not contain the tensor-parallel "
+                       f"axis {axis_name!r}")
+    if name not in mesh.axis_names:
+      raise ValueError(f"{op}: data_axes={data} names {name!r}, which is not an axis "
+                       f"of the mesh, whose axes are {tuple(mesh.axis_names)}")
+  check_block(op, x_name, x, params, options.num_heads, axis_name, size, local=False)
+  shards = int(np.prod([mesh.shape[a] for a in data]))
+  validation.check_divisible(op, x_name, "sequences (second dimension, the batch)",
+                             np.shape(x)[1], "*".join(data) or "()", shards)
+  return _sharded(x, params, mesh=mesh, axis_name=axis_name, data_axes=data,
+                  options=options)
+
+
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "data_axes", "options"))
+def _sharded(x, params, *, mesh, axis_name, data_axes, options):
+  tokens = P(axis_name, data_axes or None, None)
+  body = partial(block, axis_name=axis_name, options=options)
+  return jax.shard_map(body, mesh=mesh, in_specs=(tokens, partition_specs(params, axis_name)),
+                       out_specs=tokens)(x, params)
+
+
+# --- checks -------------------------------------------------------------------------
+
+def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
+                size: int, *, local: bool) -> None:
+  """`x` ``[seq, batch, d]`` (local: ``[seq/P, ...]``), `params` shaped as
+  :func:`param_layout` says (local: cut by `size`), heads split over the axis."""
+  shape = np.shape(x)
+  if len(shape) != 3:
+    raise ValueError(
+        f"{op}: `{x_name}` must be 3-D [seq, batch, features] (the sequence first: "
+        f"it is sharded over {axis_name!r}), got shape {shape}")
+  if not local:
+    validation.check_divisible(
+        op, x_name, "positions (first dimension, the sequence)", shape[0], axis_name, size,
+        ". The layout is [seq, batch, features]: for [batch, seq, features] "
+        "activations pass jnp.swapaxes(x, 0, 1)")
+  validation.check_dtype(op, x_name, x)
+  d = shape[-1]
+  if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
+    raise ValueError(f"{op}: num_heads must be a positive int, got {num_heads!r}")
+  if d % num_heads:
+    raise ValueError(f"{op}: the features ({d}) must divide into num_heads={num_heads} "
+                     "heads of equal size")
+  validation.check_divisible(op, "num_heads", "heads", num_heads, axis_name, size,
+                             ": each shard computes whole heads")
+  try:
+    hidden = np.shape(params["mlp"]["fc2"]["kernel"])[0] * (size if local else 1)
+    layout = param_layout(d, hidden, axis_name, "bias" in params["attention"]["qkv"])
+  except (KeyError, TypeError, IndexError):
+    raise ValueError(f"{op}: `params` must be a dict shaped as param_layout() says "
+                     "(ln_1, attention/{qkv,out}, ln_2, mlp/{fc1,fc2})") from None
+  validation.check_divisible(op, "mlp/fc1/kernel", "output features", hidden, axis_name,
+                             size)
+  want = jax.tree.map(lambda s: tuple(n // size if name == axis_name and local else n
+                                      for n, name in zip(s.shape, s.names)), layout)
+  got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
+  if (jax.tree.structure(got, is_leaf=_is_shape)
+      != jax.tree.structure(want, is_leaf=_is_shape)):
+    raise ValueError(f"{op}: `params` has entries {_paths(got)}, expected {_paths(want)}")
+  for path, shape_got, shape_want in zip(_paths(got), jax.tree.leaves(got, is_leaf=_is_shape),
+                                         jax.tree.leaves(want, is_leaf=_is_shape)):
+    if shape_got != shape_want:
+      where = "local shard" if local else "global shape"
+      raise ValueError(f"{op}: `params` {path} has shape {tuple(shape_got)}, expected "
+                       f"{shape_want} ({where}, model width {d})")
+
+
+def _is_shape(v) -> bool:
+  return isinstance(v, tuple) and all(isinstance(n, (int, np.integer)) for n in v)
+
+
+def _paths(tree) -> list[str]:
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=_is_shape)
+  return ["/".join(str(getattr(k, "key", k)) for k in path) for path, _ in leaves]
