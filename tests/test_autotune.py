@@ -49,13 +49,16 @@ def test_time_candidates_interleaves_and_takes_medians():
     return call
 
   timer = lambda: float(next(clock))  # noqa: E731  (each call costs its `cost` ticks)
+  waits = []
   times = autotune.time_candidates(
       {"a": (runner("a", 3), 2), "b": (runner("b", 5), 1), "bad": (runner("bad", 1, True), 1)},
-      rounds=3, timer=timer)
+      rounds=3, timer=timer, wait=waits.append)
   assert times["bad"] == math.inf
   assert times["b"] > times["a"]
-  # Warm-up once each, then a b a b a b: interleaved rounds.
+  # Warm-up once each, then a b a b a b: interleaved rounds, one wait per
+  # batch (back-to-back calls, as in a training step), not one per call.
   assert order[3:] == ["a", "a", "b"] * 3
+  assert len(waits) == 2 + 3 * 2
 
 
 def test_iterations_are_a_function_of_the_problem_alone():
