@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm.collective_matmul import gathered_route
+from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
 import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
@@ -215,3 +216,18 @@ def test_fingerprints_compare_by_setting():
   assert "fence differs (processes 0, 2: 'isolated'; process 1: 'own_stream')" in message
   assert "cuBLASMp version" not in message
   assert "<missing>" in agreement.compare({0: same, 1: {"fence": "isolated"}})
+
+
+def test_report_follows_auto_on_a_connected_axis(fake):
+  """backend='auto' on a connected axis runs the fused ops where measured
+  faster; the report says so, and counts on reuse (GPU run 16 printed
+  'xla fallback' here while the step held 8 fused calls)."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  row = report.layer_path(jcg.CommGemmConfig(), mesh, "tp", jnp.bfloat16,
+                          reduce_scatter_layer=True)
+  assert row.path == report.FUSED_WITH_REUSE and row.reason.startswith("backend='auto'")
+  column = report.layer_path(jcg.CommGemmConfig(), mesh, "tp", jnp.bfloat16)
+  assert column.path == report.FUSED_WITH_ALL_GATHER
+  counts = report.expected_all_gathers(jcg.CommGemmConfig(), mesh, "tp", jnp.bfloat16)
+  assert (counts.standalone_all_gathers, counts.fused_all_gather_matmuls) == (1, 2)

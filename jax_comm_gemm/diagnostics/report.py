@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_comm_gemm.backends import CublasMpBackend, choose_backend
+from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend
 from jax_comm_gemm.collective_matmul import gathered_route
 from jax_comm_gemm.config import CommGemmConfig
 
@@ -44,15 +44,21 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   """
   choice = choose_backend(config, axis_name, mesh)
   size = int(mesh.shape[axis_name])
-  if not isinstance(choice.backend, CublasMpBackend) or size == 1:
+  if not isinstance(choice.backend, (CublasMpBackend, AutoBackend)) or size == 1:
     return LayerPath(XLA_FALLBACK, choice.reason)
+  # With "auto" each AllGather+GEMM runs fused or on XLA as measured for its
+  # shape; the path below is the fused one, which the measured shapes take
+  # where the fused op is faster (the compiled step's counts show which).
+  per_shape = ("backend='auto', where autotune finds the fused op faster: "
+               if isinstance(choice.backend, AutoBackend) else "")
   if not (reduce_scatter_layer or keep_gathered_input):
     return LayerPath(FUSED_WITH_ALL_GATHER,
-                     "a column-parallel layer gathers its input again in the backward "
-                     "pass unless keep_gathered_input=True")
+                     per_shape + "a column-parallel layer gathers its input again in the "
+                     "backward pass unless keep_gathered_input=True")
   route = gathered_route(choice.backend, config.reuse_gathered, size, dtype,
                          transpose_w=reduce_scatter_layer)
-  return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER, route.reason)
+  return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
+                   per_shape + route.reason)
 
 
 @dataclasses.dataclass(frozen=True)
