@@ -39,6 +39,8 @@ Examples (GPU machine, after `source .device/setup.sh`):
   python3 benchmarks/bench.py --out /tmp/p.json --quick --ops all_gather_matmul
   python3 benchmarks/bench.py --ops none --profile ag:4096x4096x4096:auto
   JAX_PLATFORMS=cpu python3 benchmarks/bench.py --cpu-smoke --out /tmp/smoke.json
+
+Longer than 300 lines because it is the one script a device command runs for the project's side: every op is one @op function, the rest is the run's bookkeeping (budget, watchdog, resume), which splits poorly.
 """
 
 from __future__ import annotations

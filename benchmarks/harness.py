@@ -12,6 +12,8 @@ variant's time in a round is the wall time of `iters` back-to-back calls ended b
 one sync, divided by `iters`; the result is the median over rounds, and
 `over_floor` is the median over rounds of time(variant) / time(floor) in the same
 round. The clocks and power are sampled after the warm-up and after the rounds.
+
+Longer than 300 lines because the timing loop, the clock readings, the budget and the hang watchdog are shared by bench.py and both peers, and belong together.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ summary.json: {"rows": [{"op", "shape", "variant", "median_ms", "over_floor",
   time over the floor's in the same round of the same process (each peer with
   its own floor, whose median is the row's floor_ms). A variant that failed has
   "error" (and no times); one the budget left out has "skipped".
+
+Longer than 300 lines because the JSON merge, the Markdown table and the plot read the same rows; one file keeps their names in one place.
 """
 
 from __future__ import annotations

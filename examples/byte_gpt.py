@@ -14,6 +14,7 @@ tokens.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 import jax
@@ -25,6 +26,7 @@ from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jax_comm_gemm as jcg
 from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.linen import SequenceParallelTransformerBlock
 
@@ -131,6 +133,20 @@ class Trainer:
   def eval_step(self):
     return jax.jit(lambda params, tokens, targets: loss_fn(self.model, params, tokens,
                                                            targets))
+
+
+def autotune(model: ByteGPT, mesh: Mesh, params, tokens, targets, say) -> None:
+  """What backend="auto" should do at each shape: trace the step once (auto
+  notes the problems it meets), measure them (collective; cached on disk),
+  then drop the traces so that the step is traced anew with the choices."""
+  start = time.perf_counter()
+  jax.eval_shape(lambda p, t, y: jax.grad(loss_fn, argnums=1)(model, p, t, y),
+                 params, tokens, targets)
+  tuned = jcg.autotune(mesh, "tp")
+  jax.clear_caches()
+  say(f"autotune: {len(tuned)} problem(s) measured in {time.perf_counter() - start:.1f} s")
+  for problem, (choice, why) in sorted(tuned.items(), key=lambda item: item[0].text()):
+    say(f"  {problem.text()}: {choice} ({why})")
 
 
 def to_device(mesh: Mesh, batch):

@@ -225,17 +225,7 @@ def train(args) -> dict:
 
   tokens, targets = batch("train", start)
   if status.ok and args.backend == "auto":
-    # What backend="auto" should do at each shape: trace the step once (auto
-    # notes the problems it meets), measure them (collective; cached on disk),
-    # then drop the traces so that the step is traced anew with the choices.
-    t0 = time.perf_counter()
-    jax.eval_shape(lambda p, t, y: jax.grad(byte_gpt.loss_fn, argnums=1)(model, p, t, y),
-                   params, tokens, targets)
-    tuned = jcg.autotune(mesh, "tp")
-    jax.clear_caches()
-    say(f"autotune: {len(tuned)} problem(s) measured in {time.perf_counter() - t0:.1f} s")
-    for problem, (choice, why) in sorted(tuned.items(), key=lambda i: i[0].text()):
-      say(f"  {problem.text()}: {choice} ({why})")
+    byte_gpt.autotune(model, mesh, params, tokens, targets, say)
   t0 = time.perf_counter()
   step_fn = trainer.train_step(params, opt_state, tokens, targets)
   say(f"compiled the training step in {time.perf_counter() - t0:.1f} s")

@@ -7,6 +7,8 @@ mode (under jax.jit with NamedSharding), in local mode (inside the test's own
 shard_map), under ``nn.remat`` and under ``nn.scan``; forward and gradients
 (parameters and input), float32 tight and bfloat16 loose, on 2, 4 and 8
 simulated devices and through every routing of ``fused_emulation.ROUTINGS``.
+
+Longer than 300 lines because the plain-Flax reference block lives beside the tests that compare against it.
 """
 
 import flax.linen as nn

@@ -5,6 +5,8 @@ Most cases trace with ``jax.eval_shape`` on ``jax.ShapeDtypeStruct`` inputs:
 nothing is compiled or run, so an error there is raised before any device
 work. The kernel-placement check needs a concrete array; it raises before
 ``shard_map`` is entered.
+
+Longer than 300 lines because it lists every argument check, one short test each.
 """
 
 import re

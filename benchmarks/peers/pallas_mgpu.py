@@ -10,6 +10,8 @@ fastest of a few tile configurations (the same on every process).
 launches the processes itself (CUDA_VISIBLE_DEVICES=i each). It needs NCCL >=
 2.29 for its symmetric windows: source .device/setup.sh first. Every failure
 becomes an "error" entry in the JSON; the launcher exits 0 once a JSON exists.
+
+Longer than 300 lines because the peer launches its own processes and searches tile configs; it stands alone so that it needs nothing of the project.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ Each check takes the job's 1-D ('tp',) mesh over all GPUs, asserts, and returns
 a dict of details for the log. Inputs are fresh random normal arrays, placed as
 global arrays so the same code runs with one process per GPU or one per host;
 references are computed on the host in float64 from the same seeds.
+
+Longer than 300 lines because each GPU check is a function of its own in one list that both process modes run.
 """
 
 from __future__ import annotations

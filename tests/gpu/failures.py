@@ -37,6 +37,8 @@ Scenarios (M: one process per GPU, S: one process for all GPUs):
                     workspace growth, both collective): no deadlock.
   stress         MS stress.py: MLP forward+backward runs on fresh inputs, each
                     checked per row against a high-precision reference.
+
+Longer than 300 lines because every failure scenario needs its own worker mode in one process entry point, which the test launches.
 """
 
 from __future__ import annotations

@@ -12,6 +12,8 @@ Without two GPUs or without the built extension the tests skip, saying why.
 Knobs: JCG_STRESS_RUNS (default 500), JCG_STRESS_NONE_RUNS (runs with fence
 `none`, default the same), JCG_FAILURE_JOB_SCALE (multiplies every job's
 timeout).
+
+Longer than 300 lines because each scenario's launch, time limits and assertions sit beside each other.
 """
 
 import importlib.util
