@@ -21,7 +21,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 

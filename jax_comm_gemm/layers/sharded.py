@@ -129,23 +129,24 @@ def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, *, mesh, axis_name, data
 # --- global checks --------------------------------------------------------------------
 
 def check_global_column(names, x, kernel, bias, mesh, axis_name, size, data) -> None:
-  validation.check_activations(names.op, names.x, x)
-  validation.check_tokens(names.op, names.x, np.shape(x), "*".join((*data, axis_name)),
-                          _shards(mesh, (*data, axis_name)))
-  _check_kernel(names, kernel, x, split=1, axis_name=axis_name, size=size)
-  _check_dtypes(names, x, kernel)
-  validation.check_bias(names, bias, np.shape(kernel)[1])
-  _check_placement(names.op, kernel, mesh, P(None, axis_name), names.kernel)
+  """x [n, ..., K] sharded along tokens, kernel [K, F] split along F."""
+  _check_global(names, x, kernel, bias, mesh, axis_name, size, data, split=1)
 
 
 def check_global_row(names, h, kernel, bias, mesh, axis_name, size, data) -> None:
-  validation.check_activations(names.op, names.x, h)
-  validation.check_tokens(names.op, names.x, np.shape(h), "*".join((*data, axis_name)),
+  """h [n, ..., F] split along F, kernel [F, K] split along F."""
+  _check_global(names, h, kernel, bias, mesh, axis_name, size, data, split=0)
+
+
+def _check_global(names, x, kernel, bias, mesh, axis_name, size, data, *, split) -> None:
+  validation.check_activations(names.op, names.x, x)
+  validation.check_tokens(names.op, names.x, np.shape(x), "*".join((*data, axis_name)),
                           _shards(mesh, (*data, axis_name)))
-  _check_kernel(names, kernel, h, split=0, axis_name=axis_name, size=size)
-  _check_dtypes(names, h, kernel)
+  _check_kernel(names, kernel, x, split=split, axis_name=axis_name, size=size)
+  _check_dtypes(names, x, kernel)
   validation.check_bias(names, bias, np.shape(kernel)[1])
-  _check_placement(names.op, kernel, mesh, P(axis_name, None), names.kernel)
+  spec = P(None, axis_name) if split == 1 else P(axis_name, None)
+  _check_placement(names.op, kernel, mesh, spec, names.kernel)
 
 
 def resolve_mesh(op: str, mesh):

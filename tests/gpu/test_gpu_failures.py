@@ -16,12 +16,9 @@ timeout).
 Longer than 300 lines because each scenario's launch, time limits and assertions sit beside each other.
 """
 
-import importlib.util
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +29,7 @@ import pytest
 
 from jax_comm_gemm.runtime.constants import FENCES
 from tests.gpu import checks
+from tests.gpu.machine import free_port, skip_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -66,25 +64,10 @@ JOBS = {
 }
 
 
-def _gpu_count() -> int:
-  if shutil.which("nvidia-smi") is None:
-    return 0
-  out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-  return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
 
 
-def _skip_reason():
-  if _gpu_count() < 2:
-    return "needs 2 GPUs (nvidia-smi finds fewer)"
-  if importlib.util.find_spec("jax_comm_gemm._comm_gemm") is None:
-    return "the cuBLASMp extension is not built"
-  return None
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 _LOG_DIR = []
@@ -141,7 +124,7 @@ def _run_job(name: str) -> dict:
   has rc, t_launch, t_end (time.time(), seen every 0.1 s), log, results."""
   nproc, scenarios, envs, timeout_s, extra = JOBS[name]
   timeout_s *= SCALE
-  port = _free_port()
+  port = free_port()
   procs = []
   for pid in range(nproc):
     cmd = [sys.executable, WORKER, "--scenarios", scenarios, *extra]
@@ -195,7 +178,7 @@ _JOB_CACHE = {}
 
 
 def _job(name: str) -> dict:
-  reason = _skip_reason()
+  reason = skip_reason()
   if reason:
     pytest.skip(reason)
   if name not in _JOB_CACHE:

@@ -7,11 +7,8 @@ below reports one check of one job. Without two GPUs or without the built
 extension they skip, saying why. Set JCG_GPU_LOG_DIR to keep the workers' logs.
 """
 
-import importlib.util
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +17,7 @@ import time
 import pytest
 
 from tests.gpu import checks
+from tests.gpu.machine import free_port, skip_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1500)]
 
@@ -27,25 +25,10 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 JOB_TIMEOUT_S = float(os.environ.get("JCG_GPU_JOB_TIMEOUT_S", "600"))
 
 
-def _gpu_count() -> int:
-  if shutil.which("nvidia-smi") is None:
-    return 0
-  out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
-  return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
 
 
-def _skip_reason() -> str | None:
-  if _gpu_count() < 2:
-    return "needs 2 GPUs (nvidia-smi finds fewer)"
-  if importlib.util.find_spec("jax_comm_gemm._comm_gemm") is None:
-    return "the cuBLASMp extension is not built"
-  return None
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _worker_env() -> dict:
@@ -60,7 +43,7 @@ def _worker_env() -> dict:
 
 def _run_job(name: str, num_processes: int, check_names) -> dict:
   """Runs one job; returns {check: [result of each process]}."""
-  port = _free_port()
+  port = free_port()
   log_dir = os.environ.get("JCG_GPU_LOG_DIR") or tempfile.mkdtemp(prefix="jcg_gpu_")
   os.makedirs(log_dir, exist_ok=True)
   procs, logs = [], []
@@ -97,7 +80,7 @@ def _run_job(name: str, num_processes: int, check_names) -> dict:
 
 @pytest.fixture(scope="session")
 def multi_process_results():
-  reason = _skip_reason()
+  reason = skip_reason()
   if reason:
     pytest.skip(reason)
   return _run_job("multi_process", 2, list(checks.CHECKS))
@@ -105,7 +88,7 @@ def multi_process_results():
 
 @pytest.fixture(scope="session")
 def single_process_results():
-  reason = _skip_reason()
+  reason = skip_reason()
   if reason:
     pytest.skip(reason)
   return _run_job("single_process", 1, checks.SINGLE_PROCESS_CHECKS)
