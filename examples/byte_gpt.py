@@ -136,17 +136,17 @@ class Trainer:
 
 
 def autotune(model: ByteGPT, mesh: Mesh, params, tokens, targets, say) -> None:
-  """What backend="auto" should do at each shape: trace the step once (auto
-  notes the problems it meets), measure them (collective; cached on disk),
-  then drop the traces so that the step is traced anew with the choices."""
+  """What backend="auto" should do before training: measure each op of the
+  step (collective; cached on disk), then the step with those choices against
+  the step on XLA, and keep the faster (jcg.autotune_step)."""
   start = time.perf_counter()
-  jax.eval_shape(lambda p, t, y: jax.grad(loss_fn, argnums=1)(model, p, t, y),
-                 params, tokens, targets)
-  tuned = jcg.autotune(mesh, "tp")
-  jax.clear_caches()
-  say(f"autotune: {len(tuned)} problem(s) measured in {time.perf_counter() - start:.1f} s")
-  for problem, (choice, why) in sorted(tuned.items(), key=lambda item: item[0].text()):
-    say(f"  {problem.text()}: {choice} ({why})")
+  kept, why = jcg.autotune_step(
+      mesh, "tp", lambda p, t, y: jax.grad(loss_fn, argnums=1)(model, p, t, y),
+      params, tokens, targets)
+  say(f"autotune in {time.perf_counter() - start:.1f} s: {why}")
+  for problem in jcg.REGISTRY.seen():
+    choice, reason = jcg.REGISTRY.decision(problem)
+    say(f"  {problem.text()}: {choice} ({reason})")
 
 
 def to_device(mesh: Mesh, batch):

@@ -18,6 +18,8 @@ import jax_comm_gemm as jcg
 from jax_comm_gemm.collective_matmul import gathered_route
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
+import jax_comm_gemm.backends.step_tuning as step_tuning
+import jax_comm_gemm.backends.tuning as tuning
 import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
 from jax_comm_gemm.runtime.constants import TARGETS
@@ -62,7 +64,8 @@ def fake(monkeypatch):
   native = FakeNative()
   for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
                       ("_axes", {}), ("_groups", set()), ("_attempts", {}),
-                      ("_verdicts", {})]:
+                      ("_verdicts", {}), ("_decisions", {}), ("_wanted", {}), ("_seen", {}),
+                      ("_sentinel", None)]:
     monkeypatch.setattr(REGISTRY, name, value)
   monkeypatch.setattr(connect_module, "self_test", fake_self_test())
   return native
@@ -231,3 +234,41 @@ def test_report_follows_auto_on_a_connected_axis(fake):
   assert column.path == report.FUSED_WITH_ALL_GATHER
   counts = report.expected_all_gathers(jcg.CommGemmConfig(), mesh, "tp", jnp.bfloat16)
   assert (counts.standalone_all_gathers, counts.fused_all_gather_matmuls) == (1, 2)
+
+
+def test_step_level_choice_keeps_the_faster_step(fake, monkeypatch):
+  """autotune_step measures the ops of a step, then the step with those choices
+  against the step on XLA: where XLA's step is faster, every op of the step
+  runs XLA (GPU run 16: each op was faster fused, the step 3-5% slower)."""
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
+               for i, s in enumerate([(16, 8), (8, 32), (32, 8)]))
+
+  def step(x, w1, w2):
+    local = jax.shard_map(lambda x, a, b: jcg.mlp(x, a, b, axis_name="tp"), mesh=mesh,
+                          in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
+
+  # Every op measures faster fused; then the step decides.
+  monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
+  for faster, kept, expected in (("tuned", True, "cublasmp_split_p2p"), ("xla", False, "xla")):
+    monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, f=faster: {
+        name: (1e-3 if name == f else 2e-3) for name in runs})
+    keep, why = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
+    assert keep == kept and "step measured" in why
+    problems = REGISTRY.seen()
+    assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
+    assert {REGISTRY.decision(p)[0] for p in problems} == {expected}
+  assert step_tuning.decide_step([1.0, 1.2], [1.1, 1.1])[0] is False  # slowest process rules
+
+
+@pytest.mark.parametrize("on_abort, watching", [("exit", True), ("wait", False)])
+def test_connect_starts_the_sentinel_unless_told_to_wait(fake, monkeypatch, on_abort,
+                                                          watching):
+  monkeypatch.setenv(settings.ON_ABORT, on_abort)
+  jcg.connect(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)), "tp")
+  assert (REGISTRY._sentinel is not None) == watching
+  if REGISTRY._sentinel is not None:
+    REGISTRY._sentinel.stop()

@@ -3,13 +3,15 @@
 * ``base``: the interface. ``xla``: XLA's collectives (runs everywhere).
 * ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
 * ``auto``: per problem, the implementation that measured fastest; ``tuning``
-  measures it (``autotune``).
+  measures it (``autotune``), ``step_tuning`` checks the whole step against XLA
+  (``autotune_step``).
 * ``select``: which one a layer takes (``choose_backend``), and why.
 
 A new backend is one module here implementing ``base.Backend``.
 """
 
 from jax_comm_gemm.backends.auto import AutoBackend
+from jax_comm_gemm.backends.step_tuning import autotune_step
 from jax_comm_gemm.backends.tuning import autotune
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
@@ -18,6 +20,6 @@ from jax_comm_gemm.backends.xla import (XlaBackend, all_gather_tokens, gathered_
                                         local_matmul, ring_matmul_reduce_scatter)
 from jax_comm_gemm.runtime.capability import Capability
 
-__all__ = ["AutoBackend", "Backend", "autotune", "Capability", "Choice", "CublasMpBackend", "XlaBackend",
-           "all_gather_tokens", "choose_backend", "gathered_matmul_t", "local_matmul",
-           "resolve_backend", "ring_matmul_reduce_scatter"]
+__all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "XlaBackend",
+           "all_gather_tokens", "autotune", "autotune_step", "choose_backend",
+           "gathered_matmul_t", "local_matmul", "resolve_backend", "ring_matmul_reduce_scatter"]

@@ -100,6 +100,7 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
     native = registry.native()
     fence = settings.fence()  # bad values fail here, before any collective
     connect_s, call_s = settings.connect_timeout_s(), settings.call_timeout_s()
+    on_abort, grace_s = settings.on_abort(), settings.abort_grace_s()
     attempt = registry.next_attempt(ident)
     me = jax.process_index()
     groups = axis_groups(mesh, axis_name)
@@ -127,6 +128,8 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
     for tested in sorted(GATHERED_LAYOUTS, key=lambda name: name != layout):
       verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version()))
     registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
+    if on_abort == "exit":
+      registry.watch(grace_s)
     return status
 
 

@@ -25,6 +25,7 @@ from types import ModuleType
 import jax
 
 import jax_comm_gemm.runtime.native as native
+from jax_comm_gemm.runtime.sentinel import Sentinel
 from jax_comm_gemm.runtime.capability import (Capability, VerdictKey, default_layout,
                                               untested, version_text)
 from jax_comm_gemm.runtime.constants import TARGETS
@@ -50,6 +51,8 @@ class Registry:
     self._verdicts: dict[VerdictKey, Capability] = {}
     self._decisions: dict = {}                # problem key -> (implementation, reason)
     self._wanted: dict = {}                   # traced problems without a decision, in order
+    self._seen: dict = {}                     # every problem traced since forget_seen()
+    self._sentinel: Sentinel | None = None    # ends the process after an abort (sentinel.py)
 
   # --- the extension and the library ------------------------------------------
 
@@ -112,6 +115,12 @@ class Registry:
       self._verdicts.update(verdicts)
       self._axes[axis_key(mesh, axis_name)] = comm_id
 
+  def watch(self, grace_s: float) -> None:
+    """Starts the sentinel over this process's contexts (once)."""
+    with self._lock:
+      if self._sentinel is None:
+        self._sentinel = Sentinel(self.contexts, grace_s).start()
+
   def verdict(self, key: VerdictKey) -> Capability:
     """The self-test's verdict for `key`; a failing one where none was taken."""
     with self._lock:
@@ -122,6 +131,7 @@ class Registry:
     """The measured choice for a problem, or None (and the problem is noted
     as wanted, for the next autotune)."""
     with self._lock:
+      self._seen.setdefault(key, None)
       found = self._decisions.get(key)
       if found is None:
         self._wanted.setdefault(key, None)
@@ -136,6 +146,15 @@ class Registry:
     with self._lock:
       return list(self._wanted)
 
+  def seen(self) -> list:
+    """The problems traced since the last forget_seen(), in order."""
+    with self._lock:
+      return list(self._seen)
+
+  def forget_seen(self) -> None:
+    with self._lock:
+      self._seen.clear()
+
   def contexts(self) -> list[dict]:
     """One dict per context on this process (device, rank, workspace bytes...)."""
     return self._native.contexts() if self._native is not None else []
@@ -143,6 +162,9 @@ class Registry:
   def shutdown(self, timeout_s: float = 60.0) -> None:
     """Destroys all contexts (at exit); collective, so all processes do it."""
     with self._lock:
+      if self._sentinel is not None:
+        self._sentinel.stop()
+        self._sentinel = None
       if self._native is not None and not self._native.shutdown(timeout_s):
         warnings.warn("jax_comm_gemm: releasing the cuBLASMp contexts timed out "
                       f"after {timeout_s} s; leaving them to process exit")

@@ -16,6 +16,8 @@ FENCE = "JAX_COMM_GEMM_FENCE"                  # how calls are ordered against X
 ALLOW_UNSAFE_FENCE = "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE"
 CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"  # seconds for communicator set-up
 CALL_TIMEOUT = "JAX_COMM_GEMM_TIMEOUT"         # seconds a call may wait for its peers
+ON_ABORT = "JAX_COMM_GEMM_ON_ABORT"            # "exit" (default) or "wait": sentinel.py
+ABORT_GRACE = "JAX_COMM_GEMM_ABORT_GRACE"      # seconds between an abort and the exit
 AUTOTUNE = "JAX_COMM_GEMM_AUTOTUNE"            # "on", "off", or an implementation to force
 AUTOTUNE_CACHE = "JAX_COMM_GEMM_AUTOTUNE_CACHE"  # the JSON file of measured choices
 
@@ -72,6 +74,19 @@ def connect_timeout_s() -> float:
 
 def call_timeout_s() -> float:
   return _seconds(CALL_TIMEOUT, 300.0)
+
+
+def on_abort() -> str:
+  """What the sentinel does when a communicator was aborted: "exit" or "wait"."""
+  value = os.environ.get(ON_ABORT, "").strip().lower() or "exit"
+  if value not in ("exit", "wait"):
+    raise ValueError(f"environment variable {ON_ABORT}={value!r}: allowed values are "
+                     "('exit', 'wait')")
+  return value
+
+
+def abort_grace_s() -> float:
+  return _seconds(ABORT_GRACE, 60.0)
 
 
 def autotune(implementations) -> str:

@@ -1,0 +1,75 @@
+"""The sentinel: a thread that ends the process when a communicator was aborted
+and the process does not end by itself.
+
+The C++ watchdog aborts a group's communicator when a peer stops answering
+(JAX_COMM_GEMM_TIMEOUT) and every later call fails with the reason. But
+``ncclCommAbort`` does not release a GPU wait on a dead peer (GPU run 15: the
+survivor of a killed peer stayed in ``block_until_ready``), so the main thread
+may never see that error. A job that trains for days must not hang there. So,
+as PyTorch's NCCL watchdog does, this thread prints the aborted context's
+reason and ends the process with exit status 1 if it is still running
+``JAX_COMM_GEMM_ABORT_GRACE`` seconds (default 60) after the abort — time for a
+main thread that did get the error to save what it can and leave.
+``JAX_COMM_GEMM_ON_ABORT=wait`` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import jax_comm_gemm.runtime.settings as settings
+
+POLL_S = 0.5
+
+
+class Sentinel:
+  """Polls `contexts()` (dicts with an "error" key) and calls `leave(message)`
+  once an error has stood for `grace_s` seconds."""
+
+  def __init__(self, contexts, grace_s: float, leave=None, clock=time.monotonic):
+    self._contexts, self._grace_s = contexts, grace_s
+    self._leave = leave or _exit_process
+    self._clock = clock
+    self._since: float | None = None
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, name="jax_comm_gemm-sentinel",
+                                    daemon=True)
+
+  def start(self) -> "Sentinel":
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+
+  def check(self) -> str | None:
+    """One look: the message to leave with, once an error has stood long enough."""
+    errors = sorted({c["error"] for c in self._contexts() if c.get("error")})
+    if not errors:
+      return None
+    now = self._clock()
+    if self._since is None:
+      self._since = now
+      print(f"jax_comm_gemm: {'; '.join(errors)}. This process ends in {self._grace_s:g} s "
+            f"unless it ends first ({settings.ON_ABORT}=wait keeps it)", file=sys.stderr,
+            flush=True)
+    if now - self._since < self._grace_s:
+      return None
+    return (f"jax_comm_gemm: ending the process: the tensor-parallel group's communicator "
+            f"was aborted {now - self._since:.0f} s ago and the process is still running: "
+            + "; ".join(errors))
+
+  def _run(self) -> None:
+    while not self._stop.wait(POLL_S):
+      message = self.check()
+      if message:
+        self._leave(message)
+        return
+
+
+def _exit_process(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+  os._exit(1)  # the main thread may be blocked in a GPU wait that nothing releases
