@@ -74,8 +74,9 @@ std::shared_ptr<Context> Registry::Find(int64_t comm_id, int device, Status* err
       shut_down_ ? std::string("jax_comm_gemm was shut down")
                  : "no communicator is set up for comm_id " + std::to_string(comm_id) +
                        " on device " + std::to_string(device) +
-                       ": jax_comm_gemm sets them up while lowering its ops inside "
-                       "jax.shard_map over a concrete Mesh, in every process");
+                       ": call jax_comm_gemm.connect(mesh, axis_name) in every process "
+                       "before running a program that uses the cuBLASMp backend on that "
+                       "mesh axis");
   return nullptr;
 }
 

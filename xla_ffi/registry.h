@@ -3,9 +3,10 @@
 // custom call plus the executing device to the context to run on, and owns the
 // watchdog that polls the contexts.
 //
-// Python fills it while lowering: connect() creates the contexts of the groups
-// this process takes part in, bind() names the set of groups that one mesh axis
-// forms. The FFI handlers only look contexts up.
+// Python fills it in jax_comm_gemm.connect() (runtime/communicators.py):
+// connect() creates the contexts of the groups this process takes part in,
+// bind() names the set of groups that one mesh axis forms. The FFI handlers only
+// look contexts up.
 #ifndef JAX_COMM_GEMM_REGISTRY_H_
 #define JAX_COMM_GEMM_REGISTRY_H_
 
