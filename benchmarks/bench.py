@@ -339,14 +339,54 @@ def build_mlp(ctx: Ctx, shape, names):
   return fns, args
 
 
-@op("transformer_fwd_bwd", shapes=((8192, 8192, 28672),), quick=((8192, 8192, 7168),),
-    smoke=((256, 128, 256),), variants=("auto", "xla", "pure_jax", "floor"), weight=15,
+@op("transformer_fwd_bwd", shapes=((8192, 8192, 28672), (8192, 4096, 16384)),
+    quick=((8192, 4096, 16384),), smoke=((256, 128, 256),),
+    variants=("auto", "auto_keep", "xla", "floor"), weight=15,
     compile_s=3.0, target_ms=150.0, enabled=False, aliases=("transformer",))
 def build_transformer(ctx: Ctx, shape, names):
-  # TODO(transformer): build the block (attention + MLP, sequence parallel)
-  # through jcg's layers for each project variant, its plain-JAX twin for
-  # pure_jax, and the same local GEMMs for floor; return (fns, args) as above.
-  raise NotImplementedError("transformer block benchmark: TODO")
+  """One sequence-parallel transformer block (layers/transformer.py), forward +
+  backward, batch 1: shape is (sequence, d_model, MLP width); heads of 128
+  (at least one per GPU). Floor: the same local GEMMs and attention on the
+  pre-gathered sequence, no communication."""
+  from jax_comm_gemm.layers import transformer as T  # noqa: PLC0415  (after import_jcg)
+  seq, d, f = shape
+  P, jax = ctx.P, ctx.jax
+  tp = ctx.mesh.shape[AXIS]
+  heads = max(tp, d // 128)
+  layout = T.param_layout(d, f, AXIS)
+  params = jax.tree.map(
+      lambda p: ctx.rand(p.shape, P(*p.names), p.shape[0] ** -0.5 if len(p.shape) == 2
+                         else 0.1),
+      layout, is_leaf=lambda v: isinstance(v, T.ParamSpec))
+  specs = jax.tree.map(lambda p: P(*p.names), layout,
+                       is_leaf=lambda v: isinstance(v, T.ParamSpec))
+  x = ctx.rand((seq, 1, d), P(AXIS))
+  ct = ctx.rand((seq, 1, d), P(AXIS))
+  fns, args = {}, {}
+  for name in names:
+    if name == "floor":
+      options = T.BlockOptions(num_heads=heads)
+
+      def floor_block(x, params, options=options):
+        dense = lambda h, p: h @ p["kernel"] + p["bias"]  # noqa: E731
+        h = T.layer_norm(x, params["ln_1"], options.epsilon, x.dtype)
+        h = T.attention(dense(h, params["attention"]["qkv"]), heads // tp, True, None)
+        x = x + dense(h, params["attention"]["out"])
+        h = T.layer_norm(x, params["ln_2"], options.epsilon, x.dtype)
+        return x + dense(jax.nn.gelu(dense(h, params["mlp"]["fc1"])), params["mlp"]["fc2"])
+
+      xg, ct_full = ctx.rand((seq, 1, d), P()), ctx.rand((seq, 1, d), P())
+      fns[name] = ctx.smap(vjp_step(jax, floor_block), (P(), specs, P()), (P(), P(), specs),
+                           False)
+      args[name] = (xg, params, ct_full)
+      continue
+    config, keep = ctx.config(name, "layer")
+    options = T.BlockOptions(num_heads=heads, keep_gathered_input=keep, config=config)
+    layer = partial(T.transformer_block, axis_name=AXIS, options=options)
+    fns[name] = ctx.smap(vjp_step(jax, layer), (P(AXIS), specs, P(AXIS)),
+                         (P(AXIS), P(AXIS), specs))
+    args[name] = (x, params, ct)
+  return fns, args
 
 
 def op_by_name(name: str) -> OpSpec:
@@ -448,7 +488,8 @@ class Runner:
   # -- variants of an op
   def variants_for(self, spec: OpSpec) -> list[str]:
     a = self.args
-    names = list(SMOKE_VARIANTS if a.cpu_smoke else spec.variants)
+    names = ([v for v in SMOKE_VARIANTS if v in spec.variants] if a.cpu_smoke
+             else list(spec.variants))
     if a.peer == "windowed_einsum":
       names = ["windowed_einsum", "floor"]
     for item in a.extra_variants:  # OP=name,name
@@ -947,7 +988,7 @@ def parse_args(argv):
   p.add_argument("--ops", default="all_gather_matmul,all_gather_matmul_sweep,matmul_reduce_scatter,"
                  "row_parallel_fwd_bwd,mlp_fwd_bwd,memory",
                  help="comma list of ops (or aliases ag,sweep,rs,row,mlp), 'memory', or 'none'")
-  p.add_argument("--transformer", action="store_true", help="add the transformer block (TODO)")
+  p.add_argument("--transformer", action="store_true", help="add the transformer block")
   p.add_argument("--variants", help="glob filter of variant names (floor always runs)")
   p.add_argument("--extra-variants", action="append", default=[],
                  help="OP=name,name: add variants to an op (repeatable)")
