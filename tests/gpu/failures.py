@@ -436,7 +436,9 @@ def scenario_kill(ctx) -> dict:
   def report():
     return dict(out_ref, ok=True, steps=progress["step"])
 
-  watch = ErrorWatch("kill", progress, report).start() if ctx.pid == 0 else None
+  # JCG_NO_ERROR_WATCH: leave the survivor to the library's own sentinel.
+  watched = ctx.pid == 0 and not os.environ.get("JCG_NO_ERROR_WATCH")
+  watch = ErrorWatch("kill", progress, report).start() if watched else None
   cap_s = float(os.environ.get("JCG_KILL_CAP_S", "90"))
   start = time.time()
   error = None

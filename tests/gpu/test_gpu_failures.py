@@ -42,6 +42,8 @@ CALL_TIMEOUT, CONNECT_TIMEOUT = "JAX_COMM_GEMM_TIMEOUT", "JAX_COMM_GEMM_CONNECT_
 KILL_DEADLINE_S = 10      # JAX_COMM_GEMM_TIMEOUT of the kill job
 SHORT_DEADLINE_S = 5      # JAX_COMM_GEMM_TIMEOUT of the one-rank and cached-shape jobs
 MARGIN_S = 15             # watchdog poll, abort grace (5 s), scheduling
+SENTINEL_GRACE_S = 3      # JAX_COMM_GEMM_ABORT_GRACE of the kill_sentinel job
+ABORT_GRACE = "JAX_COMM_GEMM_ABORT_GRACE"
 JAX_OWN_ABORT_S = 65      # measured: jax's coordination service aborts the survivor
 STRESS_RUNS = int(os.environ.get("JCG_STRESS_RUNS", "500"))
 NONE_RUNS = int(os.environ.get("JCG_STRESS_NONE_RUNS", str(STRESS_RUNS)))
@@ -56,18 +58,16 @@ JOBS = {
     "multi_none": (2, "stress", [{FENCE: "none", ALLOW_UNSAFE: "1"}] * 2, 200,
                    ["--runs", str(NONE_RUNS)]),
     "kill": (2, "kill", [{CALL_TIMEOUT: str(KILL_DEADLINE_S)}] * 2, 180, []),
+    # The same, with the library's sentinel and no poller of the test's own.
+    "kill_sentinel": (2, "kill", [{CALL_TIMEOUT: str(KILL_DEADLINE_S),
+                                   ABORT_GRACE: str(SENTINEL_GRACE_S),
+                                   "JCG_NO_ERROR_WATCH": "1"}] * 2, 180, []),
     "one_rank": (2, "one_rank", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S)}] * 2, 150, []),
     "shapes_cached": (2, "shapes_cached", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S)}] * 2, 150, []),
     "single_default": (1, "stress,poll_growth", [{}], 240, ["--runs", str(STRESS_RUNS)]),
     "single_none": (1, "stress", [{FENCE: "none", ALLOW_UNSAFE: "1"}], 200,
                     ["--runs", str(NONE_RUNS)]),
 }
-
-
-
-
-
-
 
 
 _LOG_DIR = []
@@ -137,7 +137,7 @@ def _run_job(name: str) -> dict:
     procs.append({"proc": p, "log": path, "t_launch": time.time(), "t_end": None})
   job = {"name": name, "t_kill": None, "timed_out": []}
   deadline = time.time() + timeout_s
-  victim = procs[1] if name == "kill" else None
+  victim = procs[1] if name.startswith("kill") else None
   while any(p["t_end"] is None for p in procs) and time.time() < deadline:
     for p in procs:
       if p["t_end"] is None and p["proc"].poll() is not None:
@@ -292,6 +292,27 @@ def test_kill_one_process_survivor_errors_within_the_deadline():
           f"initialize kwargs {r.get('distributed_kwargs')}")
   _summary(line)
   warnings.warn(line)  # shown in pytest's summary: which way the survivor got out
+
+
+def test_kill_one_process_sentinel_ends_the_survivor():
+  """Without any poller of the test's own: the library's sentinel ends the
+  survivor, whose main thread the abort leaves in a GPU wait, with exit status
+  1 and the project's message, JAX_COMM_GEMM_ABORT_GRACE after the abort."""
+  job = _job("kill_sentinel")
+  survivor, victim = job["processes"]
+  assert job["t_kill"] is not None, f"the victim never asked to be killed:\n{victim['tail']}"
+  assert victim["rc"] == -signal.SIGKILL, victim["rc"]
+  exit_after = survivor["t_end"] - job["t_kill"]
+  ended = "jax_comm_gemm: ending the process" in survivor["tail"]
+  raised = "kill" in survivor["results"] and survivor["results"]["kill"].get("exception")
+  assert ended or raised, f"rc {survivor['rc']}:\n{survivor['tail']}"
+  if ended:
+    assert survivor["rc"] == 1, survivor["rc"]
+  assert exit_after <= KILL_DEADLINE_S + SENTINEL_GRACE_S + MARGIN_S, exit_after
+  line = (f"kill_sentinel: survivor rc {survivor['rc']}, out {exit_after:.1f} s after the "
+          f"SIGKILL, {'by the sentinel' if ended else 'by an exception'}")
+  _summary(line)
+  warnings.warn(line)
 
 
 def test_one_rank_failing_makes_the_peer_fail_not_hang():
