@@ -445,6 +445,61 @@ def check_autotune(mesh):
           "mlp_auto": errs}
 
 
+def check_vmap(mesh):
+  """jax.vmap over the column- and row-parallel layers on the cuBLASMp backend
+  (the primitives' batching rule runs the fused op once per element), against
+  float64 per element."""
+  batch, n, d, f = 3, 512, 256, 512
+  hosts = [random(90, batch, n, d), random(91, batch, d, f, scale=d**-0.5),
+           random(92, batch, f, d, scale=f**-0.5)]
+  x64, w1_64, w2_64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in hosts)
+  specs = (P(None, "tp"), P(None, None, "tp"), P(None, "tp"))
+  x, w1, w2 = (put(mesh, a, s, jnp.bfloat16) for a, s in zip(hosts, specs))
+  config = cublasmp()
+
+  def layer(x, w1, w2):
+    h = dense.column_parallel_dense(x, w1, axis_name="tp", config=config)
+    return dense.row_parallel_dense(h, w2, axis_name="tp", config=config)
+
+  y = smap(mesh, jax.vmap(layer), specs, P(None, "tp"))(x, w1, w2)
+  ref = np.stack([x64[i] @ w1_64[i] @ w2_64[i] for i in range(batch)])
+  err = rel_err(y, ref)
+  assert err < TOLERANCE["bf16"] * 2, f"worst row error {err}"
+  return {"row_err": err}
+
+
+def check_autotune_step(mesh):
+  """autotune_step times the MLP's grad step with the per-op choices against
+  the step on XLA, every rank takes process 0's decision, and the step then
+  computes the right gradients with whatever was kept."""
+  n, d, f = 2048, 1024, 4096
+  hosts = [random(93, n, d), random(94, d, f, scale=d**-0.5), random(95, f, d, scale=f**-0.5),
+           random(96, n, d)]
+  x, w1, w2, g = (put(mesh, a, s, jnp.bfloat16) for a, s in
+                  zip(hosts, (P("tp"), P(None, "tp"), P("tp"), P("tp"))))
+
+  def grads(x, w1, w2, g):
+    local = jax.shard_map(
+        lambda x, w1, w2: dense.mlp(x, w1, w2, axis_name="tp", config=jcg.CommGemmConfig()),
+        mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return jax.grad(lambda x, w1, w2: jnp.sum((local(x, w1, w2) * g).astype(jnp.float32)),
+                    (0, 1, 2))(x, w1, w2)
+
+  os.environ[settings.AUTOTUNE_CACHE] = ""
+  try:
+    kept, why = jcg.autotune_step(mesh, "tp", grads, x, w1, w2, g, seconds_per_problem=0.3)
+  finally:
+    del os.environ[settings.AUTOTUNE_CACHE]
+  assert why.startswith("step measured"), why
+  x64, w1_64, w2_64, g64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in hosts)
+  _, dx, dw1, dw2 = mlp_reference(x64, w1_64, w2_64, g64)
+  outs = jax.jit(grads)(x, w1, w2, g)
+  errs = {name: rel_err(o, r) for name, o, r in zip(("dx", "dw1", "dw2"), outs, (dx, dw1, dw2))}
+  for name, err in errs.items():
+    assert err < TOLERANCE["bf16"] * 2, f"{name}: worst row error {err} ({errs})"
+  return {"kept": kept, "why": why, "errors": errs}
+
+
 def check_status(mesh):
   status = jcg.cublasmp_status()
   assert status.ok, status.reason
@@ -470,8 +525,10 @@ CHECKS["fences"] = check_fences
 CHECKS["ffi_errors"] = check_ffi_errors
 CHECKS["memory_flat"] = check_memory_flat
 CHECKS["autotune"] = check_autotune
+CHECKS["vmap"] = check_vmap
+CHECKS["autotune_step"] = check_autotune_step
 
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
                          "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_repeated", "routing",
-                         "layout_self_test", "autotune")
+                         "layout_self_test", "autotune", "vmap")
