@@ -194,16 +194,13 @@ def mlp_reference(x, w1, w2, g):
   return y, dh @ w1.T, x.T @ dh, a.T @ g
 
 
-def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
-              backend: str = "cublasmp"):
-  """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
-  n, d, f = 1024, 512, 1024
-  dt = DTYPES[dtype]
-  hosts = [random(5, n, d), random(6, d, f, scale=d**-0.5), random(7, f, d, scale=f**-0.5),
-           random(8, n, d)]
-  x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
-  x, w1, w2, g = (put(mesh, a, s, dt) for a, s in
-                  zip(hosts, (P("tp"), P(None, "tp"), P("tp"), P("tp"))))
+MLP_IN_SPECS = (P("tp"), P(None, "tp"), P("tp"), P("tp"))    # x, w1, w2, g
+MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
+
+
+def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str = "cublasmp"):
+  """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
+  (check_mlp and the stress runner time and check the same step)."""
   config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter)
 
   def loss(x, w1, w2, g):
@@ -214,9 +211,19 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w1, w2, g)
     return (y, *grads)
 
-  f = smap(mesh, step, (P("tp"), P(None, "tp"), P("tp"), P("tp")),
-           (P("tp"), P("tp"), P(None, "tp"), P("tp")))
-  outs = f(x, w1, w2, g)
+  return smap(mesh, step, MLP_IN_SPECS, MLP_OUT_SPECS)
+
+
+def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
+              backend: str = "cublasmp"):
+  """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
+  n, d, f = 1024, 512, 1024
+  dt = DTYPES[dtype]
+  hosts = [random(5, n, d), random(6, d, f, scale=d**-0.5), random(7, f, d, scale=f**-0.5),
+           random(8, n, d)]
+  x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
+  x, w1, w2, g = (put(mesh, a, s, dt) for a, s in zip(hosts, MLP_IN_SPECS))
+  outs = mlp_step(mesh, keep, reduce_scatter, backend)(x, w1, w2, g)
   refs = mlp_reference(x64, w1_64, w2_64, g64)
   errs = {name: rel_err(o, r) for name, o, r in zip(("y", "dx", "dw1", "dw2"), outs, refs)}
   for name, err in errs.items():

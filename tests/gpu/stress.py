@@ -37,29 +37,11 @@ import checks  # noqa: E402
 
 VARIANTS = {"plain": {}, "keep_input": {"keep": True},
             "rs_no_overlap": {"reduce_scatter": "no_overlap"}}
-IN_SPECS = (P("tp"), P(None, "tp"), P("tp"), P("tp"))       # x, w1, w2, g
-OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))      # y, dx, dw1, dw2
+IN_SPECS, OUT_SPECS = checks.MLP_IN_SPECS, checks.MLP_OUT_SPECS
 OUTPUTS = ("y", "dx", "dw1", "dw2")
 CHUNK = int(os.environ.get("JCG_STRESS_CHUNK", "20"))  # runs in flight before a fetch
 CROSS_EVERY = 50
 MAX_HOST_CHECKS = 30
-
-
-def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str = "cublasmp"):
-  """checks.check_mlp's step: (x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g)."""
-  import jax_comm_gemm as jcg  # noqa: PLC0415
-  from jax_comm_gemm import dense  # noqa: PLC0415
-  config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter)
-
-  def loss(x, w1, w2, g):
-    y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)
-    return jnp.sum((y * g).astype(jnp.float32)), y
-
-  def step(x, w1, w2, g):
-    (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(x, w1, w2, g)
-    return (y, *grads)
-
-  return checks.smap(mesh, step, IN_SPECS, OUT_SPECS)
 
 
 def row_error(out, ref):
@@ -137,7 +119,7 @@ def run_stress(mesh, runs: int = 500, *, n: int = 1024, d: int = 512, f: int = 1
   tol = checks.TOLERANCE[dtype] * 2  # check_mlp's bound
   start = time.perf_counter()
   inputs_for = input_maker(mesh, n, d, f, seed, checks.DTYPES[dtype])
-  steps = {name: mlp_step(mesh, backend=backend, **kw) for name, kw in variants.items()}
+  steps = {name: checks.mlp_step(mesh, backend=backend, **kw) for name, kw in variants.items()}
   check = reference_errors(mesh)
   replicate = jax.jit(lambda *a: a, out_shardings=NamedSharding(mesh, P()))
   first = inputs_for(0)
