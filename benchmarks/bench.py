@@ -10,14 +10,15 @@ Ops (each one function registered with @op; `--ops` picks):
   matmul_reduce_scatter    y = RS(x @ w)                   n x k x m, k split
   row_parallel_fwd_bwd     the row-parallel layer, forward + backward  tokens x F x K
   mlp_fwd_bwd              the SP MLP, forward + backward   tokens x d x ffn
-  transformer_fwd_bwd      TODO stub (`--transformer`)
+  transformer_fwd_bwd      one transformer block, forward + backward (`--transformer`)
 The fwd+bwd ops take random cotangents (never a sum's constant ones). The floor
 runs the same local GEMMs on pre-gathered inputs, with no communication.
 
 Variants: auto, cublasmp_<algorithm> (split_p2p, default, atomic_p2p, no_overlap;
 for matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
-all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter),
-ring (reduce-scatter as a JAX ring), auto_no_reuse, auto_keep, xla
+all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter; cublasmp_rs_ring:
+the fused all-gather with the ring reduce-scatter), ring (backend="ring": both
+ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
 (backend="xla"), pure_jax (autodiff of shard_map all_gather -> dot / dot ->
 psum_scatter), floor. Memory of every MLP variant (`mlp_step_memory`): compiled
 temp bytes, and the peak of XLA's allocator measured in a fresh process per
@@ -31,7 +32,7 @@ Modes:
                            process (run it in its own process; no package code)
   --profile OP:SHAPE:VARIANT  capture a jax.profiler trace of a few steps and
                            summarise it (trace_summary.py); repeatable
-  --cpu-smoke              tiny shapes on 2 CPU devices, xla/pure_jax/floor
+  --cpu-smoke              tiny shapes on 2 CPU devices, ring/xla/pure_jax/floor
   --spawn N                one process per GPU (jax.distributed on 127.0.0.1)
 
 Examples (GPU machine, after `source .device/setup.sh`):
@@ -111,14 +112,15 @@ MLP_SHAPES = ((8192, 8192, 28672), (16384, 4096, 16384), (8192, 8192, 7168),
 # The row-parallel layer of each MLP shape (its fc2): tokens x F x K.
 ROW_SHAPES = tuple((n, f, d) for n, d, f in MLP_SHAPES)
 
-AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + ("xla", "pure_jax", "floor")
+AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
+    "ring", "xla", "pure_jax", "floor")
 RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "ring", "xla", "pure_jax", "floor")
 ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "cublasmp_no_overlap",
-                "ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
+                "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
 MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "ring",
-                "cublasmp_rs_default", "xla", "pure_jax", "floor")
-SMOKE_VARIANTS = ("xla", "pure_jax", "floor")
+                "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
+SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
 
 
 class Ctx:
@@ -163,7 +165,7 @@ class Ctx:
     if variant == "xla":
       return C(backend="xla"), False
     if variant == "ring":
-      return C(backend="cublasmp", reduce_scatter="ring"), False
+      return C(backend="ring"), False
     if variant.startswith("cublasmp_rs_"):
       return C(backend="cublasmp", reduce_scatter=variant[len("cublasmp_rs_"):]), False
     if variant.startswith("cublasmp_"):
@@ -249,7 +251,7 @@ def build_all_gather_matmul(ctx: Ctx, shape, names):
 op("all_gather_matmul_sweep",
    shapes=tuple((n, 8192, 8192) for n in SWEEP_TOKENS if n not in (2048, 16384)),
    quick=((1024, 8192, 8192), (32768, 8192, 8192)), smoke=((64, 128, 128), (512, 128, 128)),
-   variants=("auto", "cublasmp_split_p2p", "xla", "floor"), weight=8, compile_s=0.4,
+   variants=("auto", "cublasmp_split_p2p", "ring", "xla", "floor"), weight=8, compile_s=0.4,
    target_ms=30.0, aliases=("sweep",))(build_all_gather_matmul)
 
 
@@ -341,7 +343,7 @@ def build_mlp(ctx: Ctx, shape, names):
 
 @op("transformer_fwd_bwd", shapes=((8192, 8192, 28672), (8192, 4096, 16384)),
     quick=((8192, 4096, 16384),), smoke=((256, 128, 256),),
-    variants=("auto", "auto_keep", "xla", "floor"), weight=15,
+    variants=("auto", "auto_keep", "ring", "xla", "floor"), weight=15,
     compile_s=3.0, target_ms=150.0, enabled=False, aliases=("transformer",))
 def build_transformer(ctx: Ctx, shape, names):
   """One sequence-parallel transformer block (layers/transformer.py), forward +

@@ -5,7 +5,7 @@
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
 # JOB_TIMEOUT, HANG_DUMP, BENCH_BUDGET, BENCH_ARGS (see each step).
-# Usage: benchmarks/gpu_session.sh [build] [tests] [failures] [race] [schedule] [example] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [tests] [failures] [race] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -86,6 +86,18 @@ if has race; then
     { echo "===== $variant"; grep -v '^W\|^I' /tmp/race.log | tail -30; } >> /tmp/race_full.log
     summary+=("$line")
   done
+fi
+
+if has race-trace; then
+  # Which stream each kernel and copy of the fused calls ran on, per fence, in
+  # one traced MLP step (tests/gpu/race_trace.py): the race of fence `none`.
+  start=$SECONDS
+  timeout ${RACE_TRACE_TIMEOUT:-200} python3 tests/gpu/race_trace.py /tmp/race_trace \
+    --fences ${RACE_TRACE_FENCES:-none,own_stream} > /tmp/race_trace.log 2>&1
+  rc=$?
+  cp /tmp/race_trace/race_trace_*.txt "$OUT/" 2>/dev/null
+  grep -E "^race trace|^fence" /tmp/race_trace.log
+  summary+=("race-trace: rc=$rc ($((SECONDS - start)) s)")
 fi
 
 if has schedule; then

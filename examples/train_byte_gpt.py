@@ -179,7 +179,7 @@ def main(argv=None) -> dict | None:
     return train(args)
   finally:
     if args.process_id is not None:
-      jax.distributed.shutdown()  # all processes leave together: no error lines at exit
+      launch.leave()  # all processes leave together: no error lines at exit
 
 
 def train(args) -> dict:

@@ -22,7 +22,9 @@ class CommGemmConfig:
   Attributes:
     backend: ``"auto"`` (cuBLASMp on GPUs where it loads and the mesh axis is
       connected by :func:`jax_comm_gemm.connect`, XLA elsewhere),
-      ``"cublasmp"`` (an error where it cannot run), ``"xla"``, or a
+      ``"cublasmp"`` (an error where it cannot run), ``"xla"``, ``"ring"``
+      (both ops as rings of per-shard GEMMs and ``lax.ppermute`` that XLA
+      overlaps; runs everywhere, and ``auto`` may choose it), or a
       :class:`~jax_comm_gemm.backends.Backend` instance. The environment
       variable ``JAX_COMM_GEMM_BACKEND=xla`` overrides it, for A/B runs.
     all_gather_algorithm: cuBLASMp algorithm of the AllGather+GEMM.

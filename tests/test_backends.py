@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from conftest import cpu_mesh
 from fused_emulation import check_against_reference, random_inputs
-from jax_comm_gemm.backends import Capability, CublasMpBackend, ring_matmul_reduce_scatter
+from jax_comm_gemm.backends import (Capability, CublasMpBackend, ring_all_gather_matmul,
+                                    ring_matmul_reduce_scatter)
 from jax_comm_gemm.runtime.constants import TARGETS
 
 N, K, M = 16, 8, 24
@@ -50,6 +51,56 @@ def test_ring_reduce_scatter_is_right(size, transpose_w):
                               out_specs=P("tp")))(x, w)
   want = np.asarray(x, np.float64) @ np.asarray(w.T if transpose_w else w, np.float64)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w", "wT"])
+def test_ring_all_gather_matmul_is_right(size, transpose_w):
+  """AllGather(x) @ w by the ring of per-shard GEMMs, against float64; its
+  gathered operand equal to lax.all_gather's, bit for bit."""
+  mesh = cpu_mesh(size)
+  x, w = random_inputs(30 + size, [(N * size, K), (M * size, K) if transpose_w
+                                   else (K, M * size)], jnp.float32)
+
+  def local(x, w):
+    y, g = ring_all_gather_matmul(x, w, "tp", transpose_w, return_gathered=True)
+    return y, g, jax.lax.all_gather(x, "tp", axis=0, tiled=True)
+
+  w_spec = P("tp", None) if transpose_w else P(None, "tp")
+  y, g, want_g = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), w_spec),
+                                       out_specs=(P(None, "tp"), P("tp"), P("tp"))))(x, w)
+  want = np.asarray(x, np.float64) @ np.asarray(w.T if transpose_w else w, np.float64)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(g, want_g)  # every device's copy, side by side
+  np.testing.assert_array_equal(g[:N * size], x)
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["gather_again", "keep_input"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_ring_backend_mlp(size, keep):
+  """backend="ring" (both ops as rings, on any platform): the MLP block,
+  forward and gradients, against float64. The row-parallel backward reuses
+  the ring's gathered grad_output; only fc1's weight gradient gathers x
+  again, and not with keep_gathered_input. No reduce-scatter at all."""
+  mesh = cpu_mesh(size)
+  config = jcg.CommGemmConfig(backend="ring")
+  args = random_inputs(90 + size, [(N, K), (K, M), (M, K)], jnp.float32)
+
+  def fn(x, w1, w2):
+    local = jax.shard_map(
+        lambda x, w1, w2: jcg.mlp(x, w1, w2, axis_name="tp", config=config,
+                                  keep_gathered_input=keep), mesh=mesh,
+        in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return (local(x, w1, w2),)
+
+  check_against_reference(fn, lambda x, w1, w2: (jax.nn.gelu(x @ w1) @ w2,), args, [(N, K)],
+                          jnp.float32, seed=95 + size, arg_names=["x", "fc1", "fc2"])
+  jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)[0] ** 2), (0, 1, 2)))(*args)
+  names = [e.primitive.name for e in _equations(jaxpr.jaxpr)]
+  assert names.count("all_gather") == (0 if keep else 1)
+  assert "reduce_scatter" not in names and "psum_scatter" not in names
+  # Forward: 2 rings of P - 1 steps; backward: 2 more, plus the transposes.
+  assert names.count("ppermute") >= 4 * (size - 1)
 
 
 @pytest.mark.parametrize("reduce_scatter", ["ring", "split_p2p", "xla"])

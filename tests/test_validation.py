@@ -256,7 +256,7 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(backend="tpu"), r"CommGemmConfig.backend must be one of \('auto', 'cublasmp', "
-                          r"'xla'\) or a Backend instance, got 'tpu'"),
+                          r"'xla', 'ring'\) or a Backend instance, got 'tpu'"),
     (dict(backend=object()), r"CommGemmConfig.backend must be one of .* or a Backend "
                              r"instance, got <object"),
     (dict(all_gather_algorithm="fastest"),
@@ -293,7 +293,7 @@ def test_bad_backend_environment_variable(monkeypatch):
   """JAX_COMM_GEMM_BACKEND with a bad value fails when an op is traced."""
   monkeypatch.setenv("JAX_COMM_GEMM_BACKEND", "cuda")
   match = (r"environment variable JAX_COMM_GEMM_BACKEND='cuda': allowed values are "
-           r"\('auto', 'cublasmp', 'xla'\)")
+           r"\('auto', 'cublasmp', 'xla', 'ring'\)")
   with pytest.raises(ValueError, match=match):
     resolve_backend(CommGemmConfig())
   with pytest.raises(ValueError, match=match):

@@ -1,6 +1,7 @@
 """Backends: how one AllGather+GEMM or GEMM+ReduceScatter runs inside shard_map.
 
-* ``base``: the interface. ``xla``: XLA's collectives (runs everywhere).
+* ``base``: the interface. ``xla``: XLA's collectives, and the rings of
+  per-shard GEMMs and ppermutes (``RingBackend``); both run everywhere.
 * ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
 * ``auto``: per problem, the implementation that measured fastest; ``tuning``
   measures it (``autotune``), ``step_tuning`` checks the whole step against XLA
@@ -16,10 +17,12 @@ from jax_comm_gemm.backends.tuning import autotune
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.select import Choice, choose_backend, resolve_backend
-from jax_comm_gemm.backends.xla import (XlaBackend, all_gather_tokens, gathered_matmul_t,
-                                        local_matmul, ring_matmul_reduce_scatter)
+from jax_comm_gemm.backends.xla import (RingBackend, XlaBackend, all_gather_tokens,
+                                        gathered_matmul_t, local_matmul, ring_all_gather_matmul,
+                                        ring_matmul_reduce_scatter)
 from jax_comm_gemm.runtime.capability import Capability
 
-__all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "XlaBackend",
-           "all_gather_tokens", "autotune", "autotune_step", "choose_backend",
-           "gathered_matmul_t", "local_matmul", "resolve_backend", "ring_matmul_reduce_scatter"]
+__all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "RingBackend",
+           "XlaBackend", "all_gather_tokens", "autotune", "autotune_step", "choose_backend",
+           "gathered_matmul_t", "local_matmul", "resolve_backend", "ring_all_gather_matmul",
+           "ring_matmul_reduce_scatter"]

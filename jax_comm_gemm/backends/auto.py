@@ -24,14 +24,14 @@ from jax import lax
 
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
-from jax_comm_gemm.backends.xla import XlaBackend
+from jax_comm_gemm.backends.xla import RingBackend, XlaBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import Capability
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # What autotune measures, per op. "cublasmp_<algorithm>" runs the fused op.
 CANDIDATES = {
-    AG: ("xla", "cublasmp_split_p2p"),
+    AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p"),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p"),
 }
 IMPLEMENTATIONS = tuple(sorted(set(CANDIDATES[AG]) | set(CANDIDATES[RS])))
@@ -84,7 +84,7 @@ def implementation(name: str, template: CublasMpBackend) -> Backend:
   if name == "xla":
     return XlaBackend()
   if name == "ring":
-    return dataclasses.replace(template, reduce_scatter="ring")
+    return RingBackend()
   algorithm = name.removeprefix("cublasmp_")
   return dataclasses.replace(template, all_gather_algorithm=algorithm,
                              reduce_scatter=algorithm)
@@ -116,10 +116,10 @@ class AutoBackend(Backend):
         x, w, axis_name, transpose_w=transpose_w, precision=precision)
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):
-    # XLA hands out its all_gather result for free; every fused algorithm that
-    # may be chosen must have passed the self-test.
+    # XLA and the ring hand out the gathered operand as an ordinary array;
+    # every fused algorithm that may be chosen must have passed the self-test.
     for name in CANDIDATES[AG]:
-      if name != "xla":
+      if name.startswith("cublasmp_"):
         verdict = implementation(name, self.fused).gathered_reuse(axis_size, dtype,
                                                                   transpose_w)
         if not verdict.ok:

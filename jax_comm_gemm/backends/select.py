@@ -11,7 +11,7 @@ import jax
 from jax_comm_gemm.backends.auto import AutoBackend
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
-from jax_comm_gemm.backends.xla import XlaBackend
+from jax_comm_gemm.backends.xla import RingBackend, XlaBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
 
 
@@ -26,7 +26,7 @@ def choose_backend(config, axis_name: str, mesh=None) -> Choice:
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
   reason. Says once if the config's cuBLASMp options do nothing there."""
   choice = _choose(config, axis_name, mesh)
-  if isinstance(choice.backend, XlaBackend):
+  if isinstance(choice.backend, XlaBackend):  # RingBackend included
     unused = [f"{name}={getattr(config, name)!r}" for name, default in _FUSED_OPTIONS
               if getattr(config, name) != default]
     if unused:
@@ -41,15 +41,19 @@ _FUSED_OPTIONS = (("all_gather_algorithm", "split_p2p"), ("reduce_scatter", "xla
                   ("gathered_layout", None))
 
 
+# The backends that need neither cuBLASMp nor a connected axis.
+_PLAIN = {"xla": XlaBackend, "ring": RingBackend}
+
+
 def _choose(config, axis_name, mesh) -> Choice:
   forced = settings.backend_override()
   requested = forced or config.backend
-  if forced == "xla":
-    return Choice(XlaBackend(), f"forced by {settings.BACKEND}=xla")
+  if forced in ("xla", "ring"):
+    return Choice(_PLAIN[forced](), f"forced by {settings.BACKEND}={forced}")
   if isinstance(requested, Backend):
     return Choice(requested, "a Backend instance was given")
-  if requested == "xla":
-    return Choice(XlaBackend(), "backend='xla' was requested")
+  if requested in _PLAIN:
+    return Choice(_PLAIN[requested](), f"backend={requested!r} was requested")
   status = REGISTRY.cublasmp_status()
   if not status.ok:
     if requested == "cublasmp":

@@ -126,7 +126,9 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
 def _signature() -> str:
   native = REGISTRY.native()
   return (f"{jax.devices()[0].device_kind}|jax {jax.__version__}|cuBLASMp "
-          f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|{settings.fence()}")
+          f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|{settings.fence()}|"
+          # New candidates make old choices stale.
+          f"{';'.join(','.join(names) for names in CANDIDATES.values())}")
 
 
 def _load_cache(path: str) -> dict:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 from jax import lax
 
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm.vma import pvary, varying_axes
 
 
 def local_matmul(x, w, transpose_w: bool, precision=None):
@@ -24,6 +26,32 @@ def gathered_matmul_t(g, dy, precision=None):
 
 def all_gather_tokens(x, axis_name: str):
   return lax.all_gather(x, axis_name, axis=0, tiled=True)
+
+
+def ring_all_gather_matmul(x, w, axis_name: str, transpose_w: bool, return_gathered: bool,
+                           precision=None):
+  """AllGather(x) @ w as P GEMMs, one per shard, while the shards travel a
+  ring by ppermute: the transfer of the next shard does not depend on the GEMM
+  of this one, so XLA runs the two at once. The output rows (and the gathered
+  operand, if asked for) are written in place where each shard belongs."""
+  size = lax.axis_size(axis_name)
+  rank = lax.axis_index(axis_name)
+  rows = x.shape[0]
+  from_previous = [(i, (i + 1) % size) for i in range(size)]
+  y = g = None
+  shard = x
+  for step in range(size):
+    following = lax.ppermute(shard, axis_name, from_previous) if step + 1 < size else None
+    part = local_matmul(shard, w, transpose_w, precision)
+    start = ((rank - step) % size) * rows  # the rank this shard came from
+    if y is None:  # buffers varying like the parts written into them
+      y = pvary(jnp.zeros((rows * size, part.shape[1]), part.dtype), varying_axes(part))
+      g = pvary(jnp.zeros((rows * size, x.shape[1]), x.dtype), varying_axes(shard))
+    y = lax.dynamic_update_slice_in_dim(y, part, start, 0)
+    if return_gathered:
+      g = lax.dynamic_update_slice_in_dim(g, shard, start, 0)
+    shard = following
+  return (y, g) if return_gathered else y
 
 
 def ring_matmul_reduce_scatter(x, w, axis_name: str, transpose_w: bool, precision=None):
@@ -65,3 +93,21 @@ class XlaBackend(Backend):
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):
     return Capability(True, "XLA's all_gather result is an ordinary array")
+
+
+@dataclasses.dataclass(frozen=True)
+class RingBackend(XlaBackend):
+  """Both ops as rings of per-shard GEMMs and ``lax.ppermute`` (the
+  collective-matmul pattern): overlap that XLA schedules, on any platform."""
+
+  name = "ring"
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    return ring_all_gather_matmul(x, w, axis_name, transpose_w, return_gathered, precision)
+
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
+    return ring_matmul_reduce_scatter(x, w, axis_name, transpose_w, precision)
+
+  def gathered_reuse(self, axis_size, dtype, transpose_w):
+    return Capability(True, "the ring assembles the gathered operand as an ordinary array")

@@ -21,7 +21,7 @@ ABORT_GRACE = "JAX_COMM_GEMM_ABORT_GRACE"      # seconds between an abort and th
 AUTOTUNE = "JAX_COMM_GEMM_AUTOTUNE"            # "on", "off", or an implementation to force
 AUTOTUNE_CACHE = "JAX_COMM_GEMM_AUTOTUNE_CACHE"  # the JSON file of measured choices
 
-BACKENDS = ("auto", "cublasmp", "xla")
+BACKENDS = ("auto", "cublasmp", "xla", "ring")
 
 
 def backend_override() -> str:

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import primitives
-from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem
+from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
 from jax_comm_gemm.runtime.constants import FENCES, TARGETS
@@ -90,34 +90,34 @@ def gelu64_grad(h):
 # --- the fused ops ---------------------------------------------------------------
 
 def check_all_gather_matmul(mesh, dtype: str, transpose_w: bool):
-  """AG+GEMM against float64 and against XLA; the exposed operand bit-equal to
-  lax.all_gather's."""
+  """AG+GEMM by every implementation ``auto`` may choose, per row against
+  float64; each one's gathered operand bit-equal to lax.all_gather's."""
   n, k, m = 1024, 512, 768
   x64 = random(1, n, k)
   w64 = random(2, k, m, scale=k**-0.5)
   w_host = w64.T if transpose_w else w64
   x = put(mesh, x64, P("tp"), DTYPES[dtype])
   w = put(mesh, w_host, P("tp") if transpose_w else P(None, "tp"), DTYPES[dtype])
-  backend = backends.CublasMpBackend()
-
-  def fused(x, w):
-    y, g = backend.all_gather_matmul(x, w, "tp", transpose_w=transpose_w, return_gathered=True)
-    return y, g
-
-  def xla(x, w):
-    return backends.XlaBackend().all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
-                                                    return_gathered=True)
-
   specs = dict(in_specs=(P("tp"), P("tp") if transpose_w else P(None, "tp")),
                out_specs=(P(None, "tp"), P("tp")))
-  yf, gf = smap(mesh, fused, **specs)(x, w)
-  yx, gx = smap(mesh, xla, **specs)(x, w)
   ref = np.asarray(x64.astype(DTYPES[dtype]), np.float64) @ np.asarray(
       w64.astype(DTYPES[dtype]), np.float64)
-  err = rel_err(yf, ref)
-  assert err < TOLERANCE[dtype], f"rel err {err}"
-  assert bit_equal(gf, gx), "exposed operand differs from lax.all_gather's"
-  return {"rel_err": err, "rel_err_xla": rel_err(yx, ref)}
+  gathered = smap(mesh, lambda x: lax.all_gather(x, "tp", axis=0, tiled=True),
+                  (P("tp"),), P("tp"))(x)
+  out = {}
+  for name in CANDIDATES[AG]:
+    backend = implementation(name, backends.CublasMpBackend())
+
+    def run(x, w, backend=backend):
+      return backend.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
+                                       return_gathered=True)
+
+    y, g = smap(mesh, run, **specs)(x, w)
+    err = rel_err(y, ref)
+    assert err < TOLERANCE[dtype], f"{name}: worst row error {err}"
+    assert bit_equal(g, gathered), f"{name}: gathered operand differs from lax.all_gather's"
+    out[name] = f"ok row_err={err:.2e}"
+  return out
 
 
 def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
@@ -139,6 +139,12 @@ def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
     err = rel_err(jax.block_until_ready(f(x, w)), ref)
     assert err < TOLERANCE[dtype] * 2, f"{algorithm}: worst row error {err}"
     out[algorithm] = f"ok row_err={err:.2e}"
+  ring = smap(mesh, lambda x, w: backends.RingBackend().matmul_reduce_scatter(
+      x, w, "tp", transpose_w=transpose_w), (P(None, "tp"), P(None, "tp") if transpose_w
+                                               else P("tp")), P("tp"))
+  err = rel_err(jax.block_until_ready(ring(x, w)), ref)
+  assert err < TOLERANCE[dtype] * 2, f"ring: worst row error {err}"
+  out["ring"] = f"ok row_err={err:.2e}"
   return out
 
 

@@ -14,6 +14,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 
 def main() -> None:
@@ -39,6 +40,7 @@ def main() -> None:
   from jax.sharding import Mesh  # noqa: PLC0415
 
   import checks  # noqa: PLC0415
+  from examples import launch  # noqa: PLC0415
   import jax_comm_gemm as jcg  # noqa: PLC0415
 
   mesh = Mesh(np.asarray(jax.devices()), ("tp",))
@@ -63,14 +65,8 @@ def main() -> None:
           file=sys.stderr, flush=True)
   print("JCG_RESULTS " + json.dumps(results, default=str), flush=True)
   if args.num_processes > 1:
-    # Leave together: wait for every process, release the contexts (collective)
-    # while all are there, then stop the coordination service. A process that
-    # stops it early leaves the others' PjRt clients logging that they lost it.
-    from jax.experimental import multihost_utils  # noqa: PLC0415
-
-    multihost_utils.sync_global_devices("jax_comm_gemm worker done")
-    jcg.REGISTRY.shutdown()
-    jax.distributed.shutdown()
+    del mesh, results
+    launch.leave()  # together, and without error lines at exit
 
 
 if __name__ == "__main__":
