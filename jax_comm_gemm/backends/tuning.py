@@ -15,6 +15,7 @@ registry and to the disk cache, keyed by GPU model and versions.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import statistics
@@ -28,6 +29,8 @@ import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, IMPLEMENTATIONS, Problem, implementation
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
+
+log = logging.getLogger("jax_comm_gemm.autotune")
 
 
 def decide(times: dict[str, list[float]]) -> tuple[str, str]:
@@ -43,7 +46,7 @@ def decide(times: dict[str, list[float]]) -> tuple[str, str]:
 
 
 def time_candidates(runs: dict, *, rounds: int, timer=time.perf_counter,
-                    wait=jax.block_until_ready) -> dict[str, float]:
+                    wait=jax.block_until_ready, agree=lambda failed: failed) -> dict[str, float]:
   """Median seconds per call of each runnable, interleaved over `rounds`.
 
   Each value of `runs` is ``(call, iterations)``: ``call()`` enqueues one run
@@ -53,18 +56,24 @@ def time_candidates(runs: dict, *, rounds: int, timer=time.perf_counter,
   latency to each, which made the fused op look faster than XLA at 4096^3 on
   2xH200 while it was slower back to back: GPU run 16). A runnable that raises
   gets ``inf`` (caught once per candidate at tuning time, never per call of a
-  program)."""
+  program). `agree` turns this process's set of candidates that failed to warm
+  up into the set every process skips (a collective candidate that one
+  process skipped would leave the others waiting in it)."""
   samples = {name: [] for name in runs}
   failed = set()
   for name, (call, _) in runs.items():  # compile and warm up, untimed
+    log.debug("autotune: warming up %s", name)
     try:
       wait(call())
-    except Exception:  # noqa: BLE001  (a candidate this machine cannot run)
+    except Exception as e:  # noqa: BLE001  (a candidate this machine cannot run)
+      log.warning("autotune: candidate %s failed: %s", name, str(e).splitlines()[0][:300])
       failed.add(name)
+  failed = set(agree(failed))
   for _ in range(rounds):
     for name, (call, iterations) in runs.items():
       if name in failed:
         continue
+      log.debug("autotune: timing %s", name)
       try:
         start = timer()
         out = None
@@ -72,7 +81,8 @@ def time_candidates(runs: dict, *, rounds: int, timer=time.perf_counter,
           out = call()
         wait(out)
         samples[name].append((timer() - start) / iterations)
-      except Exception:  # noqa: BLE001  (a candidate this machine cannot run)
+      except Exception as e:  # noqa: BLE001  (a candidate this machine cannot run)
+        log.warning("autotune: candidate %s failed: %s", name, str(e).splitlines()[0][:300])
         failed.add(name)
   return {name: (statistics.median(s) if s and name not in failed else math.inf)
           for name, s in samples.items()}
@@ -183,8 +193,20 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
   measured = {}
   for index, (q, _) in enumerate(plan["measure"]):
     p = Problem(**q)
+    log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(plan["measure"]))
     runs = _runnables(mesh, axis_name, p, seconds_per_problem)
-    mine = time_candidates(runs, rounds=10)
+
+    def agree(failed, index=index):  # the union of every process's failures
+      if not multi:
+        return failed
+      me = jax.process_index()
+      kv.publish(kv.key(ident, attempt, "autotune", index, "failed", me),
+                 json.dumps(sorted(failed)))
+      return set().union(*(json.loads(kv.fetch(
+          kv.key(ident, attempt, "autotune", index, "failed", other), timeout))
+          for other in range(jax.process_count())))
+
+    mine = time_candidates(runs, rounds=10, agree=agree)
     if multi:
       kv.publish(kv.key(ident, attempt, "autotune", index, jax.process_index()),
                  json.dumps(mine))

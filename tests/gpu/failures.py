@@ -60,7 +60,7 @@ KILL_MARKER = "JCG_KILL_ME"
 KILL_AFTER_STEPS = 20        # the victim asks to be killed after this many steps
 GRACE_S = 10.0               # the main thread's time to surface an error the poller saw
 KV_PREFIX = "jcg_failures"
-HARD_EXIT = ("kill", "shapes_cached")  # may leave a peer dead or stuck: exit without
+HARD_EXIT = ("kill", "shapes_cached", "one_rank")  # may leave a peer dead or stuck: exit without
                                       # jax.distributed's collective shutdown
 
 PROCESS_START = time.time()

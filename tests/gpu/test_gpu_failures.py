@@ -62,7 +62,10 @@ JOBS = {
     "kill_sentinel": (2, "kill", [{CALL_TIMEOUT: str(KILL_DEADLINE_S),
                                    ABORT_GRACE: str(SENTINEL_GRACE_S),
                                    "JCG_NO_ERROR_WATCH": "1"}] * 2, 180, []),
-    "one_rank": (2, "one_rank", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S)}] * 2, 150, []),
+    # A short grace: the failing rank's follow-up call may be left in a GPU
+    # wait on the peer that gave up, which only the sentinel ends.
+    "one_rank": (2, "one_rank", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S),
+                                  ABORT_GRACE: str(SENTINEL_GRACE_S)}] * 2, 150, []),
     "shapes_cached": (2, "shapes_cached", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S)}] * 2, 150, []),
     "single_default": (1, "stress,poll_growth", [{}], 240, ["--runs", str(STRESS_RUNS)]),
     "single_none": (1, "stress", [{FENCE: "none", ALLOW_UNSAFE: "1"}], 200,
@@ -327,11 +330,21 @@ def test_one_rank_failing_makes_the_peer_fail_not_hang():
   assert "did not answer within" in peer["peer_error"] or "aborted" in peer["peer_error"], why0
   assert peer["peer_seconds"] <= SHORT_DEADLINE_S + MARGIN_S, why0
   assert failing.get("peer_done") is True, why1
-  assert failing.get("followup_error"), f"a call after the peer gave up did not fail: {why1}"
-  assert failing["followup_seconds"] <= SHORT_DEADLINE_S + MARGIN_S, why1
-  for pid in range(2):
+  # The failing rank's next call either fails, or (its kernels left waiting on
+  # the peer that gave up, which no abort releases) the sentinel ends it.
+  ended = "jax_comm_gemm: ending the process" in job["processes"][1]["tail"]
+  if ended:
+    assert job["processes"][1]["rc"] == 1, why1
+  else:
+    assert failing.get("followup_error"), f"a call after the peer gave up did not fail: {why1}"
+    assert failing["followup_seconds"] <= SHORT_DEADLINE_S + MARGIN_S, why1
+  for pid in range(2 if not ended else 1):
     p = job["processes"][pid]
     assert p["rc"] == 0, f"process {pid} rc {p['rc']}:\n{p['tail']}"
+  line = (f"one_rank: peer error in {peer['peer_seconds']:.1f} s; the failing rank "
+          f"{'ended by the sentinel' if ended else 'got an error on its next call'}")
+  _summary(line)
+  warnings.warn(line)
 
 
 def test_polling_contexts_during_workspace_growth_does_not_deadlock():

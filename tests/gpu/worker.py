@@ -8,6 +8,7 @@ With --num-processes > 1 each process drives one GPU (local_device_ids=[I]).
 import argparse
 import faulthandler
 import json
+import logging
 import os
 import sys
 import time
@@ -29,6 +30,11 @@ def main() -> None:
   faulthandler.dump_traceback_later(float(os.environ.get("JCG_HANG_DUMP_S", "240")), exit=True)
 
   import jax  # noqa: PLC0415
+
+  # autotune says what it measures (and, with JCG_AUTOTUNE_DEBUG=1, each batch).
+  logging.basicConfig(stream=sys.stderr, format="[%(asctime)s] %(message)s")
+  logging.getLogger("jax_comm_gemm.autotune").setLevel(
+      logging.DEBUG if os.environ.get("JCG_AUTOTUNE_DEBUG") else logging.INFO)
 
   if args.num_processes > 1:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
