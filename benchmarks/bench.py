@@ -19,7 +19,7 @@ for matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
 all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter; cublasmp_rs_ring:
 the fused all-gather with the ring reduce-scatter), ring (backend="ring": both
 ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
-(backend="xla"), pure_jax (autodiff of shard_map all_gather -> dot / dot ->
+(backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole step), pure_jax (autodiff of shard_map all_gather -> dot / dot ->
 psum_scatter), floor. Memory of every MLP variant (`mlp_step_memory`): compiled
 temp bytes, and the peak of XLA's allocator measured in a fresh process per
 variant (shapes ascending; a peak an earlier, larger shape masks is reported as
@@ -118,8 +118,11 @@ RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "ring", "xla", "pure_jax", "floor")
 ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "cublasmp_no_overlap",
                 "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
+# auto_step (last: its step-level decision is recorded for the problems it meets):
+# backend="auto" tuned with jcg.autotune_step, as the example does.
 MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "ring",
-                "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
+                "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "auto_step",
+                "floor")
 SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
 
 
@@ -162,6 +165,8 @@ class Ctx:
       return C(reuse_gathered=False), False
     if variant == "auto_keep":
       return C(), True
+    if variant == "auto_step":
+      return C(), False
     if variant == "xla":
       return C(backend="xla"), False
     if variant == "ring":
@@ -527,6 +532,11 @@ class Runner:
         continue
       self.progress("lower", n)
       try:
+        if n == "auto_step" and not self.args.cpu_smoke:
+          # The other variants are traced already: this decision is auto_step's.
+          kept, why = self.ctx.jcg.autotune_step(self.mesh, AXIS, fns[n], *args[n],
+                                                 seconds_per_problem=0.6)
+          entries[n]["autotune_step"] = why
         lowered[n] = fns[n].lower(*args[n])
       except Exception as e:  # noqa: BLE001  (a variant that fails is a result)
         entries[n]["error"] = "lower: " + short_error(e)
