@@ -262,6 +262,9 @@ def test_step_level_choice_keeps_the_faster_step(fake, monkeypatch):
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
     assert {REGISTRY.decision(p)[0] for p in problems} == {expected}
   assert step_tuning.decide_step([1.0, 1.2], [1.1, 1.1])[0] is False  # slowest process rules
+  # A lead under the margin is noise: XLA takes it.
+  assert step_tuning.decide_step([0.99], [1.0])[0] is False
+  assert step_tuning.decide_step([0.97], [1.0])[0] is True
 
 
 @pytest.mark.parametrize("on_abort, watching", [("exit", True), ("wait", False)])
