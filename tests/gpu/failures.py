@@ -531,6 +531,8 @@ def scenario_one_rank(ctx) -> dict:
       out["peer_done"] = True
     except Exception as e:  # noqa: BLE001
       out["peer_done"] = error_text(e)[:300]
+    # What is known so far, in case the follow-up ends the process (the sentinel).
+    emit("one_rank_before_followup", dict(out))
     with Guard("one_rank", deadline + 40, lambda: dict(out)):
       follow = timed_call(f, xb, wb)
     out.update(followup_error=follow["error"], followup_seconds=follow["seconds"])
