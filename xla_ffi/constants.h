@@ -35,8 +35,13 @@ inline constexpr LayoutName kLayouts[] = {
 // How a call is ordered against the XLA work around it (JAX_COMM_GEMM_FENCE,
 // which Python reads and passes to connect()). With cuBLASMp enqueued straight
 // on XLA's compute stream, XLA work around a fused call read wrong data on the
-// 2xH200 test machine (about 1 MLP run in 10). Each fence below but kNone
-// removed it there; see benchmarks/results/2026-11-30_h200x2/README.md.
+// 2xH200 test machine (1 MLP run in 8 in session 2, 142 of 150 with one
+// process per GPU in GPU run 19). Each fence below but kNone removed it there
+// (0 of 500 with kIsolated). Two suspects, not yet told apart: with kNone
+// nothing orders a peer's next write into this rank's workspace after this
+// rank's copy-out of the gathered operand, and XLA's next kernels start within
+// ~1 us of cuBLASMp's last GEMM under programmatic dependent launch. Traces and
+// tallies: README.md, "Ordering against XLA".
 enum class Fence {
   kIsolated,   // kOwnStream, then a barrier on the group (the default)
   kOwnStream,  // cuBLASMp on the context's stream, joined to XLA's by events
