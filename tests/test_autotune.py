@@ -7,6 +7,7 @@ primitive lowers to XLA's collectives, so the numbers are checked too).
 
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import jax_comm_gemm as jcg
 from conftest import cpu_mesh
+from jax_comm_gemm import dense
 import jax_comm_gemm.backends.tuning as autotune
 from jax_comm_gemm.backends import auto
 from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
@@ -131,3 +134,32 @@ def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
 
 def test_autotune_without_cublasmp_does_nothing():
   assert autotune.autotune(cpu_mesh(2), "tp") == {}
+
+
+def test_auto_with_every_choice_xla_is_exactly_the_xla_program(monkeypatch):
+  """Where autotune chose XLA for every op, backend="auto" lowers to the very
+  program backend="xla" does (the MLP's gradient; locations aside): whatever
+  separates them in a timing is the measurement, not the program."""
+  mesh = cpu_mesh(2)
+  monkeypatch.setenv(settings.AUTOTUNE, "xla")
+  monkeypatch.setattr(REGISTRY, "_status", Capability(True, "stand-in"))
+  monkeypatch.setattr(REGISTRY, "verdict", lambda key: Capability(True, "stand-in"))
+  monkeypatch.setattr(REGISTRY, "comm_id", lambda mesh, axis: 1)
+  monkeypatch.setattr(REGISTRY, "default_layout", lambda: "tail")
+  x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
+               for i, s in enumerate([(16, 8), (8, 12), (12, 8)]))
+  texts = {}
+  for name in ("auto", "xla"):
+    config = jcg.CommGemmConfig(backend=name)
+    assert type(jcg.backends.choose_backend(config, "tp", mesh).backend).__name__ == (
+        "AutoBackend" if name == "auto" else "XlaBackend")
+
+    def loss(x, w1, w2, config=config):
+      f = jax.shard_map(lambda x, a, b: dense.mlp(x, a, b, axis_name="tp", config=config),
+                        mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                        out_specs=P("tp"))
+      return jnp.sum(f(x, w1, w2) ** 2)
+
+    text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, w1, w2).as_text()
+    texts[name] = re.sub(r"loc\(.*?\)|#loc\d*", "", text)
+  assert texts["auto"] == texts["xla"]
