@@ -24,7 +24,7 @@ from jax import lax
 
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
-from jax_comm_gemm.backends.xla import RingBackend, XlaBackend
+from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import Capability
 
@@ -81,10 +81,8 @@ def choose(p: Problem, default: str) -> tuple[str, str]:
 
 def implementation(name: str, template: CublasMpBackend) -> Backend:
   """The backend that runs implementation `name`."""
-  if name == "xla":
-    return XlaBackend()
-  if name == "ring":
-    return RingBackend()
+  if name in PLAIN_BACKENDS:
+    return PLAIN_BACKENDS[name]()
   algorithm = name.removeprefix("cublasmp_")
   return dataclasses.replace(template, all_gather_algorithm=algorithm,
                              reduce_scatter=algorithm)

@@ -11,7 +11,7 @@ import jax
 from jax_comm_gemm.backends.auto import AutoBackend
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
-from jax_comm_gemm.backends.xla import RingBackend, XlaBackend
+from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
 
 
@@ -41,19 +41,15 @@ _FUSED_OPTIONS = (("all_gather_algorithm", "split_p2p"), ("reduce_scatter", "xla
                   ("gathered_layout", None))
 
 
-# The backends that need neither cuBLASMp nor a connected axis.
-_PLAIN = {"xla": XlaBackend, "ring": RingBackend}
-
-
 def _choose(config, axis_name, mesh) -> Choice:
   forced = settings.backend_override()
   requested = forced or config.backend
-  if forced in ("xla", "ring"):
-    return Choice(_PLAIN[forced](), f"forced by {settings.BACKEND}={forced}")
+  if forced in PLAIN_BACKENDS:
+    return Choice(PLAIN_BACKENDS[forced](), f"forced by {settings.BACKEND}={forced}")
   if isinstance(requested, Backend):
     return Choice(requested, "a Backend instance was given")
-  if requested in _PLAIN:
-    return Choice(_PLAIN[requested](), f"backend={requested!r} was requested")
+  if requested in PLAIN_BACKENDS:
+    return Choice(PLAIN_BACKENDS[requested](), f"backend={requested!r} was requested")
   status = REGISTRY.cublasmp_status()
   if not status.ok:
     if requested == "cublasmp":

@@ -111,3 +111,7 @@ class RingBackend(XlaBackend):
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):
     return Capability(True, "the ring assembles the gathered operand as an ordinary array")
+
+
+# The backends that need neither cuBLASMp nor a connected axis, by name.
+PLAIN_BACKENDS = {"xla": XlaBackend, "ring": RingBackend}
