@@ -70,11 +70,15 @@ def _run_job(name: str, num_processes: int, check_names) -> dict:
       outputs.append(f.read())
   results = {}
   for pid, text in enumerate(outputs):
-    line = next((l for l in text.splitlines() if l.startswith("JCG_RESULTS ")), None)
-    per_check = json.loads(line[len("JCG_RESULTS "):]) if line else {}
+    per_check = {}
+    for line in text.splitlines():  # one line per check, written as each ends
+      if line.startswith("JCG_CHECK "):
+        result = json.loads(line[len("JCG_CHECK "):])
+        per_check[result.pop("name")] = result
     for check in check_names:
       results.setdefault(check, []).append(per_check.get(
-          check, {"ok": False, "error": f"process {pid} reported nothing:\n{text[-3000:]}"}))
+          check, {"ok": False, "error": f"process {pid} reported nothing for {check} (it hung "
+                                        f"or the process ended before):\n{text[-3000:]}"}))
   return results
 
 

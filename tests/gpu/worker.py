@@ -1,5 +1,6 @@
 """One process of a GPU test job: runs checks.py's checks on a ('tp',) mesh
-over all the job's GPUs and prints their results as one JSON line.
+over all the job's GPUs and prints each check's result as one JSON line
+(JCG_CHECK) as soon as the check ends.
 
 Usage: worker.py --checks a,b,c [--repeat R] [--process-id I --num-processes N --port P]
 With --num-processes > 1 each process drives one GPU (local_device_ids=[I]).
@@ -54,24 +55,22 @@ def main() -> None:
   status = jcg.connect(mesh, "tp")  # collective: communicators, agreement, self-test
   print(f"[process {args.process_id}] connect: {status.reason} "
         f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
-  results = {}
   names = args.checks.split(",")
   runs = [(n, n if args.repeat == 1 else f"{n}#{i}") for i in range(args.repeat) for n in names]
   for check, name in runs:
     start = time.perf_counter()
     try:
-      details = checks.CHECKS[check](mesh)
-      results[name] = {"ok": True, "details": details}
+      result = {"ok": True, "details": checks.CHECKS[check](mesh)}
     except Exception as e:  # noqa: BLE001  (reported per check)
-      results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
-                       "traceback": traceback.format_exc()[-3000:]}
-    results[name]["seconds"] = round(time.perf_counter() - start, 2)
-    print(f"[process {args.process_id}] {name}: "
-          f"{'ok' if results[name]['ok'] else 'FAILED'} ({results[name]['seconds']} s)",
-          file=sys.stderr, flush=True)
-  print("JCG_RESULTS " + json.dumps(results, default=str), flush=True)
+      result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
+                "traceback": traceback.format_exc()[-3000:]}
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    # Each result as soon as it is known: a later hang must not take it along.
+    print("JCG_CHECK " + json.dumps({"name": name, **result}, default=str), flush=True)
+    print(f"[process {args.process_id}] {name}: {'ok' if result['ok'] else 'FAILED'} "
+          f"({result['seconds']} s)", file=sys.stderr, flush=True)
   if args.num_processes > 1:
-    del mesh, results
+    del mesh
     launch.leave()  # together, and without error lines at exit
 
 
