@@ -64,6 +64,36 @@ def test_time_candidates_interleaves_and_takes_medians():
   assert len(waits) == 2 + 3 * 2
 
 
+def test_time_candidates_skips_what_any_process_failed_to_run(caplog):
+  """A candidate that failed to warm up in another process is skipped here
+  too (the processes agree on the failed set before timing): running a
+  collective candidate that a peer skips would leave this process waiting.
+  Each failure is logged with its error."""
+  ran = []
+
+  def runner(name, fail=False):
+    def call():
+      ran.append(name)
+      if fail:
+        raise RuntimeError("cublasMpMatmul failed: not supported")
+    return call
+
+  seen = []
+
+  def agree(failed):  # this process failed "bad"; a peer failed "ring"
+    seen.append(set(failed))
+    return set(failed) | {"ring"}
+
+  with caplog.at_level("WARNING", logger="jax_comm_gemm.autotune"):
+    times = autotune.time_candidates(
+        {"xla": (runner("xla"), 1), "ring": (runner("ring"), 1),
+         "bad": (runner("bad", fail=True), 1)}, rounds=2, wait=lambda out: None, agree=agree)
+  assert seen == [{"bad"}]
+  assert times["ring"] == times["bad"] == math.inf and math.isfinite(times["xla"])
+  assert ran == ["xla", "ring", "bad", "xla", "xla"]  # warm-up, then only xla timed
+  assert "candidate bad failed: cublasMpMatmul failed: not supported" in caplog.text
+
+
 def test_iterations_are_a_function_of_the_problem_alone():
   small = Problem(AG, 256, 256, 256, "bfloat16", False, 2)
   large = Problem(AG, 8192, 8192, 14336, "bfloat16", False, 2)
