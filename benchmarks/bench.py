@@ -19,8 +19,9 @@ for matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
 all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter; cublasmp_rs_ring:
 the fused all-gather with the ring reduce-scatter), ring (backend="ring": both
 ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
-(backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole step), pure_jax (autodiff of shard_map all_gather -> dot / dot ->
-psum_scatter), floor. Memory of every MLP variant (`mlp_step_memory`): compiled
+(backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole
+step), pure_jax (autodiff of shard_map all_gather -> dot / dot -> psum_scatter),
+floor. Memory of every MLP variant (`mlp_step_memory`): compiled
 temp bytes, and the peak of XLA's allocator measured in a fresh process per
 variant (shapes ascending; a peak an earlier, larger shape masks is reported as
 null). cuBLASMp's own workspace is outside XLA's allocator; `proc_gpu_mib` is the
