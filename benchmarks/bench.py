@@ -108,6 +108,14 @@ AG_SHAPES = ((8192, 8192, 28672), (16384, 8192, 8192), (8192, 8192, 7168),
 SWEEP_TOKENS = (1024, 2048, 4096, 8192, 16384, 32768)  # k = m = 8192
 RS_SHAPES = ((8192, 28672, 8192), (16384, 8192, 8192), (8192, 7168, 8192),
              (8192, 4096, 4096), (4096, 4096, 4096), (2048, 8192, 8192))
+AG_QUICK = ((8192, 8192, 28672), (8192, 8192, 7168), (4096, 4096, 4096))
+RS_QUICK = ((8192, 28672, 8192), (4096, 4096, 4096))
+# The token sweep beyond AG_SHAPES (which hold its 2048 and 16384 rows).
+SWEEP_SHAPES = tuple((n, 8192, 8192) for n in SWEEP_TOKENS if (n, 8192, 8192) not in AG_SHAPES)
+SWEEP_QUICK = ((1024, 8192, 8192), (32768, 8192, 8192))
+# The AllGather+GEMM ops each peer runs, as (shapes, quick shapes).
+PEER_AG_OPS = {"all_gather_matmul": (AG_SHAPES, AG_QUICK),
+               "all_gather_matmul_sweep": (SWEEP_SHAPES, SWEEP_QUICK)}
 MLP_SHAPES = ((8192, 8192, 28672), (16384, 4096, 16384), (8192, 8192, 7168),
               (4096, 4096, 16384))
 # The row-parallel layer of each MLP shape (its fc2): tokens x F x K.
@@ -229,8 +237,7 @@ def vjp_step(jax, layer):
   return step
 
 
-@op("all_gather_matmul", shapes=AG_SHAPES, quick=((8192, 8192, 28672), (8192, 8192, 7168),
-                                                   (4096, 4096, 4096)),
+@op("all_gather_matmul", shapes=AG_SHAPES, quick=AG_QUICK,
     smoke=((256, 128, 256), (128, 64, 128)), variants=AG_VARIANTS, weight=20,
     compile_s=0.4, target_ms=30.0, aliases=("ag",))
 def build_all_gather_matmul(ctx: Ctx, shape, names):
@@ -255,13 +262,12 @@ def build_all_gather_matmul(ctx: Ctx, shape, names):
 
 
 op("all_gather_matmul_sweep",
-   shapes=tuple((n, 8192, 8192) for n in SWEEP_TOKENS if n not in (2048, 16384)),
-   quick=((1024, 8192, 8192), (32768, 8192, 8192)), smoke=((64, 128, 128), (512, 128, 128)),
+   shapes=SWEEP_SHAPES, quick=SWEEP_QUICK, smoke=((64, 128, 128), (512, 128, 128)),
    variants=("auto", "cublasmp_split_p2p", "ring", "xla", "floor"), weight=8, compile_s=0.4,
    target_ms=30.0, aliases=("sweep",))(build_all_gather_matmul)
 
 
-@op("matmul_reduce_scatter", shapes=RS_SHAPES, quick=((8192, 28672, 8192), (4096, 4096, 4096)),
+@op("matmul_reduce_scatter", shapes=RS_SHAPES, quick=RS_QUICK,
     smoke=((256, 128, 256),), variants=RS_VARIANTS, weight=14, compile_s=0.4,
     target_ms=30.0, aliases=("rs",))
 def build_matmul_reduce_scatter(ctx: Ctx, shape, names):

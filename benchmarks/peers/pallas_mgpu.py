@@ -28,15 +28,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import harness  # noqa: E402
 from harness import parse_shape, say, shape_str, short_error  # noqa: E402
-from bench import AG_SHAPES, SWEEP_TOKENS, add_sweep_copies  # noqa: E402
+from bench import PEER_AG_OPS, add_sweep_copies  # noqa: E402
 
 PART = "pallas_mgpu"
-OPS = {
-    "all_gather_matmul": (AG_SHAPES, ((8192, 8192, 28672), (8192, 8192, 7168), (4096, 4096, 4096))),
-    "all_gather_matmul_sweep": (tuple((n, 8192, 8192) for n in SWEEP_TOKENS
-                                      if (n, 8192, 8192) not in AG_SHAPES),
-                                ((1024, 8192, 8192), (32768, 8192, 8192))),
-}
+OPS = PEER_AG_OPS
 WEIGHTS = {"all_gather_matmul": 65, "all_gather_matmul_sweep": 35}
 # (tile_m, grid_minor_dim, grid_tile_width), in the order they are tried.
 CONFIG_ORDER = ((128, "M", 8), (256, "N", 8), (256, "M", 8), (128, "N", 8),

@@ -24,16 +24,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import harness  # noqa: E402
 from harness import parse_shape, say, shape_str, short_error  # noqa: E402
-from bench import AG_SHAPES, RS_SHAPES, SWEEP_TOKENS, add_sweep_copies  # noqa: E402
+from bench import PEER_AG_OPS, RS_QUICK, RS_SHAPES, add_sweep_copies  # noqa: E402
 
 PART = "torch_symm_mem"
-OPS = {
-    "all_gather_matmul": (AG_SHAPES, ((8192, 8192, 28672), (8192, 8192, 7168), (4096, 4096, 4096))),
-    "all_gather_matmul_sweep": (tuple((n, 8192, 8192) for n in SWEEP_TOKENS
-                                      if (n, 8192, 8192) not in AG_SHAPES),
-                                ((1024, 8192, 8192), (32768, 8192, 8192))),
-    "matmul_reduce_scatter": (RS_SHAPES, ((8192, 28672, 8192), (4096, 4096, 4096))),
-}
+OPS = {**PEER_AG_OPS, "matmul_reduce_scatter": (RS_SHAPES, RS_QUICK)}
 WEIGHTS = {"all_gather_matmul": 45, "all_gather_matmul_sweep": 25, "matmul_reduce_scatter": 30}
 
 
