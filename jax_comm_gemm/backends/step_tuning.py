@@ -6,8 +6,9 @@ own collectives with independent GEMMs, which an op timed alone cannot show:
 on 2xH200 every op of the byte-level GPT measured faster fused, yet the step
 was 3-5% slower (GPU run 16). So this times the step itself, both ways,
 interleaved, and keeps the per-op choices only where they lead by more than
-the noise of the measurement (``KEEP_MARGIN``); otherwise the step runs on XLA. Collective like ``autotune``: process 0 decides from
-the slowest process's times and publishes the decision.
+the noise of the measurement (``KEEP_MARGIN``); otherwise the step runs on
+XLA. Collective like ``autotune``: process 0 decides from the slowest
+process's times and publishes the decision.
 """
 
 from __future__ import annotations

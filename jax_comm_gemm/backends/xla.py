@@ -46,7 +46,8 @@ def ring_all_gather_matmul(x, w, axis_name: str, transpose_w: bool, return_gathe
     start = ((rank - step) % size) * rows  # the rank this shard came from
     if y is None:  # buffers varying like the parts written into them
       y = pvary(jnp.zeros((rows * size, part.shape[1]), part.dtype), varying_axes(part))
-      g = pvary(jnp.zeros((rows * size, x.shape[1]), x.dtype), varying_axes(shard))
+      if return_gathered:
+        g = pvary(jnp.zeros((rows * size, x.shape[1]), x.dtype), varying_axes(shard))
     y = lax.dynamic_update_slice_in_dim(y, part, start, 0)
     if return_gathered:
       g = lax.dynamic_update_slice_in_dim(g, shard, start, 0)
