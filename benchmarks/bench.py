@@ -122,14 +122,15 @@ MLP_SHAPES = ((8192, 8192, 28672), (16384, 4096, 16384), (8192, 8192, 7168),
 ROW_SHAPES = tuple((n, f, d) for n, d, f in MLP_SHAPES)
 
 AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
-    "ring", "xla", "pure_jax", "floor")
+    "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "ring", "xla", "pure_jax", "floor")
 ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "cublasmp_no_overlap",
-                "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
+                "pipelined", "pipelined_ce", "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
 # auto_step (last: its step-level decision is recorded for the problems it meets):
 # backend="auto" tuned with jcg.autotune_step, as the example does.
-MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "ring",
+MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "pipelined",
+                "pipelined_ce", "ring",
                 "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "auto_step",
                 "floor")
 SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
@@ -180,6 +181,8 @@ class Ctx:
       return C(backend="xla"), False
     if variant == "ring":
       return C(backend="ring"), False
+    if variant in ("pipelined", "pipelined_ce"):  # the project's own AllGather+GEMMs
+      return C(backend="cublasmp", all_gather_algorithm=variant), False
     if variant.startswith("cublasmp_rs_"):
       return C(backend="cublasmp", reduce_scatter=variant[len("cublasmp_rs_"):]), False
     if variant.startswith("cublasmp_"):

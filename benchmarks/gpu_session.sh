@@ -5,7 +5,7 @@
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
 # JOB_TIMEOUT, HANG_DUMP, BENCH_BUDGET, BENCH_ARGS (see each step).
-# Usage: benchmarks/gpu_session.sh [build] [tests] [failures] [race] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [checks] [tests] [failures] [race] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -29,6 +29,26 @@ if has build; then
     echo "build: FAILED"
     exit 1
   fi
+fi
+
+if has checks; then
+  # Chosen checks (CHECKS, comma separated names of tests/gpu/checks.py) in one
+  # process driving both GPUs, then one process per GPU: quicker than `tests`.
+  start=$SECONDS
+  : > "$OUT/checks.log"
+  JCG_HANG_DUMP_S=150 timeout 170 python3 tests/gpu/worker.py --checks "$CHECKS" \
+    > /tmp/checks_single.log 2>&1
+  echo "single process: rc=$?" >> "$OUT/checks.log"
+  for i in 0 1; do
+    JCG_HANG_DUMP_S=150 timeout 170 python3 tests/gpu/worker.py --checks "$CHECKS" \
+      --process-id $i --num-processes 2 --port 12421 > /tmp/checks_p$i.log 2>&1 &
+  done
+  wait
+  for f in /tmp/checks_single.log /tmp/checks_p0.log /tmp/checks_p1.log; do
+    { echo "===== $(basename "$f")"; grep -v -E "^[IW][0-9]{4} " "$f"; } >> "$OUT/checks.log"
+  done
+  grep -h "^\[process" /tmp/checks_single.log /tmp/checks_p0.log /tmp/checks_p1.log | tail -40
+  summary+=("checks: $(cat /tmp/checks_*.log | grep -c ': ok (') ok, $(cat /tmp/checks_*.log | grep -c ': FAILED') failed ($((SECONDS - start)) s)")
 fi
 
 if has tests; then

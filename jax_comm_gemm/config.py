@@ -6,13 +6,14 @@ import dataclasses
 from typing import Any
 
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.runtime.constants import (ALGORITHMS, GATHERED_LAYOUTS,
-                                             MULTICAST_ALGORITHMS)
+from jax_comm_gemm.runtime.constants import (ALGORITHMS, ALL_GATHER_ONLY_ALGORITHMS,
+                                             GATHERED_LAYOUTS, MULTICAST_ALGORITHMS)
 from jax_comm_gemm.runtime.settings import BACKENDS
 
 # How the cuBLASMp backend runs GEMM+ReduceScatter: XLA's dot + psum_scatter, a
 # ring of GEMMs and ppermutes in XLA, or cuBLASMp with one of its algorithms.
-REDUCE_SCATTER_IMPLS = ("xla", "ring") + tuple(ALGORITHMS)
+REDUCE_SCATTER_IMPLS = ("xla", "ring") + tuple(a for a in ALGORITHMS
+                                               if a not in ALL_GATHER_ONLY_ALGORITHMS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +28,11 @@ class CommGemmConfig:
       overlaps; runs everywhere, and ``auto`` may choose it), or a
       :class:`~jax_comm_gemm.backends.Backend` instance. The environment
       variable ``JAX_COMM_GEMM_BACKEND=xla`` overrides it, for A/B runs.
-    all_gather_algorithm: cuBLASMp algorithm of the AllGather+GEMM.
+    all_gather_algorithm: algorithm of the fused AllGather+GEMM: one of
+      cuBLASMp's, or the project's own ``"pipelined"`` / ``"pipelined_ce"``
+      (a cuBLASLt GEMM per shard beside NCCL transfers, by NCCL's kernels or
+      its copy engines; xla_ffi/pipelined.h). Their host cost per call is a
+      fraction of cuBLASMp's, which matters at small GEMMs.
     reduce_scatter: how the cuBLASMp backend runs GEMM+ReduceScatter:
       ``"xla"`` (dot, then ``lax.psum_scatter``), ``"ring"`` (chunked GEMMs
       and ``lax.ppermute`` that XLA overlaps), or a cuBLASMp algorithm. The

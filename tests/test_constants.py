@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS
 from jax_comm_gemm.runtime import constants, native
 
 REQUIRED = os.environ.get("JCG_REQUIRE_EXTENSION") == "1"
@@ -49,4 +50,9 @@ def test_fences_agree_in_order(extension):
 
 def test_multicast_algorithms_exist():
   assert constants.MULTICAST_ALGORITHMS <= set(constants.ALGORITHMS)
+
+
+def test_own_algorithms_exist_and_run_all_gather_only():
+  assert constants.ALL_GATHER_ONLY_ALGORITHMS <= set(constants.ALGORITHMS)
+  assert not constants.ALL_GATHER_ONLY_ALGORITHMS & set(REDUCE_SCATTER_IMPLS)
   assert set(constants.UNSAFE_FENCES) <= set(constants.FENCES)

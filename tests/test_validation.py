@@ -261,12 +261,14 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
                              r"instance, got <object"),
     (dict(all_gather_algorithm="fastest"),
      r"CommGemmConfig.all_gather_algorithm must be one of \('default', 'split_p2p', "
-     r".*'no_overlap'\), got 'fastest'"),
+     r".*'no_overlap', 'pipelined', 'pipelined_ce'\), got 'fastest'"),
     (dict(reduce_scatter="tree"),
      r"CommGemmConfig.reduce_scatter must be one of \('xla', .*'default', .*\), got 'tree'"),
     (dict(all_gather_algorithm="split_multicast"),
      r"CommGemmConfig.all_gather_algorithm='split_multicast' uses NVLink multicast.*"
      r"pass allow_multicast=True"),
+    (dict(reduce_scatter="pipelined"),  # AllGather+GEMM only
+     r"CommGemmConfig.reduce_scatter must be one of \('xla', .*'no_overlap'\), got 'pipelined'"),
     (dict(reduce_scatter="atomic_multicast"),
      r"CommGemmConfig.reduce_scatter='atomic_multicast' uses NVLink multicast.*"
      r"pass allow_multicast=True"),
@@ -274,7 +276,8 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
                                 r"where the capability check passes\) or False, got True"),
     (dict(gathered_layout="middle"), r"CommGemmConfig.gathered_layout must be None or "
                                      r"one of \('front', 'tail'\), got 'middle'"),
-], ids=["backend", "backend_object", "algorithm", "reduce_scatter", "multicast_ag",
+], ids=["backend", "backend_object", "algorithm", "reduce_scatter", "rs_pipelined",
+        "multicast_ag",
         "multicast_rs", "reuse_true", "layout"])
 def test_bad_config(kwargs, match):
   """CommGemmConfig refuses bad values when it is built."""

@@ -1,6 +1,8 @@
-// The cuBLASMp matmul algorithms the project offers, by the names Python uses,
-// with their numbers taken straight from cublasmp.h's enum. Header constants
-// only: including it links nothing, so _constants can export it.
+// The AllGather+GEMM / GEMM+ReduceScatter algorithms the project offers, by
+// the names Python uses: cuBLASMp's, with their numbers taken straight from
+// cublasmp.h's enum, and the project's own "pipelined" AllGather+GEMM
+// (pipelined.h), numbered clear of that enum. Header constants only: including
+// it links nothing, so _constants can export it.
 // CUBLASMP_MATMUL_ALGO_TYPE_FUSED (GEMM+AllReduce only) is left out on purpose.
 #ifndef JAX_COMM_GEMM_ALGORITHMS_H_
 #define JAX_COMM_GEMM_ALGORITHMS_H_
@@ -13,8 +15,15 @@ namespace jax_comm_gemm {
 
 struct AlgorithmName {
   const char* name;
-  cublasMpMatmulAlgoType_t algorithm;
+  int64_t algorithm;
 };
+
+// The project's own (pipelined.h): a cuBLASLt GEMM per shard beside NCCL
+// transfers. kPipelined: point-to-point into the gathered output (NCCL's
+// kernels); kPipelinedCe: an AllGather on NCCL's copy engines (zero-CTA
+// policy, symmetric window), then a copy into the gathered output.
+inline constexpr int64_t kPipelinedAlgorithm = 100;
+inline constexpr int64_t kPipelinedCeAlgorithm = 101;
 
 inline constexpr AlgorithmName kAlgorithms[] = {
     {"default", CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT},
@@ -23,14 +32,21 @@ inline constexpr AlgorithmName kAlgorithms[] = {
     {"atomic_p2p", CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P},
     {"atomic_multicast", CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_MULTICAST},
     {"no_overlap", CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP},
+    {"pipelined", kPipelinedAlgorithm},
+    {"pipelined_ce", kPipelinedCeAlgorithm},
 };
 
 // The name of algorithm `number`, or null if the project does not offer it.
 inline const char* AlgorithmNameOf(int64_t number) {
   for (const AlgorithmName& a : kAlgorithms) {
-    if (static_cast<int64_t>(a.algorithm) == number) return a.name;
+    if (a.algorithm == number) return a.name;
   }
   return nullptr;
+}
+
+// Whether algorithm `number` is the project's own rather than cuBLASMp's.
+inline bool IsPipelined(int64_t number) {
+  return number == kPipelinedAlgorithm || number == kPipelinedCeAlgorithm;
 }
 
 }  // namespace jax_comm_gemm

@@ -1,11 +1,15 @@
 #include "context.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
+#include "algorithms.h"
 #include "layout.h"
 #include "library_status.h"
+#include "pipelined.h"
 
 namespace jax_comm_gemm {
 namespace {
@@ -38,6 +42,13 @@ Status Context::Init(const ncclUniqueId& id) {
   ncclResult_t r = ncclCommInitRank(&comm, options_.nranks, id, options_.rank);
   if (r != ncclSuccess) return NcclError("ncclCommInitRank", r, comm);
   comm_.reset(comm);
+  // The pipelined_ce algorithm's AllGather: on copy engines where NCCL can.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+  ncclComm_t ce_comm = nullptr;
+  r = ncclCommSplit(comm, 0, options_.rank, &ce_comm, &config);
+  if (r != ncclSuccess) return NcclError("ncclCommSplit", r, comm);
+  ce_comm_.reset(ce_comm);
   cudaStream_t stream = nullptr;
   JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   stream_.reset(stream);
@@ -50,7 +61,15 @@ Status Context::Init(const ncclUniqueId& id) {
   col_grid_.reset(grid);
   JCG_CUBLASMP(cublasMpGridCreate(1, P, CUBLASMP_GRID_LAYOUT_ROW_MAJOR, comm, &grid));
   row_grid_.reset(grid);
-  for (CudaEvent* e : {&event_in_, &event_out_, &host_wait_event_}) {
+  cublasLtHandle_t lt = nullptr;
+  JCG_CUBLASLT(cublasLtCreate(&lt));
+  lt_.reset(lt);
+  JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  comm_stream_.reset(stream);
+  arrived_.resize(std::max(P, 2));
+  std::vector<CudaEvent*> events = {&event_in_, &event_out_, &host_wait_event_, &started_};
+  for (CudaEvent& e : arrived_) events.push_back(&e);
+  for (CudaEvent* e : events) {
     cudaEvent_t event = nullptr;
     JCG_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     e->reset(event);
@@ -182,6 +201,90 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
   });
 }
 
+// NCCL connects a pair of ranks at their first send/recv, blocking the host
+// until the peer answers: do that once, under the call's deadline, with
+// one-byte transfers between every pair the pipelined steps use.
+Status Context::ConnectPeers(Clock::time_point deadline) {
+  if (peers_connected_) return Status();
+  const int P = options_.nranks, rank = options_.rank;
+  auto* word = static_cast<char*>(barrier_word_.get());  // zero; stays zero
+  JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
+    for (int s = 1; s < P; ++s) {
+      JCG_NCCL(ncclGroupStart());
+      const ncclResult_t sent =
+          ncclSend(word, 1, ncclUint8, (rank + s) % P, comm_.get(), comm_stream_.get());
+      const ncclResult_t received =
+          ncclRecv(word + 1, 1, ncclUint8, (rank - s + P) % P, comm_.get(), comm_stream_.get());
+      const ncclResult_t ended = ncclGroupEnd();
+      if (sent != ncclSuccess) return NcclError("ncclSend", sent, comm_.get());
+      if (received != ncclSuccess) return NcclError("ncclRecv", received, comm_.get());
+      if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, comm_.get());
+    }
+    return Status();
+  }));
+  JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline,
+                                    "the peers connected for the pipelined algorithm"));
+  peers_connected_ = true;
+  return Status();
+}
+
+Status Context::MakePlanFor(const MatmulCall& c, Clock::time_point deadline, Plan* plan) {
+  if (!IsPipelined(c.algorithm)) {
+    const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
+    return WithComm([&] { return MakePlan(target, c, plan); });
+  }
+  if (c.algorithm == kPipelinedCeAlgorithm) {
+    const size_t bytes = static_cast<size_t>(c.x_rows * c.x_cols * options_.nranks) *
+                         (c.dtype == CUDA_R_32F ? 4 : 2);
+    if (bytes > window_.size()) {  // collective; every rank makes this plan now
+      const char* what = "earlier calls finished before the window grew";
+      JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
+      JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
+      const size_t rounded =
+          (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
+      JCG_RETURN_IF_ERROR(
+          WithComm([&] { return window_.Allocate(ce_comm_.get(), rounded); }));
+    }
+  } else {
+    JCG_RETURN_IF_ERROR(ConnectPeers(deadline));
+  }
+  if (!lt_workspace_) {
+    void* ptr = nullptr;
+    JCG_CUDA(cudaMalloc(&ptr, kLtWorkspaceBytes));
+    lt_workspace_.reset(ptr);
+  }
+  return MakePipelinedPlan(lt_.get(), c, kLtWorkspaceBytes, &plan->pipelined);
+}
+
+Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_offset,
+                        cudaStream_t run) {
+  if (IsPipelined(c.algorithm)) {
+    const PipelineTarget target{lt_.get(),          comm_.get(),       comm_stream_.get(),
+                                started_.get(),     arrived_.data(),   ce_comm_.get(),
+                                window_.data(),     lt_workspace_.get(), kLtWorkspaceBytes,
+                                options_.rank,      options_.nranks};
+    return EnqueuePipelined(target, plan.pipelined, c, run);
+  }
+  JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
+  const float alpha = 1.0f, beta = 0.0f;
+  JCG_CUBLASMP(cublasMpMatmul(
+      handle_.get(), plan.matmul.get(), plan.m, plan.n, plan.k, &alpha, c.w, 1, 1,
+      plan.a.get(), c.x, 1, 1, plan.b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1,
+      plan.d.get(), workspace_.data(), plan.device_bytes, host_workspace_.data(),
+      plan.host_bytes));
+  if (c.gathered != nullptr) {
+    JCG_CUDA(cudaMemcpyAsync(c.gathered, workspace_.data() + gathered_offset, c.gathered_bytes,
+                             cudaMemcpyDeviceToDevice, run));
+  }
+  // The barrier keeps a peer's next call off this rank's workspace until the
+  // gathered copy above, which cuBLASMp does not know about, has read it. The
+  // pipelined algorithm writes no workspace of a peer's: NCCL orders its
+  // transfers within the call.
+  const Fence fence = options_.fence;
+  if (fence == Fence::kIsolated || fence == Fence::kBarrier) JCG_RETURN_IF_ERROR(Barrier(run));
+  return Status();
+}
+
 Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
                           Clock::time_point start) {
   const Clock::time_point deadline = start + call_timeout_;
@@ -195,43 +298,29 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     // rank's cache is the same and all start over at the same call.
     if (plans_.size() >= kMaxPlans) plans_.clear();
     Plan plan;
-    const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
-    JCG_RETURN_IF_ERROR(WithComm([&] { return MakePlan(target, c, &plan); }));
+    JCG_RETURN_IF_ERROR(MakePlanFor(c, deadline, &plan));
     it = plans_.emplace(key, std::move(plan)).first;
     plan_count_ = plans_.size();
   }
   const Plan& plan = it->second;
+  const bool pipelined = IsPipelined(c.algorithm);
   size_t gathered_offset = 0;
-  if (c.gathered != nullptr) {  // before any collective: fails alike on every rank
-    JCG_RETURN_IF_ERROR(
-        GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
+  if (!pipelined) {
+    if (c.gathered != nullptr) {  // before any collective: fails alike on every rank
+      JCG_RETURN_IF_ERROR(
+          GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
+    }
+    JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
+    if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   }
-  JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
-  if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
-  // Under kIsolated and kOwnStream, cuBLASMp runs on stream_, after everything
-  // XLA enqueued before the call and before anything XLA enqueues after it.
+  // Under kIsolated and kOwnStream, the call runs on stream_, after everything
+  // XLA enqueued before it and before anything XLA enqueues after it.
   const Fence fence = options_.fence;
   const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
   cudaStream_t run = own ? stream_.get() : stream;
   JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
     if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
-    JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
-    const float alpha = 1.0f, beta = 0.0f;
-    JCG_CUBLASMP(cublasMpMatmul(
-        handle_.get(), plan.matmul.get(), plan.m, plan.n, plan.k, &alpha, c.w, 1, 1,
-        plan.a.get(), c.x, 1, 1, plan.b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1,
-        plan.d.get(), workspace_.data(), plan.device_bytes, host_workspace_.data(),
-        plan.host_bytes));
-    if (c.gathered != nullptr) {
-      JCG_CUDA(cudaMemcpyAsync(c.gathered, workspace_.data() + gathered_offset, c.gathered_bytes,
-                               cudaMemcpyDeviceToDevice, run));
-    }
-    // The barrier keeps a peer's next call off this rank's workspace until the
-    // gathered copy above, which cuBLASMp does not know about, has read it.
-    if (fence == Fence::kIsolated || fence == Fence::kBarrier) {
-      JCG_RETURN_IF_ERROR(Barrier(run));
-    }
-    return Status();
+    return Enqueue(c, plan, gathered_offset, run);
   }));
   // The watchdog times the call up to here, its last operation on `run`.
   JCG_RETURN_IF_ERROR(tracker_.RecordCompletion(run, start));

@@ -1,7 +1,8 @@
-// Context: everything one device needs to run cuBLASMp comm+GEMMs within one
+// Context: everything one device needs to run comm+GEMMs within one
 // tensor-parallel group: the group's NCCL communicator, a cuBLASMp handle, the
 // two 1-D process grids, descriptor plans per problem, the registered device
-// workspace, and what the watchdog needs to tell whether its calls finish.
+// workspace, the pipelined algorithm's cuBLASLt handle, stream and events
+// (pipelined.h), and what the watchdog needs to tell whether its calls finish.
 // One per (group, device), shared (std::shared_ptr) by the Registry, the
 // watchdog and each call in flight, so that none of them outlives it.
 //
@@ -93,6 +94,11 @@ class Context {
   Status EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
   Status WaitForStream(cudaStream_t stream, Clock::time_point deadline, const char* what);
   Status Barrier(cudaStream_t stream);
+  Status MakePlanFor(const MatmulCall& call, Clock::time_point deadline, Plan* plan);
+  Status ConnectPeers(Clock::time_point deadline);
+  // Enqueues the call's own work on `run`: cuBLASMp's or the pipelined one.
+  Status Enqueue(const MatmulCall& call, const Plan& plan, size_t gathered_offset,
+                 cudaStream_t run);
   Status Join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event);
   // Runs `body` (library calls that may touch the communicator) under
   // comm_lock_, shared, unless the context was aborted.
@@ -106,6 +112,8 @@ class Context {
   void Abandon() noexcept;
 
   static constexpr size_t kMaxPlans = 64;
+  // cuBLASLt's workspace for the pipelined GEMMs (XLA gives its own 32 MiB).
+  static constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
   const ContextOptions options_;
   const Clock::duration call_timeout_;
@@ -131,6 +139,7 @@ class Context {
   // workspace goes before the descriptors, the grids, the handle and the comm.
   // comm_ never changes after Init, so threads may read it without a lock.
   NcclComm comm_;
+  NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
   CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
@@ -140,6 +149,14 @@ class Context {
   DeviceBuffer barrier_word_;       // the one float the barrier all-reduces
   DeviceBuffer keys_device_;        // plan agreement: this rank's key, then all ranks'
   PinnedHostBuffer keys_host_;      // pinned, so the copies never block the host
+  // The pipelined algorithm's: its transfers run on comm_stream_.
+  LtHandle lt_;
+  CudaStream comm_stream_;
+  CudaEvent started_;
+  std::vector<CudaEvent> arrived_;  // max(nranks, 2): see PipelineTarget
+  DeviceBuffer lt_workspace_;       // allocated with the first pipelined plan
+  bool peers_connected_ = false;    // for NCCL send/recv (ConnectPeers)
+  SymmetricWindow window_;          // pipelined_ce's, on ce_comm_
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;
   std::vector<char> host_workspace_;

@@ -23,12 +23,16 @@ void Context::Abandon() noexcept {
   // them: keep nothing whose release is collective or waits for the device.
   for (auto& [key, plan] : plans_) plan.Abandon();
   workspace_.Abandon();
+  window_.Abandon();
   tracker_.Abandon();
   (void)keys_host_.release(), (void)keys_device_.release(), (void)barrier_word_.release();
   (void)host_wait_event_.release(), (void)event_out_.release(), (void)event_in_.release();
   (void)row_grid_.release(), (void)col_grid_.release(), (void)handle_.release();
+  (void)lt_workspace_.release(), (void)started_.release(), (void)comm_stream_.release();
+  for (CudaEvent& e : arrived_) (void)e.release();
+  (void)lt_.release();
   (void)stream_.release();
-  (void)comm_.release();  // already freed by ncclCommAbort
+  (void)ce_comm_.release(), (void)comm_.release();  // already freed by ncclCommAbort
 }
 
 void Context::Abort(const std::string& reason) noexcept {
@@ -44,6 +48,7 @@ void Context::Abort(const std::string& reason) noexcept {
   }
   std::unique_lock<std::shared_timed_mutex> lock(comm_lock_, std::defer_lock);
   (void)lock.try_lock_for(kAbortGrace);
+  if (ce_comm_) (void)ncclCommAbort(ce_comm_.get());
   if (comm_) (void)ncclCommAbort(comm_.get());
 }
 
@@ -85,11 +90,14 @@ void Context::Watch(Clock::time_point now) noexcept {
     {
       std::shared_lock<std::shared_timed_mutex> lock(comm_lock_);
       if (aborted_) return;
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t r = ncclCommGetAsyncError(comm_.get(), &async);
-      if (r != ncclSuccess) async = r;
-      if (async != ncclSuccess && async != ncclInProgress) {
-        reason = "NCCL reported an asynchronous error: " + NcclErrorDetail(async, comm_.get());
+      for (ncclComm_t comm : {comm_.get(), ce_comm_.get()}) {
+        if (comm == nullptr) continue;
+        ncclResult_t async = ncclSuccess;
+        const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+        if (r != ncclSuccess) async = r;
+        if (async != ncclSuccess && async != ncclInProgress && reason.empty()) {
+          reason = "NCCL reported an asynchronous error: " + NcclErrorDetail(async, comm);
+        }
       }
     }
     if (reason.empty()) {

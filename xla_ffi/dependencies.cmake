@@ -6,7 +6,7 @@
 #   JCG_GPU_INCLUDE_DIRS       the CUDA, cuBLAS, NCCL and cuBLASMp header dirs
 #   JCG_MISSING_HEADERS        what of those headers was not found ("" if none)
 #   JCG_MISSING_LIBRARIES      what of the libraries was not found ("" if none)
-#   JCG_CUDART_LIB, JCG_NCCL_LIB, JCG_CUBLASMP_LIB, JCG_CUDA_MAJOR
+#   JCG_CUDART_LIB, JCG_CUBLASLT_LIB, JCG_NCCL_LIB, JCG_CUBLASMP_LIB, JCG_CUDA_MAJOR
 execute_process(
   COMMAND "${Python_EXECUTABLE}" "${CMAKE_CURRENT_LIST_DIR}/cmake_hints.py"
   OUTPUT_FILE "${CMAKE_CURRENT_BINARY_DIR}/jcg_hints.cmake"
@@ -30,6 +30,8 @@ find_path(JCG_CUBLASMP_INCLUDE cublasmp.h
   HINTS ${JCG_INCLUDE_HINTS} $ENV{CUBLASMP_HOME} PATH_SUFFIXES include)
 find_library(JCG_CUDART_LIB NAMES libcudart.so.13 libcudart.so.12 cudart
   HINTS ${JCG_LIBRARY_HINTS} PATHS ${_cuda_roots} PATH_SUFFIXES lib64 lib)
+find_library(JCG_CUBLASLT_LIB NAMES libcublasLt.so.13 libcublasLt.so.12 cublasLt
+  HINTS ${JCG_LIBRARY_HINTS} PATHS ${_cuda_roots} PATH_SUFFIXES lib64 lib)
 find_library(JCG_NCCL_LIB NAMES libnccl.so.2 nccl
   HINTS ${JCG_LIBRARY_HINTS} $ENV{NCCL_HOME} PATH_SUFFIXES lib)
 find_library(JCG_CUBLASMP_LIB NAMES libcublasmp.so.0 cublasmp
@@ -48,7 +50,7 @@ endforeach()
 list(REMOVE_DUPLICATES JCG_GPU_INCLUDE_DIRS)
 
 set(JCG_MISSING_LIBRARIES "")
-foreach(_var JCG_CUDART_LIB JCG_NCCL_LIB JCG_CUBLASMP_LIB)
+foreach(_var JCG_CUDART_LIB JCG_CUBLASLT_LIB JCG_NCCL_LIB JCG_CUBLASMP_LIB)
   if(NOT ${_var})
     list(APPEND JCG_MISSING_LIBRARIES ${_var})
   endif()

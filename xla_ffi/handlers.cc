@@ -53,11 +53,14 @@ Status Expect(const char* what, ffi::AnyBuffer::Dimensions d, std::vector<int64_
                                  w + "]");
 }
 
-Status Algorithm(int64_t a, cublasMpMatmulAlgoType_t* out) {
+Status Algorithm(CommOp op, int64_t a, int64_t* out) {
   if (AlgorithmNameOf(a) == nullptr) {
-    return Status::InvalidArgument("unknown cuBLASMp algorithm " + std::to_string(a));
+    return Status::InvalidArgument("unknown algorithm " + std::to_string(a));
   }
-  *out = static_cast<cublasMpMatmulAlgoType_t>(a);
+  if (IsPipelined(a) && op != CommOp::kAllGather) {
+    return Status::InvalidArgument("the pipelined algorithm runs AllGather+GEMM only");
+  }
+  *out = a;
   return Status();
 }
 
@@ -68,7 +71,7 @@ Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_
   if (w.element_type() != x.element_type() || y.element_type() != x.element_type()) {
     return Status::InvalidArgument("x, w and the result must share one dtype");
   }
-  JCG_RETURN_IF_ERROR(Algorithm(algorithm, &call->algorithm));
+  JCG_RETURN_IF_ERROR(Algorithm(op, algorithm, &call->algorithm));
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) {
     return Status::InvalidArgument("x " + Shape(xd) + " and w " + Shape(wd) + " must be 2-D");
@@ -97,9 +100,13 @@ Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_
   return Status();
 }
 
-// The optional second result of an AllGather+GEMM: the gathered x.
+// The optional second result of an AllGather+GEMM: the gathered x. The
+// pipelined algorithm receives the shards into it, so it needs one.
 Status PrepareGathered(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
                        ffi::RemainingRets rest, MatmulCall* call) {
+  if (rest.size() == 0 && call->algorithm == kPipelinedAlgorithm) {
+    return Status::InvalidArgument("the pipelined algorithm needs the gathered result");
+  }
   if (rest.size() == 0) return Status();
   if (rest.size() > 1) return Status::InvalidArgument("at most one extra result (gathered x)");
   auto gathered = rest.get<ffi::AnyBuffer>(0);

@@ -1,4 +1,4 @@
-// RAII owners for the CUDA, NCCL and cuBLASMp handles of a context. Each
+// RAII owners for the CUDA, NCCL, cuBLASLt and cuBLASMp handles of a context. Each
 // wrapper frees its handle exactly once; destroy errors are ignored because they
 // only happen at shutdown, where nothing can be done about them. After an abort
 // a context leaks its handles instead (release()): see Context::Abandon.
@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <cublasLt.h>
 #include <cublasmp.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -37,6 +38,10 @@ using CublasMpHandle = Owned<cublasMpHandle_t, cublasMpDestroy>;
 using Grid = Owned<cublasMpGrid_t, cublasMpGridDestroy>;
 using MatrixDescriptor = Owned<cublasMpMatrixDescriptor_t, cublasMpMatrixDescriptorDestroy>;
 using MatmulDescriptor = Owned<cublasMpMatmulDescriptor_t, cublasMpMatmulDescriptorDestroy>;
+using LtHandle = Owned<cublasLtHandle_t, cublasLtDestroy>;
+using LtMatmulDesc = Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
+using LtLayout = Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
+using LtPreference = Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
 
 // Device memory from cublasMpMalloc: allocated with ncclMemAlloc and registered
 // with NCCL symmetric memory on both grids (as TransformerEngine does), which
@@ -80,6 +85,47 @@ class Workspace {
  private:
   cublasMpGrid_t grid_ = nullptr;
   cublasMpGrid_t other_grid_ = nullptr;
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Device memory that NCCL's symmetric collectives on one communicator address
+// on every rank: ncclMemAlloc'd and registered as a window (NCCL then runs an
+// AllGather on it with copy engines under the zero-CTA policy). Allocation and
+// release are collective.
+class SymmetricWindow {
+ public:
+  SymmetricWindow() = default;
+  SymmetricWindow(const SymmetricWindow&) = delete;
+  SymmetricWindow& operator=(const SymmetricWindow&) = delete;
+  ~SymmetricWindow() { Release(); }
+
+  Status Allocate(ncclComm_t comm, size_t size) {
+    Release();
+    void* ptr = nullptr;
+    JCG_NCCL(ncclMemAlloc(&ptr, size));
+    ptr_ = ptr;
+    ncclWindow_t window = nullptr;
+    JCG_NCCL(ncclCommWindowRegister(comm, ptr, size, &window, NCCL_WIN_COLL_SYMMETRIC));
+    comm_ = comm, window_ = window, size_ = size;
+    return Status();
+  }
+
+  void Release() {
+    if (window_ != nullptr) (void)ncclCommWindowDeregister(comm_, window_);
+    if (ptr_ != nullptr) (void)ncclMemFree(ptr_);
+    Abandon();
+  }
+
+  // Forgets the buffer without the collective release (after a peer failed).
+  void Abandon() { ptr_ = nullptr, window_ = nullptr, comm_ = nullptr, size_ = 0; }
+
+  char* data() const { return static_cast<char*>(ptr_); }
+  size_t size() const { return size_; }
+
+ private:
+  ncclComm_t comm_ = nullptr;
+  ncclWindow_t window_ = nullptr;
   void* ptr_ = nullptr;
   size_t size_ = 0;
 };

@@ -1,10 +1,11 @@
-// Turns CUDA, NCCL and cuBLASMp return codes into Status values carrying the
+// Turns CUDA, NCCL, cuBLASLt and cuBLASMp return codes into Status values carrying the
 // libraries' own strings, and the JCG_CUDA / JCG_NCCL / JCG_CUBLASMP macros
 // that return early on failure. The formatting lives in status.h (tested
 // without the libraries); this header only asks each library for its words.
 #ifndef JAX_COMM_GEMM_LIBRARY_STATUS_H_
 #define JAX_COMM_GEMM_LIBRARY_STATUS_H_
 
+#include <cublasLt.h>
 #include <cublasmp.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -37,6 +38,15 @@ inline Status CublasMpError(const char* call, cublasMpStatus_t s) {
   return LibraryFailure(call, detail);
 }
 
+inline Status CublasLtError(const char* call, cublasStatus_t s) {
+  const std::string detail = std::string(cublasLtGetStatusName(s)) + ": " +
+                             cublasLtGetStatusString(s);
+  if (s == CUBLAS_STATUS_NOT_SUPPORTED || s == CUBLAS_STATUS_INVALID_VALUE) {
+    return LibraryRejection(call, detail);
+  }
+  return LibraryFailure(call, detail);
+}
+
 }  // namespace jax_comm_gemm
 
 #define JCG_CUDA(call)                                                       \
@@ -55,6 +65,12 @@ inline Status CublasMpError(const char* call, cublasMpStatus_t s) {
   do {                                                                                     \
     cublasMpStatus_t st_ = (call);                                                         \
     if (st_ != CUBLASMP_STATUS_SUCCESS) return ::jax_comm_gemm::CublasMpError(#call, st_); \
+  } while (0)
+
+#define JCG_CUBLASLT(call)                                                               \
+  do {                                                                                   \
+    cublasStatus_t st_ = (call);                                                         \
+    if (st_ != CUBLAS_STATUS_SUCCESS) return ::jax_comm_gemm::CublasLtError(#call, st_); \
   } while (0)
 
 #endif  // JAX_COMM_GEMM_LIBRARY_STATUS_H_

@@ -61,7 +61,8 @@ Status MakePlan(const PlanTarget& g, const MatmulCall& c, Plan* plan) {
   JCG_RETURN_IF_ERROR(SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSA, trans_a));
   JCG_RETURN_IF_ERROR(SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_TRANSB, trans_b));
   JCG_RETURN_IF_ERROR(
-      SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE, c.algorithm));
+      SetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_ALGO_TYPE,
+                   static_cast<cublasMpMatmulAlgoType_t>(c.algorithm)));
   if (c.op == CommOp::kReduceScatter) {
     // Partial sums travel in the output type, as XLA's psum_scatter does.
     JCG_RETURN_IF_ERROR(

@@ -1,5 +1,6 @@
-// MatmulCall, one comm-GEMM call as the handlers see it, and Plan, the
-// cuBLASMp descriptors and workspace sizes made for it once and then reused.
+// MatmulCall, one comm-GEMM call as the handlers see it, and Plan, what is made
+// for it once and then reused: cuBLASMp's descriptors and workspace sizes, or
+// for the project's own pipelined algorithm its cuBLASLt plan (pipelined.h).
 #ifndef JAX_COMM_GEMM_PLAN_H_
 #define JAX_COMM_GEMM_PLAN_H_
 
@@ -11,6 +12,7 @@
 
 #include "constants.h"
 #include "handles.h"
+#include "pipelined.h"
 #include "plan_key.h"
 #include "status.h"
 
@@ -23,7 +25,7 @@ struct MatmulCall {
   CommOp op = CommOp::kAllGather;
   cudaDataType_t dtype = CUDA_R_32F;
   bool transpose_w = false;
-  cublasMpMatmulAlgoType_t algorithm = CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT;
+  int64_t algorithm = CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT;  // algorithms.h
   const void* x = nullptr;
   int64_t x_rows = 0, x_cols = 0;
   const void* w = nullptr;
@@ -35,12 +37,13 @@ struct MatmulCall {
   GatheredLayout layout = GatheredLayout::kFront;
 
   PlanKey key() const {
-    return {op,     static_cast<int64_t>(dtype), transpose_w, static_cast<int64_t>(algorithm),
+    return {op,     static_cast<int64_t>(dtype), transpose_w, algorithm,
             x_rows, x_cols,                      w_rows,      w_cols};
   }
 };
 
 struct Plan {
+  PipelinedPlan pipelined;      // the pipelined algorithm's; empty for cuBLASMp's
   int64_t m = 0, n = 0, k = 0;  // cuBLASMp's global problem
   MatrixDescriptor a, b, d;
   MatmulDescriptor matmul;
@@ -60,7 +63,8 @@ struct PlanTarget {
   int64_t nranks;
 };
 
-// Creates the descriptors of `call` and asks cuBLASMp for its workspace sizes.
+// Creates the cuBLASMp descriptors of `call` and asks cuBLASMp for its
+// workspace sizes (not for the pipelined algorithm: MakePipelinedPlan).
 Status MakePlan(const PlanTarget& target, const MatmulCall& call, Plan* plan);
 
 }  // namespace jax_comm_gemm

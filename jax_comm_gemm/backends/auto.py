@@ -27,11 +27,14 @@ from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm.runtime.constants import ALL_GATHER_ONLY_ALGORITHMS
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
-# What autotune measures, per op. "cublasmp_<algorithm>" runs the fused op.
+# What autotune measures, per op. "cublasmp_<algorithm>" runs cuBLASMp's fused
+# op; the own algorithms (ALL_GATHER_ONLY_ALGORITHMS) run by their names.
 CANDIDATES = {
-    AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p"),
+    AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
+         "pipelined_ce"),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p"),
 }
 IMPLEMENTATIONS = tuple(sorted(set(CANDIDATES[AG]) | set(CANDIDATES[RS])))
@@ -83,6 +86,8 @@ def implementation(name: str, template: CublasMpBackend) -> Backend:
   """The backend that runs implementation `name`."""
   if name in PLAIN_BACKENDS:
     return PLAIN_BACKENDS[name]()
+  if name in ALL_GATHER_ONLY_ALGORITHMS:
+    return dataclasses.replace(template, all_gather_algorithm=name)
   algorithm = name.removeprefix("cublasmp_")
   return dataclasses.replace(template, all_gather_algorithm=algorithm,
                              reduce_scatter=algorithm)
@@ -100,15 +105,17 @@ class AutoBackend(Backend):
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):
-    chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name),
-                       f"cublasmp_{self.fused.all_gather_algorithm}")
+    configured = self.fused.all_gather_algorithm
+    default = (configured if configured in ALL_GATHER_ONLY_ALGORITHMS
+               else f"cublasmp_{configured}")
+    chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name), default)
     return implementation(chosen, self.fused).all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
         precision=precision)
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
     configured = self.fused.reduce_scatter
-    default = configured if configured in ("xla", "ring") else f"cublasmp_{configured}"
+    default = configured if configured in PLAIN_BACKENDS else f"cublasmp_{configured}"
     chosen, _ = choose(problem(RS, x, w, transpose_w, axis_name), default)
     return implementation(chosen, self.fused).matmul_reduce_scatter(
         x, w, axis_name, transpose_w=transpose_w, precision=precision)
@@ -117,7 +124,7 @@ class AutoBackend(Backend):
     # XLA and the ring hand out the gathered operand as an ordinary array;
     # every fused algorithm that may be chosen must have passed the self-test.
     for name in CANDIDATES[AG]:
-      if name.startswith("cublasmp_"):
+      if name not in PLAIN_BACKENDS:
         verdict = implementation(name, self.fused).gathered_reuse(axis_size, dtype,
                                                                   transpose_w)
         if not verdict.ok:

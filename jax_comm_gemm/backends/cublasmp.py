@@ -1,4 +1,5 @@
-"""cuBLASMp's fused AllGather+GEMM and GEMM+ReduceScatter, via XLA FFI."""
+"""The fused AllGather+GEMM and GEMM+ReduceScatter of the project's extension,
+via XLA FFI: cuBLASMp's algorithms, and the project's own pipelined one."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class CublasMpBackend(Backend):
   """The fused ops on the communicators that ``connect`` set up.
 
   Attributes:
-    all_gather_algorithm: cuBLASMp algorithm of the AllGather+GEMM.
+    all_gather_algorithm: algorithm of the AllGather+GEMM (config.py).
     reduce_scatter: ``"xla"``, ``"ring"`` or a cuBLASMp algorithm (config.py).
     gathered_layout: where the gathered operand sits in the workspace; None
       for what the cuBLASMp version documents.
@@ -44,8 +45,11 @@ class CublasMpBackend(Backend):
       if not verdict.ok:  # a caller that skipped collective_matmul.gathered_route
         raise RuntimeError(f"the gathered operand was asked for without a passing "
                            f"verdict: {verdict.reason}")
+    # The pipelined algorithm receives the shards into the gathered output.
+    needs_gathered = self.all_gather_algorithm == "pipelined"
     outs = primitives.all_gather_matmul(
-        x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
+        x, w, axis_name, transpose_w=transpose_w,
+        return_gathered=return_gathered or needs_gathered,
         algorithm=ALGORITHMS[self.all_gather_algorithm], layout=self._layout())
     return tuple(outs) if return_gathered else outs[0]
 

@@ -13,7 +13,8 @@ TARGETS: dict[str, str] = {
     "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
 }
 
-# cuBLASMp's cublasMpMatmulAlgoType_t, by name.
+# The fused ops' algorithms, by name: cuBLASMp's cublasMpMatmulAlgoType_t, and
+# the project's own pipelined AllGather+GEMMs (xla_ffi/pipelined.h).
 ALGORITHMS: dict[str, int] = {
     "default": 0,
     "split_p2p": 1,
@@ -21,7 +22,11 @@ ALGORITHMS: dict[str, int] = {
     "atomic_p2p": 3,
     "atomic_multicast": 4,
     "no_overlap": 5,
+    "pipelined": 100,
+    "pipelined_ce": 101,
 }
+# The project's own algorithms (xla_ffi/pipelined.h): AllGather+GEMM only.
+ALL_GATHER_ONLY_ALGORITHMS = frozenset({"pipelined", "pipelined_ce"})
 
 # NVLink multicast can take a shared host's GPUs out of service: never without
 # an explicit opt-in, and never in the self-test.

@@ -36,6 +36,10 @@ TEST(AlgorithmsAreCublasMpsEnum) {
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P), std::string("atomic_p2p"));
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_MULTICAST), std::string("atomic_multicast"));
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP), std::string("no_overlap"));
+  CHECK_EQ(name(jcg::kPipelinedAlgorithm), std::string("pipelined"));
+  CHECK_EQ(name(jcg::kPipelinedCeAlgorithm), std::string("pipelined_ce"));
+  CHECK(jcg::IsPipelined(jcg::kPipelinedAlgorithm) && jcg::IsPipelined(jcg::kPipelinedCeAlgorithm));
+  CHECK(!jcg::IsPipelined(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P));
   // GEMM+AllReduce only: not offered.
   CHECK(jcg::AlgorithmNameOf(CUBLASMP_MATMUL_ALGO_TYPE_FUSED) == nullptr);
   CHECK(jcg::AlgorithmNameOf(-1) == nullptr);

@@ -1,0 +1,155 @@
+#include "pipelined.h"
+
+#include "algorithms.h"
+#include "library_status.h"
+#include "plan.h"
+
+namespace jax_comm_gemm {
+namespace {
+
+size_t ElementBytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+
+Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out) {
+  cublasLtMatrixLayout_t layout = nullptr;
+  JCG_CUBLASLT(cublasLtMatrixLayoutCreate(&layout, t, rows, cols, ld));
+  out->reset(layout);
+  return Status();
+}
+
+template <typename T>
+Status SetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
+                    const T& value) {
+  JCG_CUBLASLT(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
+  return Status();
+}
+
+}  // namespace
+
+// cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the shard's
+// y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.
+Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, size_t workspace_bytes,
+                         PipelinedPlan* plan) {
+  const cudaDataType_t t = c.dtype;
+  const int64_t r = c.x_rows, k = c.x_cols;
+  const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
+  cublasLtMatmulDesc_t desc = nullptr;
+  // float32 accumulation and scaling, as cuBLASMp's CUBLAS_COMPUTE_32F.
+  JCG_CUBLASLT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  plan->matmul.reset(desc);
+  const cublasOperation_t trans_a = c.transpose_w ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t trans_b = CUBLAS_OP_N;
+  JCG_RETURN_IF_ERROR(SetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, trans_a));
+  JCG_RETURN_IF_ERROR(SetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, trans_b));
+  if (c.transpose_w) {  // w [m, k] row-major is A (k x m), used transposed
+    JCG_RETURN_IF_ERROR(CreateLayout(t, k, m, k, &plan->a));
+  } else {  // w [k, m] row-major is A (m x k)
+    JCG_RETURN_IF_ERROR(CreateLayout(t, m, k, m, &plan->a));
+  }
+  JCG_RETURN_IF_ERROR(CreateLayout(t, k, r, k, &plan->b));
+  JCG_RETURN_IF_ERROR(CreateLayout(t, m, r, m, &plan->d));
+  cublasLtMatmulPreference_t pref_raw = nullptr;
+  JCG_CUBLASLT(cublasLtMatmulPreferenceCreate(&pref_raw));
+  LtPreference pref(pref_raw);
+  const uint64_t max_workspace = workspace_bytes;
+  JCG_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
+      pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
+      sizeof(max_workspace)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  JCG_CUBLASLT(cublasLtMatmulAlgoGetHeuristic(lt, desc, plan->a.get(), plan->b.get(),
+                                              plan->d.get(), plan->d.get(), pref.get(), 1,
+                                              &result, &found));
+  if (found == 0) {
+    return Status::InvalidArgument("cuBLASLt has no GEMM algorithm for a " + std::to_string(r) +
+                                   " x " + std::to_string(k) + " x " + std::to_string(m) +
+                                   " shard");
+  }
+  plan->algo = result.algo;
+  plan->workspace_bytes = result.workspaceSize;
+  plan->x_shard_bytes = static_cast<size_t>(r * k) * ElementBytes(t);
+  plan->y_shard_bytes = static_cast<size_t>(r * m) * ElementBytes(t);
+  return Status();
+}
+
+namespace {
+
+// y's rows of `shard` from those x rows, on `run`.
+Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
+            const void* x_shard, int shard, cudaStream_t run) {
+  const float alpha = 1.0f, beta = 0.0f;
+  void* y_shard = static_cast<char*>(c.y) + plan.y_shard_bytes * static_cast<size_t>(shard);
+  JCG_CUBLASLT(cublasLtMatmul(g.lt, plan.matmul.get(), &alpha, c.w, plan.a.get(), x_shard,
+                              plan.b.get(), &beta, y_shard, plan.d.get(), y_shard, plan.d.get(),
+                              &plan.algo, g.workspace, plan.workspace_bytes, run));
+  return Status();
+}
+
+Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
+                         const MatmulCall& c, cudaStream_t run) {
+  const size_t shard = plan.x_shard_bytes;
+  char* mine = g.window + shard * static_cast<size_t>(g.rank);
+  JCG_CUDA(cudaMemcpyAsync(mine, c.x, shard, cudaMemcpyDeviceToDevice, g.comm_stream));
+  // In place: this rank's shard already sits at its offset of the window.
+  JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
+  JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
+  if (c.gathered != nullptr) {
+    JCG_CUDA(cudaMemcpyAsync(c.gathered, g.window, shard * static_cast<size_t>(g.nranks),
+                             cudaMemcpyDeviceToDevice, g.comm_stream));
+  }
+  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
+  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[1].get(), 0));
+  for (int s = 1; s < g.nranks; ++s) {
+    const int from = (g.rank - s + g.nranks) % g.nranks;
+    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, g.window + shard * static_cast<size_t>(from), from, run));
+  }
+  // The next call may overwrite the window only after these GEMMs and the copy.
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
+  return Status();
+}
+
+}  // namespace
+
+Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
+                        const MatmulCall& c, cudaStream_t run) {
+  auto* gathered = static_cast<char*>(c.gathered);
+  // The transfers start once x is ready, that is after the work XLA enqueued
+  // before the call.
+  JCG_CUDA(cudaEventRecord(g.started, run));
+  JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
+  if (c.algorithm == kPipelinedCeAlgorithm) return EnqueueCopyEngine(g, plan, c, run);
+  // Step s sends this rank's shard s ranks ahead and receives the shard of the
+  // rank s behind: over NVSwitch each step has the whole NVLink bandwidth.
+  for (int s = 1; s < g.nranks; ++s) {
+    const int to = (g.rank + s) % g.nranks, from = (g.rank - s + g.nranks) % g.nranks;
+    JCG_NCCL(ncclGroupStart());
+    const ncclResult_t sent = ncclSend(c.x, plan.x_shard_bytes, ncclUint8, to, g.comm,
+                                       g.comm_stream);
+    const ncclResult_t received =
+        ncclRecv(gathered + plan.x_shard_bytes * static_cast<size_t>(from),
+                 plan.x_shard_bytes, ncclUint8, from, g.comm, g.comm_stream);
+    const ncclResult_t ended = ncclGroupEnd();
+    if (sent != ncclSuccess) return NcclError("ncclSend", sent, g.comm);
+    if (received != ncclSuccess) return NcclError("ncclRecv", received, g.comm);
+    if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, g.comm);
+    JCG_CUDA(cudaEventRecord(g.arrived[s].get(), g.comm_stream));
+  }
+  // This rank's own rows of the gathered output, off the critical path.
+  JCG_CUDA(cudaMemcpyAsync(gathered + plan.x_shard_bytes * static_cast<size_t>(g.rank), c.x,
+                           plan.x_shard_bytes, cudaMemcpyDeviceToDevice, g.comm_stream));
+  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
+  // The local shard hides the first transfer; each other shard's GEMM waits
+  // for its own arrival only.
+  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
+  for (int s = 1; s < g.nranks; ++s) {
+    const int from = (g.rank - s + g.nranks) % g.nranks;
+    JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[s].get(), 0));
+    JCG_RETURN_IF_ERROR(
+        Gemm(g, plan, c, gathered + plan.x_shard_bytes * static_cast<size_t>(from), from, run));
+  }
+  // x may be freed and the gathered output read only after comm_stream is done.
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
+  return Status();
+}
+
+}  // namespace jax_comm_gemm
