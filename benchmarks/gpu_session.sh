@@ -4,7 +4,7 @@
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
-# JOB_TIMEOUT, HANG_DUMP, BENCH_BUDGET, BENCH_ARGS (see each step).
+# JOB_TIMEOUT, HANG_DUMP, CALL_TIMEOUT, CHECKS, BENCH_BUDGET, BENCH_ARGS (see each step).
 # Usage: benchmarks/gpu_session.sh [build] [checks] [tests] [failures] [race] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
@@ -53,7 +53,11 @@ fi
 
 if has tests; then
   start=$SECONDS
+  # A call deadline well inside the hang dump: should the autotune_step hang of
+  # runs 18 and 25 come back, the watchdog says whether a call of ours is stuck
+  # (on the host or the GPU) before the dump ends the workers.
   JCG_GPU_LOG_DIR=/tmp/jcg_gpu_logs JCG_GPU_JOB_TIMEOUT_S=${JOB_TIMEOUT:-200} \
+    JAX_COMM_GEMM_TIMEOUT=${CALL_TIMEOUT:-60} JAX_COMM_GEMM_ABORT_GRACE=20 \
     JCG_HANG_DUMP_S=${HANG_DUMP:-170} timeout ${TESTS_TIMEOUT:-420} \
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_gpu_failures.py \
       > "$OUT/gpu_tests.log" 2>&1

@@ -37,7 +37,8 @@ OP_TITLES = {
 OP_ORDER = list(OP_TITLES)
 VARIANT_ORDER = [
     "auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "cublasmp_default",
-    "cublasmp_atomic_p2p", "cublasmp_no_overlap", "ring", "cublasmp_rs_default", "xla",
+    "cublasmp_atomic_p2p", "cublasmp_no_overlap", "pipelined", "pipelined_ce", "ring",
+    "cublasmp_rs_default", "xla",
     "pure_jax", "windowed_einsum", "torch_symm_mem", "torch_nccl", "pallas_mgpu", "floor",
 ]
 PART_MAIN_VARIANT = {"windowed_einsum": "windowed_einsum", "torch_symm_mem": "torch_symm_mem",

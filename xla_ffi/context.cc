@@ -201,6 +201,18 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
   });
 }
 
+// Collective: every rank makes the plan that needs it at the same call. The
+// GEMMs that read the old window ran on `stream` or stream_ (by fence).
+Status Context::EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_point deadline) {
+  if (bytes <= window_.size()) return Status();
+  const char* what = "earlier calls finished before the window grew";
+  JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
+  JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
+  JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
+  const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
+  return WithComm([&] { return window_.Allocate(ce_comm_.get(), rounded); });
+}
+
 // NCCL connects a pair of ranks at their first send/recv, blocking the host
 // until the peer answers: do that once, under the call's deadline, with
 // one-byte transfers between every pair the pipelined steps use.
@@ -228,7 +240,8 @@ Status Context::ConnectPeers(Clock::time_point deadline) {
   return Status();
 }
 
-Status Context::MakePlanFor(const MatmulCall& c, Clock::time_point deadline, Plan* plan) {
+Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
+                            Clock::time_point deadline, Plan* plan) {
   if (!IsPipelined(c.algorithm)) {
     const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
     return WithComm([&] { return MakePlan(target, c, plan); });
@@ -236,15 +249,7 @@ Status Context::MakePlanFor(const MatmulCall& c, Clock::time_point deadline, Pla
   if (c.algorithm == kPipelinedCeAlgorithm) {
     const size_t bytes = static_cast<size_t>(c.x_rows * c.x_cols * options_.nranks) *
                          (c.dtype == CUDA_R_32F ? 4 : 2);
-    if (bytes > window_.size()) {  // collective; every rank makes this plan now
-      const char* what = "earlier calls finished before the window grew";
-      JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
-      JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
-      const size_t rounded =
-          (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
-      JCG_RETURN_IF_ERROR(
-          WithComm([&] { return window_.Allocate(ce_comm_.get(), rounded); }));
-    }
+    JCG_RETURN_IF_ERROR(EnsureWindow(bytes, stream, deadline));
   } else {
     JCG_RETURN_IF_ERROR(ConnectPeers(deadline));
   }
@@ -298,7 +303,7 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     // rank's cache is the same and all start over at the same call.
     if (plans_.size() >= kMaxPlans) plans_.clear();
     Plan plan;
-    JCG_RETURN_IF_ERROR(MakePlanFor(c, deadline, &plan));
+    JCG_RETURN_IF_ERROR(MakePlanFor(c, stream, deadline, &plan));
     it = plans_.emplace(key, std::move(plan)).first;
     plan_count_ = plans_.size();
   }

@@ -94,8 +94,11 @@ class Context {
   Status EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
   Status WaitForStream(cudaStream_t stream, Clock::time_point deadline, const char* what);
   Status Barrier(cudaStream_t stream);
-  Status MakePlanFor(const MatmulCall& call, Clock::time_point deadline, Plan* plan);
-  Status ConnectPeers(Clock::time_point deadline);
+  Status MakePlanFor(const MatmulCall& call, cudaStream_t stream, Clock::time_point deadline,
+                     Plan* plan);
+  Status ConnectPeers(Clock::time_point deadline);  // pipelined: NCCL send/recv pairs
+  Status EnsureWindow(size_t bytes, cudaStream_t stream,
+                      Clock::time_point deadline);  // pipelined_ce
   // Enqueues the call's own work on `run`: cuBLASMp's or the pipelined one.
   Status Enqueue(const MatmulCall& call, const Plan& plan, size_t gathered_offset,
                  cudaStream_t run);

@@ -5,7 +5,8 @@ high-precision reference, in whichever fence this process's connect took.
 Three programs are compiled once, at n x d x f = 1024 x 512 x 1024 in bf16:
 the inputs (from a run index), the fused step (one per variant of
 checks.check_mlp_repeated: plain, keep_gathered_input, a cuBLASMp
-reduce-scatter) and the check (a float32 reference at HIGHEST precision
+reduce-scatter, the project's own pipelined and pipelined_ce AllGather+GEMMs,
+whose cross-call safety rests on NCCL ordering its transfers) and the check (a float32 reference at HIGHEST precision
 through XLA's own collectives, then checks.rel_err's per-row measure: max
 |error| in a row of a shard's block over max |reference| in that row, worst
 row over all shards). Runs are dispatched in chunks without waiting, so the
@@ -36,7 +37,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import checks  # noqa: E402
 
 VARIANTS = {"plain": {}, "keep_input": {"keep": True},
-            "rs_no_overlap": {"reduce_scatter": "no_overlap"}}
+            "rs_no_overlap": {"reduce_scatter": "no_overlap"},
+            "pipelined": {"all_gather_algorithm": "pipelined"},
+            "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"}}
 IN_SPECS, OUT_SPECS = checks.MLP_IN_SPECS, checks.MLP_OUT_SPECS
 OUTPUTS = ("y", "dx", "dw1", "dw2")
 CHUNK = int(os.environ.get("JCG_STRESS_CHUNK", "20"))  # runs in flight before a fetch
