@@ -132,7 +132,8 @@ def test_environment_forces_or_turns_off(empty_decisions, monkeypatch):
     auto.choose(p, "xla")
 
 
-@pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_split_p2p", 1)])
+@pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_split_p2p", 1),
+                                                 ("pipelined", 1), ("pipelined_ce", 1)])
 def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatch, chosen,
                                                      fused_calls):
   monkeypatch.setattr(REGISTRY, "_verdicts", {})
@@ -149,6 +150,8 @@ def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatc
                                   out_specs=P(None, "tp")))
   jaxpr = str(jax.make_jaxpr(program)(x, w))
   assert jaxpr.count("jax_comm_gemm_all_gather_matmul") == fused_calls
+  if fused_calls:  # the chosen algorithm, by its number
+    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
   np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
                              atol=1e-5)
 
