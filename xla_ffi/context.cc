@@ -42,6 +42,14 @@ Status Context::Init(const ncclUniqueId& id) {
   ncclResult_t r = ncclCommInitRank(&comm, options_.nranks, id, options_.rank);
   if (r != ncclSuccess) return NcclError("ncclCommInitRank", r, comm);
   comm_.reset(comm);
+  // The project's own collectives (barrier, plan agreement, the pipelined
+  // algorithm's transfers) on a communicator of their own: comm_ is
+  // cuBLASMp's, and two operations of one communicator must never run at once
+  // on different streams, which cuBLASMp's internal streams would not rule out.
+  ncclComm_t own = nullptr;
+  r = ncclCommSplit(comm, 0, options_.rank, &own, nullptr);
+  if (r != ncclSuccess) return NcclError("ncclCommSplit", r, comm);
+  own_comm_.reset(own);
   // The pipelined_ce algorithm's AllGather: on copy engines where NCCL can.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
@@ -110,8 +118,8 @@ Status Context::WithComm(Body&& body) {
 
 Status Context::Barrier(cudaStream_t stream) {
   const ncclResult_t r = ncclAllReduce(barrier_word_.get(), barrier_word_.get(), 1, ncclFloat32,
-                                       ncclSum, comm_.get(), stream);
-  if (r != ncclSuccess) return NcclError("ncclAllReduce", r, comm_.get());
+                                       ncclSum, own_comm_.get(), stream);
+  if (r != ncclSuccess) return NcclError("ncclAllReduce", r, own_comm_.get());
   return Status();
 }
 
@@ -145,8 +153,8 @@ Status Context::EnqueueKeyExchange(const PlanKey& key) {
   cudaStream_t s = stream_.get();
   JCG_CUDA(cudaMemcpyAsync(device, host, kPlanKeyBytes, cudaMemcpyHostToDevice, s));
   const ncclResult_t r = ncclAllGather(device, device + kPlanKeyBytes, kPlanKeyBytes, ncclUint8,
-                                       comm_.get(), s);
-  if (r != ncclSuccess) return NcclError("ncclAllGather", r, comm_.get());
+                                       own_comm_.get(), s);
+  if (r != ncclSuccess) return NcclError("ncclAllGather", r, own_comm_.get());
   JCG_CUDA(cudaMemcpyAsync(host + kPlanKeyBytes, device + kPlanKeyBytes,
                            kPlanKeyBytes * options_.nranks, cudaMemcpyDeviceToHost, s));
   return Status();
@@ -224,13 +232,14 @@ Status Context::ConnectPeers(Clock::time_point deadline) {
     for (int s = 1; s < P; ++s) {
       JCG_NCCL(ncclGroupStart());
       const ncclResult_t sent =
-          ncclSend(word, 1, ncclUint8, (rank + s) % P, comm_.get(), comm_stream_.get());
+          ncclSend(word, 1, ncclUint8, (rank + s) % P, own_comm_.get(), comm_stream_.get());
       const ncclResult_t received =
-          ncclRecv(word + 1, 1, ncclUint8, (rank - s + P) % P, comm_.get(), comm_stream_.get());
+          ncclRecv(word + 1, 1, ncclUint8, (rank - s + P) % P, own_comm_.get(),
+                   comm_stream_.get());
       const ncclResult_t ended = ncclGroupEnd();
-      if (sent != ncclSuccess) return NcclError("ncclSend", sent, comm_.get());
-      if (received != ncclSuccess) return NcclError("ncclRecv", received, comm_.get());
-      if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, comm_.get());
+      if (sent != ncclSuccess) return NcclError("ncclSend", sent, own_comm_.get());
+      if (received != ncclSuccess) return NcclError("ncclRecv", received, own_comm_.get());
+      if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, own_comm_.get());
     }
     return Status();
   }));
@@ -264,7 +273,7 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
 Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_offset,
                         cudaStream_t run) {
   if (IsPipelined(c.algorithm)) {
-    const PipelineTarget target{lt_.get(),          comm_.get(),       comm_stream_.get(),
+    const PipelineTarget target{lt_.get(),          own_comm_.get(),   comm_stream_.get(),
                                 started_.get(),     arrived_.data(),   ce_comm_.get(),
                                 window_.data(),     lt_workspace_.get(), kLtWorkspaceBytes,
                                 options_.rank,      options_.nranks};

@@ -1,8 +1,10 @@
 // Context: everything one device needs to run comm+GEMMs within one
-// tensor-parallel group: the group's NCCL communicator, a cuBLASMp handle, the
-// two 1-D process grids, descriptor plans per problem, the registered device
-// workspace, the pipelined algorithm's cuBLASLt handle, stream and events
-// (pipelined.h), and what the watchdog needs to tell whether its calls finish.
+// tensor-parallel group: the group's NCCL communicator (cuBLASMp's) and two
+// split from it (the project's own collectives; pipelined_ce), a cuBLASMp
+// handle, the two 1-D process grids, descriptor plans per problem, the
+// registered device workspace, the pipelined algorithms' cuBLASLt handle,
+// stream and events (pipelined.h), and what the watchdog needs to tell whether
+// its calls finish.
 // One per (group, device), shared (std::shared_ptr) by the Registry, the
 // watchdog and each call in flight, so that none of them outlives it.
 //
@@ -141,7 +143,8 @@ class Context {
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.
   // comm_ never changes after Init, so threads may read it without a lock.
-  NcclComm comm_;
+  NcclComm comm_;      // cuBLASMp's (its grids)
+  NcclComm own_comm_;  // split from comm_: the project's barrier, plan agreement, p2p
   NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
   CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
   CublasMpHandle handle_;

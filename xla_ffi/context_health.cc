@@ -32,7 +32,8 @@ void Context::Abandon() noexcept {
   for (CudaEvent& e : arrived_) (void)e.release();
   (void)lt_.release();
   (void)stream_.release();
-  (void)ce_comm_.release(), (void)comm_.release();  // already freed by ncclCommAbort
+  // Already freed by ncclCommAbort.
+  (void)ce_comm_.release(), (void)own_comm_.release(), (void)comm_.release();
 }
 
 void Context::Abort(const std::string& reason) noexcept {
@@ -49,6 +50,7 @@ void Context::Abort(const std::string& reason) noexcept {
   std::unique_lock<std::shared_timed_mutex> lock(comm_lock_, std::defer_lock);
   (void)lock.try_lock_for(kAbortGrace);
   if (ce_comm_) (void)ncclCommAbort(ce_comm_.get());
+  if (own_comm_) (void)ncclCommAbort(own_comm_.get());
   if (comm_) (void)ncclCommAbort(comm_.get());
 }
 
@@ -90,7 +92,7 @@ void Context::Watch(Clock::time_point now) noexcept {
     {
       std::shared_lock<std::shared_timed_mutex> lock(comm_lock_);
       if (aborted_) return;
-      for (ncclComm_t comm : {comm_.get(), ce_comm_.get()}) {
+      for (ncclComm_t comm : {comm_.get(), own_comm_.get(), ce_comm_.get()}) {
         if (comm == nullptr) continue;
         ncclResult_t async = ncclSuccess;
         const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
