@@ -23,6 +23,80 @@ Status SetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t at
   return Status();
 }
 
+// y's rows of `shard` from those x rows, on `run`.
+Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
+            const void* x_shard, int shard, cudaStream_t run) {
+  const float alpha = 1.0f, beta = 0.0f;
+  void* y_shard = static_cast<char*>(c.y) + plan.y_shard_bytes * static_cast<size_t>(shard);
+  JCG_CUBLASLT(cublasLtMatmul(g.lt, plan.matmul.get(), &alpha, c.w, plan.a.get(), x_shard,
+                              plan.b.get(), &beta, y_shard, plan.d.get(), y_shard, plan.d.get(),
+                              &plan.algo, g.workspace, plan.workspace_bytes, run));
+  return Status();
+}
+
+// "pipelined": point-to-point straight into the gathered output.
+Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
+                           const MatmulCall& c, cudaStream_t run) {
+  auto* gathered = static_cast<char*>(c.gathered);
+  // Step s sends this rank's shard s ranks ahead and receives the shard of the
+  // rank s behind: over NVSwitch each step has the whole NVLink bandwidth.
+  for (int s = 1; s < g.nranks; ++s) {
+    const int to = (g.rank + s) % g.nranks, from = (g.rank - s + g.nranks) % g.nranks;
+    JCG_NCCL(ncclGroupStart());
+    const ncclResult_t sent = ncclSend(c.x, plan.x_shard_bytes, ncclUint8, to, g.comm,
+                                       g.comm_stream);
+    const ncclResult_t received =
+        ncclRecv(gathered + plan.x_shard_bytes * static_cast<size_t>(from),
+                 plan.x_shard_bytes, ncclUint8, from, g.comm, g.comm_stream);
+    const ncclResult_t ended = ncclGroupEnd();
+    if (sent != ncclSuccess) return NcclError("ncclSend", sent, g.comm);
+    if (received != ncclSuccess) return NcclError("ncclRecv", received, g.comm);
+    if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, g.comm);
+    JCG_CUDA(cudaEventRecord(g.arrived[s].get(), g.comm_stream));
+  }
+  // This rank's own rows of the gathered output, off the critical path.
+  JCG_CUDA(cudaMemcpyAsync(gathered + plan.x_shard_bytes * static_cast<size_t>(g.rank), c.x,
+                           plan.x_shard_bytes, cudaMemcpyDeviceToDevice, g.comm_stream));
+  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
+  // The local shard hides the first transfer; each other shard's GEMM waits
+  // for its own arrival only.
+  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
+  for (int s = 1; s < g.nranks; ++s) {
+    const int from = (g.rank - s + g.nranks) % g.nranks;
+    JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[s].get(), 0));
+    JCG_RETURN_IF_ERROR(
+        Gemm(g, plan, c, gathered + plan.x_shard_bytes * static_cast<size_t>(from), from, run));
+  }
+  // x may be freed and the gathered output read only after comm_stream is done.
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
+  return Status();
+}
+
+// "pipelined_ce": an in-place AllGather on the window, on copy engines.
+Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
+                         const MatmulCall& c, cudaStream_t run) {
+  const size_t shard = plan.x_shard_bytes;
+  char* mine = g.window + shard * static_cast<size_t>(g.rank);
+  JCG_CUDA(cudaMemcpyAsync(mine, c.x, shard, cudaMemcpyDeviceToDevice, g.comm_stream));
+  // In place: this rank's shard already sits at its offset of the window.
+  JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
+  JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
+  if (c.gathered != nullptr) {
+    JCG_CUDA(cudaMemcpyAsync(c.gathered, g.window, shard * static_cast<size_t>(g.nranks),
+                             cudaMemcpyDeviceToDevice, g.comm_stream));
+  }
+  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
+  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[1].get(), 0));
+  for (int s = 1; s < g.nranks; ++s) {
+    const int from = (g.rank - s + g.nranks) % g.nranks;
+    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, g.window + shard * static_cast<size_t>(from), from, run));
+  }
+  // The next call may overwrite the window only after these GEMMs and the copy.
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
+  return Status();
+}
+
 }  // namespace
 
 // cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the shard's
@@ -71,85 +145,14 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, size_t worksp
   return Status();
 }
 
-namespace {
-
-// y's rows of `shard` from those x rows, on `run`.
-Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
-            const void* x_shard, int shard, cudaStream_t run) {
-  const float alpha = 1.0f, beta = 0.0f;
-  void* y_shard = static_cast<char*>(c.y) + plan.y_shard_bytes * static_cast<size_t>(shard);
-  JCG_CUBLASLT(cublasLtMatmul(g.lt, plan.matmul.get(), &alpha, c.w, plan.a.get(), x_shard,
-                              plan.b.get(), &beta, y_shard, plan.d.get(), y_shard, plan.d.get(),
-                              &plan.algo, g.workspace, plan.workspace_bytes, run));
-  return Status();
-}
-
-Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
-                         const MatmulCall& c, cudaStream_t run) {
-  const size_t shard = plan.x_shard_bytes;
-  char* mine = g.window + shard * static_cast<size_t>(g.rank);
-  JCG_CUDA(cudaMemcpyAsync(mine, c.x, shard, cudaMemcpyDeviceToDevice, g.comm_stream));
-  // In place: this rank's shard already sits at its offset of the window.
-  JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
-  JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
-  if (c.gathered != nullptr) {
-    JCG_CUDA(cudaMemcpyAsync(c.gathered, g.window, shard * static_cast<size_t>(g.nranks),
-                             cudaMemcpyDeviceToDevice, g.comm_stream));
-  }
-  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
-  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
-  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[1].get(), 0));
-  for (int s = 1; s < g.nranks; ++s) {
-    const int from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, g.window + shard * static_cast<size_t>(from), from, run));
-  }
-  // The next call may overwrite the window only after these GEMMs and the copy.
-  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
-  return Status();
-}
-
-}  // namespace
-
 Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
                         const MatmulCall& c, cudaStream_t run) {
-  auto* gathered = static_cast<char*>(c.gathered);
   // The transfers start once x is ready, that is after the work XLA enqueued
   // before the call.
   JCG_CUDA(cudaEventRecord(g.started, run));
   JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
-  if (c.algorithm == kPipelinedCeAlgorithm) return EnqueueCopyEngine(g, plan, c, run);
-  // Step s sends this rank's shard s ranks ahead and receives the shard of the
-  // rank s behind: over NVSwitch each step has the whole NVLink bandwidth.
-  for (int s = 1; s < g.nranks; ++s) {
-    const int to = (g.rank + s) % g.nranks, from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_NCCL(ncclGroupStart());
-    const ncclResult_t sent = ncclSend(c.x, plan.x_shard_bytes, ncclUint8, to, g.comm,
-                                       g.comm_stream);
-    const ncclResult_t received =
-        ncclRecv(gathered + plan.x_shard_bytes * static_cast<size_t>(from),
-                 plan.x_shard_bytes, ncclUint8, from, g.comm, g.comm_stream);
-    const ncclResult_t ended = ncclGroupEnd();
-    if (sent != ncclSuccess) return NcclError("ncclSend", sent, g.comm);
-    if (received != ncclSuccess) return NcclError("ncclRecv", received, g.comm);
-    if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, g.comm);
-    JCG_CUDA(cudaEventRecord(g.arrived[s].get(), g.comm_stream));
-  }
-  // This rank's own rows of the gathered output, off the critical path.
-  JCG_CUDA(cudaMemcpyAsync(gathered + plan.x_shard_bytes * static_cast<size_t>(g.rank), c.x,
-                           plan.x_shard_bytes, cudaMemcpyDeviceToDevice, g.comm_stream));
-  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
-  // The local shard hides the first transfer; each other shard's GEMM waits
-  // for its own arrival only.
-  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
-  for (int s = 1; s < g.nranks; ++s) {
-    const int from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[s].get(), 0));
-    JCG_RETURN_IF_ERROR(
-        Gemm(g, plan, c, gathered + plan.x_shard_bytes * static_cast<size_t>(from), from, run));
-  }
-  // x may be freed and the gathered output read only after comm_stream is done.
-  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
-  return Status();
+  return c.algorithm == kPipelinedCeAlgorithm ? EnqueueCopyEngine(g, plan, c, run)
+                                               : EnqueuePointToPoint(g, plan, c, run);
 }
 
 }  // namespace jax_comm_gemm
