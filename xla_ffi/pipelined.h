@@ -43,7 +43,7 @@ struct PipelinedPlan {
 // What a pipelined call runs on: the context's.
 struct PipelineTarget {
   cublasLtHandle_t lt;
-  ncclComm_t comm;
+  ncclComm_t comm;           // the project's own (split off cuBLASMp's): send/recv
   cudaStream_t comm_stream;
   // started: the call's stream -> comm_stream; arrived[s] (s = 1..P-1): the
   // shard of step s is in; arrived[0]: comm_stream's last work is done.
