@@ -17,8 +17,9 @@ runs the same local GEMMs on pre-gathered inputs, with no communication.
 Variants: auto, cublasmp_<algorithm> (split_p2p, default, atomic_p2p, no_overlap;
 for matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
 all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter; cublasmp_rs_ring:
-the fused all-gather with the ring reduce-scatter), ring (backend="ring": both
-ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
+the fused all-gather with the ring reduce-scatter), pipelined and pipelined_ce
+(the project's own AllGather+GEMMs; the layers' reduce-scatter as configured),
+ring (backend="ring": both ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
 (backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole
 step), pure_jax (autodiff of shard_map all_gather -> dot / dot -> psum_scatter),
 floor. Memory of every MLP variant (`mlp_step_memory`): compiled
