@@ -5,7 +5,7 @@
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
 # JOB_TIMEOUT, HANG_DUMP, CALL_TIMEOUT, CHECKS, BENCH_BUDGET, BENCH_ARGS (see each step).
-# Usage: benchmarks/gpu_session.sh [build] [checks] [tests] [failures] [race] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
+# Usage: benchmarks/gpu_session.sh [build] [checks] [tests] [failures] [race] [race-stress] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
@@ -92,14 +92,15 @@ fi
 if has race; then
   # Which fence keeps the XLA work around a fused call correct (context.h,
   # Fence): the MLP checks, RACE_REPEAT times each, single process, per variant.
-  for variant in ${RACE_VARIANTS:-none isolated own_stream barrier host none+sync_collectives}; do
+  for variant in ${RACE_VARIANTS:-none isolated own_stream split_handle barrier host none+sync_collectives}; do
     fence=${variant%%+*}
     flags=""
     [[ $variant == *+sync_collectives ]] && \
       flags="--xla_gpu_disable_async_collectives=ALLREDUCE,ALLGATHER,REDUCESCATTER,COLLECTIVEPERMUTE"
     start=$SECONDS
     # An XLA_FLAGS that is set but blank makes XLA abort: set it only with flags.
-    env ${flags:+XLA_FLAGS="$flags"} JAX_COMM_GEMM_FENCE=$fence JCG_HANG_DUMP_S=40 timeout 50 \
+    env ${flags:+XLA_FLAGS="$flags"} JAX_COMM_GEMM_FENCE=$fence JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1 \
+      JCG_HANG_DUMP_S=40 timeout 50 \
       python3 tests/gpu/worker.py --repeat ${RACE_REPEAT:-2} \
       --checks mlp_bf16,mlp_f16,mlp_bf16_rs_no_overlap,mlp_bf16_keep_input \
       > /tmp/race.log 2>&1
@@ -108,6 +109,32 @@ if has race; then
     echo "$line" | tee -a "$OUT/race.log"
     grep -o '"error": "AssertionError: [^(]*' /tmp/race.log | head -4 >> "$OUT/race.log"
     { echo "===== $variant"; grep -v '^W\|^I' /tmp/race.log | tail -30; } >> /tmp/race_full.log
+    summary+=("$line")
+  done
+fi
+
+if has race-stress; then
+  # The stress check (tests/gpu/stress.py: MLP fwd+bwd on fresh inputs, per row
+  # against a reference) per fence, one process per GPU, where fence `none` was
+  # wrong in 142 of 150 runs (run 19): split_handle tells whether the race
+  # follows cuBLASMp's handle being moved off its first stream (README,
+  # "Ordering against XLA").
+  port=12447
+  for fence in ${RACE_FENCES:-none own_stream split_handle}; do
+    start=$SECONDS
+    port=$((port + 1))  # a fresh coordinator port per job
+    for i in 0 1; do
+      JCG_STRESS_VARIANTS=plain,keep_input,rs_no_overlap \
+        JAX_COMM_GEMM_FENCE=$fence JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1 JCG_HANG_DUMP_S=150 \
+        timeout 170 python3 tests/gpu/stress.py --runs ${RACE_RUNS:-150} --process-id $i \
+        --num-processes 2 --port $port > /tmp/race_stress_$i.log 2>&1 &
+    done
+    wait
+    result=$(grep -h "^JCG_RESULT" /tmp/race_stress_0.log | head -1)
+    line="race-stress $fence: $(echo "$result" | grep -o '"runs": [0-9]*, "wrong": [0-9]*' | head -1) ($((SECONDS - start)) s)"
+    echo "$line" | tee -a "$OUT/race_stress.log"
+    { echo "===== $fence"; grep -v -E "^[IW][0-9]{4} " /tmp/race_stress_0.log | tail -20; } \
+      >> "$OUT/race_stress.log"
     summary+=("$line")
   done
 fi

@@ -48,6 +48,11 @@ enum class Fence {
   kBarrier,    // on XLA's stream, a 1-element ncclAllReduce after the call
   kHost,       // on XLA's stream, then wait for it on the host (slowest)
   kNone,       // on XLA's stream, nothing else; for that investigation only
+  // As kOwnStream, but cuBLASMp's handle is created on a stream of its own and
+  // moved to the call's stream by cublasMpSetStream, as kNone moves it to XLA's:
+  // tells whether the race of kNone comes from cuBLASMp's ordering being tied
+  // to its handle's first stream. For that investigation only.
+  kSplitHandle,
 };
 
 struct FenceName {
@@ -58,7 +63,7 @@ struct FenceName {
 inline constexpr FenceName kFences[] = {
     {"isolated", Fence::kIsolated}, {"own_stream", Fence::kOwnStream},
     {"barrier", Fence::kBarrier},   {"host", Fence::kHost},
-    {"none", Fence::kNone},
+    {"none", Fence::kNone},         {"split_handle", Fence::kSplitHandle},
 };
 
 inline std::optional<Fence> FenceByName(std::string_view name) {

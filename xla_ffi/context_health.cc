@@ -31,7 +31,7 @@ void Context::Abandon() noexcept {
   (void)lt_workspace_.release(), (void)started_.release(), (void)comm_stream_.release();
   for (CudaEvent& e : arrived_) (void)e.release();
   (void)lt_.release();
-  (void)stream_.release();
+  (void)handle_stream_.release(), (void)stream_.release();
   // Already freed by ncclCommAbort.
   (void)ce_comm_.release(), (void)own_comm_.release(), (void)comm_.release();
 }

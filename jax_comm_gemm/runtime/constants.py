@@ -35,7 +35,12 @@ MULTICAST_ALGORITHMS = frozenset({"split_multicast", "atomic_multicast"})
 # Where cuBLASMp leaves the gathered operand in its workspace (capability.py).
 GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
 
-# How each cuBLASMp call is ordered against XLA's work (xla_ffi/context.h),
-# the default first. "none" is unsafe (wrong results seen) and needs an opt-in.
-FENCES: tuple[str, ...] = ("isolated", "own_stream", "barrier", "host", "none")
-UNSAFE_FENCES = frozenset({"none"})
+# How each cuBLASMp call is ordered against XLA's work (xla_ffi/constants.h),
+# the default first. The unsafe ones need an opt-in, each for its reason.
+FENCES: tuple[str, ...] = ("isolated", "own_stream", "barrier", "host", "none",
+                           "split_handle")
+UNSAFE_FENCES: dict[str, str] = {
+    "none": "gives wrong results when XLA's work overlaps the fused calls",
+    "split_handle": "is an experiment on the race of fence 'none' (README, \"Ordering "
+                    "against XLA\")",
+}

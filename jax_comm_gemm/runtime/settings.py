@@ -46,9 +46,8 @@ def fence() -> str:
   if value in UNSAFE_FENCES:
     if os.environ.get(ALLOW_UNSAFE_FENCE) != "1":
       raise ValueError(
-          f"{FENCE}={value!r} gives wrong results when XLA's work overlaps the fused "
-          f"calls (xla_ffi/context.h, Fence); it is kept for investigation only: set "
-          f"{ALLOW_UNSAFE_FENCE}=1 to take it anyway")
+          f"{FENCE}={value!r} {UNSAFE_FENCES[value]} (xla_ffi/constants.h, Fence); it is "
+          f"kept for investigation only: set {ALLOW_UNSAFE_FENCE}=1 to take it anyway")
     warnings.warn(f"jax_comm_gemm: {FENCE}={value!r} is unsafe: results can be wrong",
                   RuntimeWarning, stacklevel=3)
   return value

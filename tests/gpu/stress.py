@@ -117,6 +117,8 @@ def run_stress(mesh, runs: int = 500, *, n: int = 1024, d: int = 512, f: int = 1
   """`runs` MLP forward+backward runs, variants in turn; returns counts and
   the wrong runs (`ok` is whether none was wrong)."""
   from jax_comm_gemm.runtime import settings  # noqa: PLC0415
+  if variants is None and os.environ.get("JCG_STRESS_VARIANTS"):  # e.g. cuBLASMp's only
+    variants = {name: VARIANTS[name] for name in os.environ["JCG_STRESS_VARIANTS"].split(",")}
   variants = dict(variants or VARIANTS)
   seed = int(os.environ.get("JCG_STRESS_SEED", "0")) if seed is None else seed
   tol = checks.TOLERANCE[dtype] * 2  # check_mlp's bound
