@@ -36,13 +36,13 @@ inline constexpr LayoutName kLayouts[] = {
 // which Python reads and passes to connect()). With cuBLASMp enqueued straight
 // on XLA's compute stream, XLA work around a fused call read wrong data on the
 // 2xH200 test machine (1 MLP run in 8 in session 2, 142 of 150 with one
-// process per GPU in GPU run 19). Each fence below but kNone removed it there
-// (0 of 500 with kIsolated). kOwnStream, which orders nothing across ranks
-// either, was right in 48 of 48 runs, so the peer's early write into this
-// rank's workspace is not needed to explain it; what sets kNone apart is that
-// cublasMpSetStream moves the handle off the stream it was created on for
-// every call (kSplitHandle tests that reading). Traces and tallies: README.md,
-// "Ordering against XLA".
+// process per GPU in GPU run 19). Each fence below but kNone (and kSplitHandle,
+// not yet run) removed it there (0 of 500 with kIsolated). kOwnStream, which
+// orders nothing across ranks either, was right in 48 of 48 runs, so the
+// peer's early write into this rank's workspace is not needed to explain it;
+// what sets kNone apart is that cublasMpSetStream moves the handle off the
+// stream it was created on for every call (kSplitHandle tests that reading).
+// Traces and tallies: README.md, "Ordering against XLA".
 enum class Fence {
   kIsolated,   // kOwnStream, then a barrier on the group (the default)
   kOwnStream,  // cuBLASMp on the context's stream, joined to XLA's by events
