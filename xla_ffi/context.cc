@@ -18,6 +18,10 @@ namespace {
 // from step to step do not reallocate (a collective) every time.
 constexpr size_t kWorkspaceGranule = size_t{32} << 20;
 
+size_t Granules(size_t bytes) {
+  return (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
+}
+
 }  // namespace
 
 Context::Context(const ContextOptions& options)
@@ -181,9 +185,8 @@ Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream,
   const char* what = "earlier calls finished before the workspace grew";
   JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
   JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
-  const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
   Status s = WithComm(
-      [&] { return workspace_.Allocate(col_grid_.get(), row_grid_.get(), rounded); });
+      [&] { return workspace_.Allocate(col_grid_.get(), row_grid_.get(), Granules(bytes)); });
   workspace_bytes_ = workspace_.size();
   return s;
 }
@@ -221,8 +224,7 @@ Status Context::EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_poin
   JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
   JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
   JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
-  const size_t rounded = (bytes + kWorkspaceGranule - 1) / kWorkspaceGranule * kWorkspaceGranule;
-  return WithComm([&] { return window_.Allocate(ce_comm_.get(), rounded); });
+  return WithComm([&] { return window_.Allocate(ce_comm_.get(), Granules(bytes)); });
 }
 
 // NCCL connects a pair of ranks at their first send/recv, blocking the host
@@ -234,16 +236,8 @@ Status Context::ConnectPeers(Clock::time_point deadline) {
   auto* word = static_cast<char*>(barrier_word_.get());  // zero; stays zero
   JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
     for (int s = 1; s < P; ++s) {
-      JCG_NCCL(ncclGroupStart());
-      const ncclResult_t sent =
-          ncclSend(word, 1, ncclUint8, (rank + s) % P, own_comm_.get(), comm_stream_.get());
-      const ncclResult_t received =
-          ncclRecv(word + 1, 1, ncclUint8, (rank - s + P) % P, own_comm_.get(),
-                   comm_stream_.get());
-      const ncclResult_t ended = ncclGroupEnd();
-      if (sent != ncclSuccess) return NcclError("ncclSend", sent, own_comm_.get());
-      if (received != ncclSuccess) return NcclError("ncclRecv", received, own_comm_.get());
-      if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, own_comm_.get());
+      JCG_RETURN_IF_ERROR(SendReceive(word, word + 1, 1, (rank + s) % P, (rank - s + P) % P,
+                                      own_comm_.get(), comm_stream_.get()));
     }
     return Status();
   }));
@@ -259,19 +253,18 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
     const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
     return WithComm([&] { return MakePlan(target, c, plan); });
   }
-  if (c.algorithm == kPipelinedCeAlgorithm) {
-    const size_t bytes = static_cast<size_t>(c.x_rows * c.x_cols * options_.nranks) *
-                         (c.dtype == CUDA_R_32F ? 4 : 2);
-    JCG_RETURN_IF_ERROR(EnsureWindow(bytes, stream, deadline));
-  } else {
-    JCG_RETURN_IF_ERROR(ConnectPeers(deadline));
-  }
   if (!lt_workspace_) {
     void* ptr = nullptr;
     JCG_CUDA(cudaMalloc(&ptr, kLtWorkspaceBytes));
     lt_workspace_.reset(ptr);
   }
-  return MakePipelinedPlan(lt_.get(), c, kLtWorkspaceBytes, &plan->pipelined);
+  // Local, and fails alike on every rank: before the collectives below.
+  JCG_RETURN_IF_ERROR(MakePipelinedPlan(lt_.get(), c, kLtWorkspaceBytes, &plan->pipelined));
+  if (c.algorithm == kPipelinedCeAlgorithm) {
+    const size_t shards = static_cast<size_t>(options_.nranks);
+    return EnsureWindow(plan->pipelined.x_shard_bytes * shards, stream, deadline);
+  }
+  return ConnectPeers(deadline);
 }
 
 Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_offset,

@@ -37,26 +37,21 @@ Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall
 // "pipelined": point-to-point straight into the gathered output.
 Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
                            const MatmulCall& c, cudaStream_t run) {
-  auto* gathered = static_cast<char*>(c.gathered);
+  // Row block `rank` of the gathered output.
+  auto rows_of = [&](int rank) {
+    return static_cast<char*>(c.gathered) + plan.x_shard_bytes * static_cast<size_t>(rank);
+  };
   // Step s sends this rank's shard s ranks ahead and receives the shard of the
   // rank s behind: over NVSwitch each step has the whole NVLink bandwidth.
   for (int s = 1; s < g.nranks; ++s) {
     const int to = (g.rank + s) % g.nranks, from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_NCCL(ncclGroupStart());
-    const ncclResult_t sent = ncclSend(c.x, plan.x_shard_bytes, ncclUint8, to, g.comm,
-                                       g.comm_stream);
-    const ncclResult_t received =
-        ncclRecv(gathered + plan.x_shard_bytes * static_cast<size_t>(from),
-                 plan.x_shard_bytes, ncclUint8, from, g.comm, g.comm_stream);
-    const ncclResult_t ended = ncclGroupEnd();
-    if (sent != ncclSuccess) return NcclError("ncclSend", sent, g.comm);
-    if (received != ncclSuccess) return NcclError("ncclRecv", received, g.comm);
-    if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, g.comm);
+    JCG_RETURN_IF_ERROR(SendReceive(c.x, rows_of(from), plan.x_shard_bytes, to, from, g.comm,
+                                    g.comm_stream));
     JCG_CUDA(cudaEventRecord(g.arrived[s].get(), g.comm_stream));
   }
   // This rank's own rows of the gathered output, off the critical path.
-  JCG_CUDA(cudaMemcpyAsync(gathered + plan.x_shard_bytes * static_cast<size_t>(g.rank), c.x,
-                           plan.x_shard_bytes, cudaMemcpyDeviceToDevice, g.comm_stream));
+  JCG_CUDA(cudaMemcpyAsync(rows_of(g.rank), c.x, plan.x_shard_bytes, cudaMemcpyDeviceToDevice,
+                           g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
   // The local shard hides the first transfer; each other shard's GEMM waits
   // for its own arrival only.
@@ -64,8 +59,7 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
   for (int s = 1; s < g.nranks; ++s) {
     const int from = (g.rank - s + g.nranks) % g.nranks;
     JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[s].get(), 0));
-    JCG_RETURN_IF_ERROR(
-        Gemm(g, plan, c, gathered + plan.x_shard_bytes * static_cast<size_t>(from), from, run));
+    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, rows_of(from), from, run));
   }
   // x may be freed and the gathered output read only after comm_stream is done.
   JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
@@ -98,6 +92,18 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
 }
 
 }  // namespace
+
+Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
+                   ncclComm_t comm, cudaStream_t stream) {
+  JCG_NCCL(ncclGroupStart());
+  const ncclResult_t sent = ncclSend(send, bytes, ncclUint8, to, comm, stream);
+  const ncclResult_t received = ncclRecv(receive, bytes, ncclUint8, from, comm, stream);
+  const ncclResult_t ended = ncclGroupEnd();  // always, so that the group is closed
+  if (sent != ncclSuccess) return NcclError("ncclSend", sent, comm);
+  if (received != ncclSuccess) return NcclError("ncclRecv", received, comm);
+  if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, comm);
+  return Status();
+}
 
 // cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the shard's
 // y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.

@@ -56,6 +56,11 @@ struct PipelineTarget {
   int rank, nranks;
 };
 
+// One step of the point-to-point exchange: `bytes` of `send` to rank `to`,
+// the same from rank `from` into `receive`, as one NCCL group on `stream`.
+Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
+                   ncclComm_t comm, cudaStream_t stream);
+
 // Picks the GEMM algorithm for `call` (an AllGather+GEMM) with cuBLASLt's
 // heuristic, within `workspace_bytes` of workspace.
 Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& call, size_t workspace_bytes,
