@@ -1,5 +1,5 @@
 """The fused AllGather+GEMM and GEMM+ReduceScatter of the project's extension,
-via XLA FFI: cuBLASMp's algorithms, and the project's own pipelined one."""
+via XLA FFI: cuBLASMp's algorithms, and the project's own pipelined ones."""
 
 from __future__ import annotations
 
