@@ -92,7 +92,7 @@ fi
 if has race; then
   # Which fence keeps the XLA work around a fused call correct (context.h,
   # Fence): the MLP checks, RACE_REPEAT times each, single process, per variant.
-  for variant in ${RACE_VARIANTS:-none isolated own_stream split_handle barrier host none+sync_collectives}; do
+  for variant in ${RACE_VARIANTS:-none isolated own_stream barrier host none+sync_collectives}; do
     fence=${variant%%+*}
     flags=""
     [[ $variant == *+sync_collectives ]] && \
@@ -116,15 +116,14 @@ fi
 if has race-stress; then
   # The stress check (tests/gpu/stress.py: MLP fwd+bwd on fresh inputs, per row
   # against a reference) per fence, one process per GPU, where fence `none` was
-  # wrong in 142 of 150 runs (run 19): split_handle tells whether the race
-  # follows cuBLASMp's handle being moved off its first stream (README,
-  # "Ordering against XLA").
+  # wrong in 142 of 150 runs (run 19) and `own_stream` in 88 of 90 (run 29):
+  # README, "Ordering against XLA". RACE_STRESS_VARIANTS picks stress.py's variants.
   port=12447
-  for fence in ${RACE_FENCES:-none own_stream split_handle}; do
+  for fence in ${RACE_FENCES:-none own_stream barrier}; do
     start=$SECONDS
     port=$((port + 1))  # a fresh coordinator port per job
     for i in 0 1; do
-      JCG_STRESS_VARIANTS=plain,keep_input,rs_no_overlap \
+      JCG_STRESS_VARIANTS=${RACE_STRESS_VARIANTS:-plain,no_reuse,rs_no_overlap} \
         JAX_COMM_GEMM_FENCE=$fence JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1 JCG_HANG_DUMP_S=150 \
         timeout 170 python3 tests/gpu/stress.py --runs ${RACE_RUNS:-150} --process-id $i \
         --num-processes 2 --port $port > /tmp/race_stress_$i.log 2>&1 &

@@ -32,28 +32,23 @@ inline constexpr LayoutName kLayouts[] = {
     {"tail", GatheredLayout::kTail},
 };
 
-// How a call is ordered against the XLA work around it (JAX_COMM_GEMM_FENCE,
-// which Python reads and passes to connect()). With cuBLASMp enqueued straight
-// on XLA's compute stream, XLA work around a fused call read wrong data on the
-// 2xH200 test machine (1 MLP run in 8 in session 2, 142 of 150 with one
-// process per GPU in GPU run 19). Each fence below but kNone (and kSplitHandle,
-// not yet run) removed it there (0 of 500 with kIsolated). kOwnStream, which
-// orders nothing across ranks either, was right in 48 of 48 runs, so the
-// peer's early write into this rank's workspace is not needed to explain it;
-// what sets kNone apart is that cublasMpSetStream moves the handle off the
-// stream it was created on for every call (kSplitHandle tests that reading).
-// Traces and tallies: README.md, "Ordering against XLA".
+// How a call is ordered against the XLA work around it and against the
+// peers' next calls (JAX_COMM_GEMM_FENCE, which Python reads and passes to
+// connect()). cuBLASMp's AllGather+GEMM writes this rank's shard into each
+// peer's workspace, and nothing in a call keeps a peer's *next* call from
+// doing so while this rank still reads its workspace (the copy of the gathered
+// operand, cuBLASMp's own GEMMs on it). Only a cross-rank order after the call
+// removes that: with one process per GPU (GPU run 29), kNone and kOwnStream
+// were wrong in 88 of 90 MLP runs each, kIsolated right in 500 of 500, and the
+// project's pipelined algorithms, whose NCCL transfers wait for the receiver,
+// right in 100 of 100 under kNone. Tallies: README.md, "Ordering against XLA".
 enum class Fence {
   kIsolated,   // kOwnStream, then a barrier on the group (the default)
-  kOwnStream,  // cuBLASMp on the context's stream, joined to XLA's by events
+  kOwnStream,  // on the context's stream, joined to XLA's by events; unsafe
   kBarrier,    // on XLA's stream, a 1-element ncclAllReduce after the call
-  kHost,       // on XLA's stream, then wait for it on the host (slowest)
-  kNone,       // on XLA's stream, nothing else; for that investigation only
-  // As kOwnStream, but cuBLASMp's handle is created on a stream of its own and
-  // moved to the call's stream by cublasMpSetStream, as kNone moves it to XLA's:
-  // tells whether the race of kNone comes from cuBLASMp's ordering being tied
-  // to its handle's first stream. For that investigation only.
-  kSplitHandle,
+  kHost,       // on XLA's stream, the host waits for it (slowest); unsafe: a
+               // peer's host may return first and start its next call
+  kNone,       // on XLA's stream, nothing else; unsafe
 };
 
 struct FenceName {
@@ -64,7 +59,7 @@ struct FenceName {
 inline constexpr FenceName kFences[] = {
     {"isolated", Fence::kIsolated}, {"own_stream", Fence::kOwnStream},
     {"barrier", Fence::kBarrier},   {"host", Fence::kHost},
-    {"none", Fence::kNone},         {"split_handle", Fence::kSplitHandle},
+    {"none", Fence::kNone},
 };
 
 inline std::optional<Fence> FenceByName(std::string_view name) {

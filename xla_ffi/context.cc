@@ -64,10 +64,6 @@ Status Context::Init(const ncclUniqueId& id) {
   cudaStream_t stream = nullptr;
   JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   stream_.reset(stream);
-  if (options_.fence == Fence::kSplitHandle) {
-    JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    handle_stream_.reset(stream);
-  }
   cublasMpHandle_t handle = nullptr;
   JCG_CUBLASMP(cublasMpCreate(&handle, stream));
   handle_.reset(handle);
@@ -324,12 +320,11 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
     if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   }
-  // Under kIsolated, kOwnStream and kSplitHandle, the call runs on stream_,
+  // Under kIsolated and kOwnStream, the call runs on stream_,
   // after everything XLA enqueued before it and before anything XLA enqueues
   // after it.
   const Fence fence = options_.fence;
-  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream ||
-                   fence == Fence::kSplitHandle;
+  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
   cudaStream_t run = own ? stream_.get() : stream;
   JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
     if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));

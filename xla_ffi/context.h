@@ -147,7 +147,6 @@ class Context {
   NcclComm own_comm_;  // split from comm_: the project's barrier, plan agreement, p2p
   NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
   CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
-  CudaStream handle_stream_;  // kSplitHandle only: the stream the handle is created on
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns

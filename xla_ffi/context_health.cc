@@ -31,7 +31,7 @@ void Context::Abandon() noexcept {
   (void)lt_workspace_.release(), (void)started_.release(), (void)comm_stream_.release();
   for (CudaEvent& e : arrived_) (void)e.release();
   (void)lt_.release();
-  (void)handle_stream_.release(), (void)stream_.release();
+  (void)stream_.release();
   // Already freed by ncclCommAbort.
   (void)ce_comm_.release(), (void)own_comm_.release(), (void)comm_.release();
 }
@@ -49,9 +49,16 @@ void Context::Abort(const std::string& reason) noexcept {
   }
   std::unique_lock<std::shared_timed_mutex> lock(comm_lock_, std::defer_lock);
   (void)lock.try_lock_for(kAbortGrace);
-  if (ce_comm_) (void)ncclCommAbort(ce_comm_.get());
-  if (own_comm_) (void)ncclCommAbort(own_comm_.get());
-  if (comm_) (void)ncclCommAbort(comm_.get());
+  // One NCCL group: each ncclCommAbort raises its communicator's abort flag at
+  // once and frees it only at ncclGroupEnd, after every flag is up. Aborted one
+  // by one, freeing an idle communicator waited for the device, where a kernel
+  // of the next one (not yet told to quit) waited for the dead peer: GPU run 29,
+  // one_rank, the survivor stuck in its abort.
+  (void)ncclGroupStart();
+  for (ncclComm_t comm : {ce_comm_.get(), own_comm_.get(), comm_.get()}) {
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+  }
+  (void)ncclGroupEnd();
 }
 
 std::string Context::error() const {

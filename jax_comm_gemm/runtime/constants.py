@@ -37,10 +37,11 @@ GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
 
 # How each cuBLASMp call is ordered against XLA's work (xla_ffi/constants.h),
 # the default first. The unsafe ones need an opt-in, each for its reason.
-FENCES: tuple[str, ...] = ("isolated", "own_stream", "barrier", "host", "none",
-                           "split_handle")
+FENCES: tuple[str, ...] = ("isolated", "own_stream", "barrier", "host", "none")
 UNSAFE_FENCES: dict[str, str] = {
-    "none": "gives wrong results when XLA's work overlaps the fused calls",
-    "split_handle": "is an experiment on the race of fence 'none' (README, \"Ordering "
-                    "against XLA\")",
+    "none": "gives wrong results: nothing keeps a peer's next call off this rank's workspace",
+    "own_stream": "orders nothing across ranks: with one process per GPU it gave wrong "
+                  "results (README, \"Ordering against XLA\")",
+    "host": "orders nothing across ranks: a peer's next call may start while this rank "
+            "still reads its workspace (README, \"Ordering against XLA\")",
 }

@@ -13,7 +13,7 @@ namespace jcg = jax_comm_gemm;
 TEST(FencesDefaultFirst) {
   CHECK_EQ(std::string(jcg::kFences[0].name), std::string("isolated"));
   CHECK_EQ(jcg::FenceList(),
-           std::string("isolated, own_stream, barrier, host, none, split_handle"));
+           std::string("isolated, own_stream, barrier, host, none"));
 }
 
 TEST(EveryFenceIsFoundByName) {

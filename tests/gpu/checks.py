@@ -206,11 +206,12 @@ MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
 
 
 def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str = "cublasmp",
-             all_gather_algorithm: str = "split_p2p"):
+             all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None):
   """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
   (check_mlp and the stress runner time and check the same step)."""
   config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter,
-                              all_gather_algorithm=all_gather_algorithm)
+                              all_gather_algorithm=all_gather_algorithm,
+                              reuse_gathered=reuse_gathered)
 
   def loss(x, w1, w2, g):
     y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import checks  # noqa: E402
 
-VARIANTS = {"plain": {}, "keep_input": {"keep": True},
+VARIANTS = {"plain": {}, "keep_input": {"keep": True}, "no_reuse": {"reuse_gathered": False},
             "rs_no_overlap": {"reduce_scatter": "no_overlap"},
             "pipelined": {"all_gather_algorithm": "pipelined"},
             "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"}}

@@ -52,7 +52,7 @@ DEFAULT_FENCE = FENCES[0]
 
 # name: (processes, scenarios, environment of each process, timeout s, extra args)
 JOBS = {
-    "fence": (2, "fence", [{FENCE: "isolated"}, {FENCE: "own_stream"}], 90, []),
+    "fence": (2, "fence", [{FENCE: "isolated"}, {FENCE: "barrier"}], 90, []),
     "multi_default": (2, "shapes,stress", [{CALL_TIMEOUT: "60"}] * 2, 240,
                       ["--runs", str(STRESS_RUNS)]),
     "multi_none": (2, "stress", [{FENCE: "none", ALLOW_UNSAFE: "1"}] * 2, 200,
@@ -212,7 +212,7 @@ def test_mismatched_fence_is_an_error_on_both():
     r, p = _result(job, pid, "fence"), job["processes"][pid]
     why = _why(job, pid, r)
     assert r["raised"] == "DisagreementError" and r["is_disagreement"], why
-    for part in ("JAX_COMM_GEMM_FENCE differs", "'isolated'", "'own_stream'", "process 0",
+    for part in ("JAX_COMM_GEMM_FENCE differs", "'isolated'", "'barrier'", "process 0",
                  "process 1"):
       assert part in r["message"], f"{part!r} missing: {why}"
     assert r["t_error"] - p["t_launch"] < 30, f"error after {r['t_error'] - p['t_launch']:.1f} s: {why}"
