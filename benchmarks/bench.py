@@ -17,8 +17,11 @@ runs the same local GEMMs on pre-gathered inputs, with no communication.
 Variants: auto, cublasmp_<algorithm> (split_p2p, default, atomic_p2p, no_overlap;
 for matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
 all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter; cublasmp_rs_ring:
-the fused all-gather with the ring reduce-scatter), pipelined and pipelined_ce
-(the project's own AllGather+GEMMs; the layers' reduce-scatter as configured),
+the fused all-gather with the ring reduce-scatter; cublasmp_rs_pipelined: with
+the project's own GEMM+ReduceScatter), pipelined and pipelined_ce (the project's
+own AllGather+GEMMs; the layers' reduce-scatter as configured; for
+matmul_reduce_scatter, the project's own GEMM+ReduceScatters), pipelined_all and
+pipelined_ce_all (the project's own, both ops),
 ring (backend="ring": both ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
 (backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole
 step), pure_jax (autodiff of shard_map all_gather -> dot / dot -> psum_scatter),
@@ -125,15 +128,18 @@ ROW_SHAPES = tuple((n, f, d) for n, d, f in MLP_SHAPES)
 AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
-    "ring", "xla", "pure_jax", "floor")
+    "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "cublasmp_no_overlap",
-                "pipelined", "pipelined_ce", "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "floor")
+                "pipelined", "pipelined_ce", "ring", "cublasmp_rs_ring", "cublasmp_rs_default",
+                "cublasmp_rs_pipelined", "cublasmp_rs_pipelined_ce", "pipelined_all",
+                "pipelined_ce_all", "xla", "pure_jax", "floor")
 # auto_step (last: its step-level decision is recorded for the problems it meets):
 # backend="auto" tuned with jcg.autotune_step, as the example does.
 MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "pipelined",
                 "pipelined_ce", "ring",
-                "cublasmp_rs_ring", "cublasmp_rs_default", "xla", "pure_jax", "auto_step",
-                "floor")
+                "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined",
+                "cublasmp_rs_pipelined_ce", "pipelined_all", "pipelined_ce_all", "xla",
+                "pure_jax", "auto_step", "floor")
 SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
 
 
@@ -182,8 +188,13 @@ class Ctx:
       return C(backend="xla"), False
     if variant == "ring":
       return C(backend="ring"), False
+    if variant in ("pipelined", "pipelined_ce") and role == "rs":  # own GEMM+ReduceScatter
+      return C(backend="cublasmp", reduce_scatter=variant), False
     if variant in ("pipelined", "pipelined_ce"):  # the project's own AllGather+GEMMs
       return C(backend="cublasmp", all_gather_algorithm=variant), False
+    if variant in ("pipelined_all", "pipelined_ce_all"):  # the project's own, both ops
+      algo = variant.removesuffix("_all")
+      return C(backend="cublasmp", all_gather_algorithm=algo, reduce_scatter=algo), False
     if variant.startswith("cublasmp_rs_"):
       return C(backend="cublasmp", reduce_scatter=variant[len("cublasmp_rs_"):]), False
     if variant.startswith("cublasmp_"):

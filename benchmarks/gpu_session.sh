@@ -4,7 +4,8 @@
 # leaves the logs in $OUT. Run from the repository root, after
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
-# JOB_TIMEOUT, HANG_DUMP, CALL_TIMEOUT, CHECKS, BENCH_BUDGET, BENCH_ARGS (see each step).
+# JOB_TIMEOUT, HANG_DUMP, CALL_TIMEOUT, CHECKS, FAILURES_K, RACE_FENCES, RACE_RUNS,
+# RACE_STRESS_VARIANTS, BENCH_BUDGET, BENCH_ARGS (see each step).
 # Usage: benchmarks/gpu_session.sh [build] [checks] [tests] [failures] [race] [race-stress] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
@@ -77,7 +78,7 @@ if has failures; then
   rm -rf /tmp/jcg_failure_logs
   JCG_GPU_LOG_DIR=/tmp/jcg_failure_logs timeout ${FAILURES_TIMEOUT:-420} \
     python3 -m pytest tests/gpu/test_gpu_failures.py -q -rs -p no:cacheprovider \
-    > "$OUT/gpu_failures.log" 2>&1
+    ${FAILURES_K:+-k "$FAILURES_K"} > "$OUT/gpu_failures.log" 2>&1
   rc=$?
   cat /tmp/jcg_failure_logs/failures_summary.log /tmp/jcg_failure_logs/stress.log \
     > "$OUT/failures_summary.txt" 2>/dev/null
@@ -132,8 +133,9 @@ if has race-stress; then
     result=$(grep -h "^JCG_RESULT" /tmp/race_stress_0.log | head -1)
     line="race-stress $fence: $(echo "$result" | grep -o '"runs": [0-9]*, "wrong": [0-9]*' | head -1) ($((SECONDS - start)) s)"
     echo "$line" | tee -a "$OUT/race_stress.log"
-    { echo "===== $fence"; grep -v -E "^[IW][0-9]{4} " /tmp/race_stress_0.log | tail -20; } \
-      >> "$OUT/race_stress.log"
+    { echo "===== $fence"; grep -h "^JCG_RESULT" /tmp/race_stress_0.log | cut -c1-3000
+      grep -v -E "^[IW][0-9]{4} |^JCG_RESULT|GRPC|grpc_util|Source Location|UNAVAILABLE|^$" \
+        /tmp/race_stress_0.log | tail -12; } >> "$OUT/race_stress.log"
     summary+=("$line")
   done
 fi

@@ -156,6 +156,28 @@ def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatc
                              atol=1e-5)
 
 
+@pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_default", 1),
+                                                 ("pipelined", 1), ("pipelined_ce", 1)])
+def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fused_calls):
+  mesh = cpu_mesh(2)
+  x = jax.random.normal(jax.random.key(2), (16, 8), jnp.float32)
+  w = jax.random.normal(jax.random.key(3), (8, 12), jnp.float32)
+  REGISTRY.record_decision(Problem(RS, 16, 4, 12, "float32", False, 2), (chosen, "test"))
+  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+
+  def local(x, w):
+    return backend.matmul_reduce_scatter(x, w, "tp", transpose_w=False)
+
+  program = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), P("tp")),
+                                  out_specs=P("tp")))
+  jaxpr = str(jax.make_jaxpr(program)(x, w))
+  assert jaxpr.count("jax_comm_gemm_matmul_reduce_scatter") == fused_calls
+  if fused_calls:  # the chosen algorithm, by its number
+    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
+  np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
   monkeypatch.setattr(REGISTRY, "_verdicts", {})
   verdict = AutoBackend(CublasMpBackend(gathered_layout="tail")).gathered_reuse(

@@ -53,6 +53,5 @@ def test_multicast_algorithms_exist():
 
 
 def test_own_algorithms_exist_and_run_all_gather_only():
-  assert constants.ALL_GATHER_ONLY_ALGORITHMS <= set(constants.ALGORITHMS)
-  assert not constants.ALL_GATHER_ONLY_ALGORITHMS & set(REDUCE_SCATTER_IMPLS)
+  assert constants.OWN_ALGORITHMS <= set(constants.ALGORITHMS) <= set(REDUCE_SCATTER_IMPLS)
   assert set(constants.UNSAFE_FENCES) <= set(constants.FENCES)

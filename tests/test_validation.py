@@ -267,8 +267,6 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
     (dict(all_gather_algorithm="split_multicast"),
      r"CommGemmConfig.all_gather_algorithm='split_multicast' uses NVLink multicast.*"
      r"pass allow_multicast=True"),
-    (dict(reduce_scatter="pipelined"),  # AllGather+GEMM only
-     r"CommGemmConfig.reduce_scatter must be one of \('xla', .*'no_overlap'\), got 'pipelined'"),
     (dict(reduce_scatter="atomic_multicast"),
      r"CommGemmConfig.reduce_scatter='atomic_multicast' uses NVLink multicast.*"
      r"pass allow_multicast=True"),
@@ -276,7 +274,7 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
                                 r"where the capability check passes\) or False, got True"),
     (dict(gathered_layout="middle"), r"CommGemmConfig.gathered_layout must be None or "
                                      r"one of \('front', 'tail'\), got 'middle'"),
-], ids=["backend", "backend_object", "algorithm", "reduce_scatter", "rs_pipelined",
+], ids=["backend", "backend_object", "algorithm", "reduce_scatter",
         "multicast_ag",
         "multicast_rs", "reuse_true", "layout"])
 def test_bad_config(kwargs, match):

@@ -1,7 +1,7 @@
 // The AllGather+GEMM / GEMM+ReduceScatter algorithms the project offers, by
 // the names Python uses: cuBLASMp's, with their numbers taken straight from
 // cublasmp.h's enum, and the project's own "pipelined" AllGather+GEMM
-// (pipelined.h), numbered clear of that enum. Header constants only: including
+// and GEMM+ReduceScatter (pipelined.h), numbered clear of that enum. Header constants only: including
 // it links nothing, so _constants can export it.
 // CUBLASMP_MATMUL_ALGO_TYPE_FUSED (GEMM+AllReduce only) is left out on purpose.
 #ifndef JAX_COMM_GEMM_ALGORITHMS_H_
@@ -18,10 +18,10 @@ struct AlgorithmName {
   int64_t algorithm;
 };
 
-// The project's own (pipelined.h): a cuBLASLt GEMM per shard beside NCCL
-// transfers. kPipelined: point-to-point into the gathered output (NCCL's
-// kernels); kPipelinedCe: an AllGather on NCCL's copy engines (zero-CTA
-// policy, symmetric window), then a copy into the gathered output.
+// The project's own (pipelined.h), for both ops: a cuBLASLt GEMM per block of
+// rows beside NCCL transfers, by NCCL's kernels (kPipelined: send/recv, or an
+// ncclReduce per block) or on its copy engines (kPipelinedCe: an AllGather or
+// AlltoAll on a symmetric window of a zero-CTA communicator).
 inline constexpr int64_t kPipelinedAlgorithm = 100;
 inline constexpr int64_t kPipelinedCeAlgorithm = 101;
 

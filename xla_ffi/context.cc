@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "algorithms.h"
+#include "chunks.h"
 #include "layout.h"
 #include "library_status.h"
 #include "pipelined.h"
@@ -78,7 +79,7 @@ Status Context::Init(const ncclUniqueId& id) {
   lt_.reset(lt);
   JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   comm_stream_.reset(stream);
-  arrived_.resize(std::max(P, 2));
+  arrived_.resize(std::max(P, kMaxChunks + 1));
   std::vector<CudaEvent*> events = {&event_in_, &event_out_, &host_wait_event_, &started_};
   for (CudaEvent& e : arrived_) events.push_back(&e);
   for (CudaEvent* e : events) {
@@ -223,6 +224,23 @@ Status Context::EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_poin
   return WithComm([&] { return window_.Allocate(ce_comm_.get(), Granules(bytes)); });
 }
 
+// Local (cudaMalloc), but the old buffer may still be read by earlier calls'
+// reduces on comm_stream_ or written by their GEMMs.
+Status Context::EnsurePartials(size_t bytes, cudaStream_t stream, Clock::time_point deadline) {
+  if (bytes <= partials_bytes_) return Status();
+  const char* what = "earlier calls finished before the partial sums' buffer grew";
+  JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
+  JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
+  JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
+  partials_.reset();
+  partials_bytes_ = 0;
+  void* ptr = nullptr;
+  JCG_CUDA(cudaMalloc(&ptr, Granules(bytes)));
+  partials_.reset(ptr);
+  partials_bytes_ = Granules(bytes);
+  return Status();
+}
+
 // NCCL connects a pair of ranks at their first send/recv, blocking the host
 // until the peer answers: do that once, under the call's deadline, with
 // one-byte transfers between every pair the pipelined steps use.
@@ -255,10 +273,13 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
     lt_workspace_.reset(ptr);
   }
   // Local, and fails alike on every rank: before the collectives below.
-  JCG_RETURN_IF_ERROR(MakePipelinedPlan(lt_.get(), c, kLtWorkspaceBytes, &plan->pipelined));
+  JCG_RETURN_IF_ERROR(
+      MakePipelinedPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes, &plan->pipelined));
   if (c.algorithm == kPipelinedCeAlgorithm) {
-    const size_t shards = static_cast<size_t>(options_.nranks);
-    return EnsureWindow(plan->pipelined.x_shard_bytes * shards, stream, deadline);
+    return EnsureWindow(WindowBytes(plan->pipelined, options_.nranks), stream, deadline);
+  }
+  if (c.op == CommOp::kReduceScatter) {  // collectives only, connected at Init
+    return EnsurePartials(plan->pipelined.partial_bytes, stream, deadline);
   }
   return ConnectPeers(deadline);
 }
@@ -266,10 +287,18 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
 Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_offset,
                         cudaStream_t run) {
   if (IsPipelined(c.algorithm)) {
-    const PipelineTarget target{lt_.get(),          own_comm_.get(),   comm_stream_.get(),
-                                started_.get(),     arrived_.data(),   ce_comm_.get(),
-                                window_.data(),     lt_workspace_.get(), kLtWorkspaceBytes,
-                                options_.rank,      options_.nranks};
+    const PipelineTarget target{lt_.get(),
+                                own_comm_.get(),
+                                comm_stream_.get(),
+                                started_.get(),
+                                arrived_.data(),
+                                ce_comm_.get(),
+                                window_.data(),
+                                static_cast<char*>(partials_.get()),
+                                lt_workspace_.get(),
+                                kLtWorkspaceBytes,
+                                options_.rank,
+                                options_.nranks};
     return EnqueuePipelined(target, plan.pipelined, c, run);
   }
   JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));

@@ -101,6 +101,8 @@ class Context {
   Status ConnectPeers(Clock::time_point deadline);  // pipelined: NCCL send/recv pairs
   Status EnsureWindow(size_t bytes, cudaStream_t stream,
                       Clock::time_point deadline);  // pipelined_ce
+  Status EnsurePartials(size_t bytes, cudaStream_t stream,
+                        Clock::time_point deadline);  // pipelined GEMM+ReduceScatter
   // Enqueues the call's own work on `run`: cuBLASMp's or the pipelined one.
   Status Enqueue(const MatmulCall& call, const Plan& plan, size_t gathered_offset,
                  cudaStream_t run);
@@ -159,10 +161,12 @@ class Context {
   LtHandle lt_;
   CudaStream comm_stream_;
   CudaEvent started_;
-  std::vector<CudaEvent> arrived_;  // max(nranks, 2): see PipelineTarget
+  std::vector<CudaEvent> arrived_;  // max(nranks, kMaxChunks + 1): see PipelineTarget
   DeviceBuffer lt_workspace_;       // allocated with the first pipelined plan
   bool peers_connected_ = false;    // for NCCL send/recv (ConnectPeers)
   SymmetricWindow window_;          // pipelined_ce's, on ce_comm_
+  DeviceBuffer partials_;           // the pipelined GEMM+ReduceScatter's partial sums
+  size_t partials_bytes_ = 0;
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;
   std::vector<char> host_workspace_;

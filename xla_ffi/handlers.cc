@@ -53,12 +53,9 @@ Status Expect(const char* what, ffi::AnyBuffer::Dimensions d, std::vector<int64_
                                  w + "]");
 }
 
-Status Algorithm(CommOp op, int64_t a, int64_t* out) {
+Status Algorithm(int64_t a, int64_t* out) {
   if (AlgorithmNameOf(a) == nullptr) {
     return Status::InvalidArgument("unknown algorithm " + std::to_string(a));
-  }
-  if (IsPipelined(a) && op != CommOp::kAllGather) {
-    return Status::InvalidArgument("the pipelined algorithm runs AllGather+GEMM only");
   }
   *out = a;
   return Status();
@@ -71,7 +68,7 @@ Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_
   if (w.element_type() != x.element_type() || y.element_type() != x.element_type()) {
     return Status::InvalidArgument("x, w and the result must share one dtype");
   }
-  JCG_RETURN_IF_ERROR(Algorithm(op, algorithm, &call->algorithm));
+  JCG_RETURN_IF_ERROR(Algorithm(algorithm, &call->algorithm));
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) {
     return Status::InvalidArgument("x " + Shape(xd) + " and w " + Shape(wd) + " must be 2-D");

@@ -42,6 +42,7 @@ using LtHandle = Owned<cublasLtHandle_t, cublasLtDestroy>;
 using LtMatmulDesc = Owned<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
 using LtLayout = Owned<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
 using LtPreference = Owned<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
+using LtTransformDesc = Owned<cublasLtMatrixTransformDesc_t, cublasLtMatrixTransformDescDestroy>;
 
 // Device memory from cublasMpMalloc: allocated with ncclMemAlloc and registered
 // with NCCL symmetric memory on both grids (as TransformerEngine does), which

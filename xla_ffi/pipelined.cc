@@ -1,6 +1,9 @@
 #include "pipelined.h"
 
+#include <vector>
+
 #include "algorithms.h"
+#include "chunks.h"
 #include "library_status.h"
 #include "plan.h"
 
@@ -8,6 +11,14 @@ namespace jax_comm_gemm {
 namespace {
 
 size_t ElementBytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+
+ncclDataType_t NcclType(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_16BF: return ncclBfloat16;
+    case CUDA_R_16F: return ncclFloat16;
+    default: return ncclFloat32;
+  }
+}
 
 Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out) {
   cublasLtMatrixLayout_t layout = nullptr;
@@ -23,15 +34,21 @@ Status SetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t at
   return Status();
 }
 
-// y's rows of `shard` from those x rows, on `run`.
-Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
-            const void* x_shard, int shard, cudaStream_t run) {
+// One block: y_block = x_block @ w, on `run`.
+Status BlockGemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
+                 const void* x_block, void* y_block, cudaStream_t run) {
   const float alpha = 1.0f, beta = 0.0f;
-  void* y_shard = static_cast<char*>(c.y) + plan.y_shard_bytes * static_cast<size_t>(shard);
-  JCG_CUBLASLT(cublasLtMatmul(g.lt, plan.matmul.get(), &alpha, c.w, plan.a.get(), x_shard,
-                              plan.b.get(), &beta, y_shard, plan.d.get(), y_shard, plan.d.get(),
+  JCG_CUBLASLT(cublasLtMatmul(g.lt, plan.matmul.get(), &alpha, c.w, plan.a.get(), x_block,
+                              plan.b.get(), &beta, y_block, plan.d.get(), y_block, plan.d.get(),
                               &plan.algo, g.workspace, plan.workspace_bytes, run));
   return Status();
+}
+
+// AllGather+GEMM: y's rows of `shard` from those x rows, on `run`.
+Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
+            const void* x_shard, int shard, cudaStream_t run) {
+  void* y_shard = static_cast<char*>(c.y) + plan.y_shard_bytes * static_cast<size_t>(shard);
+  return BlockGemm(g, plan, c, x_shard, y_shard, run);
 }
 
 // "pipelined": point-to-point straight into the gathered output.
@@ -91,7 +108,87 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
   return Status();
 }
 
+// GEMM+ReduceScatter: the blocks in chunks.h's order, each block's reduce on
+// comm_stream behind its GEMM and beside the next block's GEMM.
+Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
+                            const MatmulCall& c, cudaStream_t run) {
+  const size_t e = ElementBytes(c.dtype), m = plan.y_shard_bytes / e / plan.block_rows;
+  const size_t x_row_bytes = plan.x_shard_bytes / plan.block_rows, y_row_bytes = m * e;
+  for (const RowBlock& b : ReduceScatterBlocks(c.x_rows, g.nranks, plan.chunks)) {
+    char* partial = g.partials + y_row_bytes * b.x_row;
+    const char* x = static_cast<const char*>(c.x) + x_row_bytes * b.x_row;
+    JCG_RETURN_IF_ERROR(BlockGemm(g, plan, c, x, partial, run));
+    // One event serves every block: a wait binds to the record before it.
+    JCG_CUDA(cudaEventRecord(g.started, run));
+    JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
+    void* owned = static_cast<char*>(c.y) + y_row_bytes * b.y_row;  // on `dest`
+    JCG_NCCL(ncclReduce(partial, owned, plan.block_rows * m, plan.nccl_type, ncclSum, b.dest,
+                        g.comm, g.comm_stream));
+  }
+  // y is complete, and the partials free for the next call, once comm_stream is.
+  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
+  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
+  return Status();
+}
+
+// GEMM+ReduceScatter on copy engines. The window holds the partial sums to
+// send, then those received, each [n, m] in chunks.h's block order, so that
+// the P blocks of one chunk are contiguous: one ncclAlltoAll per chunk. This
+// rank's own block of a chunk is left out of the send half (it would be sent to
+// itself) and computed last, adding what the peers sent.
+Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan,
+                              const MatmulCall& c, cudaStream_t run) {
+  const size_t e = ElementBytes(c.dtype), count = plan.y_shard_bytes / e;
+  const size_t x_row_bytes = plan.x_shard_bytes / plan.block_rows;
+  const size_t y_row_bytes = plan.y_shard_bytes / plan.block_rows;
+  char* sent = g.window;
+  char* received = g.window + plan.partial_bytes;
+  const std::vector<RowBlock> blocks = ReduceScatterBlocks(c.x_rows, g.nranks, plan.chunks);
+  auto x_of = [&](const RowBlock& b) {
+    return static_cast<const char*>(c.x) + x_row_bytes * b.x_row;
+  };
+  for (int j = 0; j < plan.chunks; ++j) {
+    const size_t chunk = static_cast<size_t>(j) * g.nranks;
+    for (int dest = 0; dest < g.nranks; ++dest) {
+      if (dest == g.rank) continue;
+      JCG_RETURN_IF_ERROR(BlockGemm(g, plan, c, x_of(blocks[chunk + dest]),
+                                    sent + plan.y_shard_bytes * (chunk + dest), run));
+    }
+    JCG_CUDA(cudaEventRecord(g.started, run));
+    JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
+    JCG_NCCL(ncclAlltoAll(sent + plan.y_shard_bytes * chunk, received + plan.y_shard_bytes * chunk,
+                          count, plan.nccl_type, g.ce_comm, g.comm_stream));
+    JCG_CUDA(cudaEventRecord(g.arrived[j + 1].get(), g.comm_stream));
+  }
+  const float one = 1.0f;
+  for (int j = 0; j < plan.chunks; ++j) {
+    const size_t chunk = static_cast<size_t>(j) * g.nranks;
+    const RowBlock& own = blocks[chunk + g.rank];
+    void* y = static_cast<char*>(c.y) + y_row_bytes * own.y_row;
+    auto from = [&](int peer) { return received + plan.y_shard_bytes * (chunk + peer); };
+    const int first = (g.rank + 1) % g.nranks;
+    JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[j + 1].get(), 0));
+    // y = x_own @ w + (the first peer's block): the add rides on the GEMM.
+    JCG_CUBLASLT(cublasLtMatmul(g.lt, plan.matmul.get(), &one, c.w, plan.a.get(), x_of(own),
+                                plan.b.get(), &one, from(first), plan.d.get(), y, plan.d.get(),
+                                &plan.algo, g.workspace, plan.workspace_bytes, run));
+    for (int s = 2; s < g.nranks; ++s) {  // groups over 2: y += each other peer's block
+      JCG_CUBLASLT(cublasLtMatrixTransform(g.lt, plan.add.get(), &one, y, plan.d.get(), &one,
+                                           from((g.rank + s) % g.nranks), plan.d.get(), y,
+                                           plan.d.get(), run));
+    }
+  }
+  // Every alltoall was waited for above: the window is free for the next call.
+  return Status();
+}
+
 }  // namespace
+
+size_t WindowBytes(const PipelinedPlan& plan, int nranks) {
+  // ReduceScatter: the blocks to send, then those received; AllGather: the shards.
+  return plan.partial_bytes > 0 ? 2 * plan.partial_bytes
+                                : plan.x_shard_bytes * static_cast<size_t>(nranks);
+}
 
 Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
                    ncclComm_t comm, cudaStream_t stream) {
@@ -105,13 +202,27 @@ Status SendReceive(const void* send, void* receive, size_t bytes, int to, int fr
   return Status();
 }
 
-// cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the shard's
+// cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the block's
 // y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.
-Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, size_t workspace_bytes,
-                         PipelinedPlan* plan) {
+Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
+                         size_t workspace_bytes, PipelinedPlan* plan) {
   const cudaDataType_t t = c.dtype;
-  const int64_t r = c.x_rows, k = c.x_cols;
+  const int64_t k = c.x_cols;
   const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
+  int64_t r = c.x_rows;  // AllGather: one shard
+  if (c.op == CommOp::kReduceScatter) {
+    plan->chunks = ChunksFor(c.x_rows / nranks);
+    r = c.x_rows / nranks / plan->chunks;
+    plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(t);
+    if (c.algorithm == kPipelinedCeAlgorithm && nranks > 2) {
+      cublasLtMatrixTransformDesc_t add = nullptr;
+      JCG_CUBLASLT(cublasLtMatrixTransformDescCreate(&add, CUDA_R_32F));
+      plan->add.reset(add);
+    }
+  }
+  if (r <= 0) return Status::InvalidArgument("x has no rows to multiply");
+  plan->nccl_type = NcclType(t);
+  plan->block_rows = static_cast<size_t>(r);
   cublasLtMatmulDesc_t desc = nullptr;
   // float32 accumulation and scaling, as cuBLASMp's CUBLAS_COMPUTE_32F.
   JCG_CUBLASLT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -153,6 +264,11 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, size_t worksp
 
 Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
                         const MatmulCall& c, cudaStream_t run) {
+  // Each transfer follows its own GEMM on `run`, which follows XLA's work.
+  if (c.op == CommOp::kReduceScatter) {
+    return c.algorithm == kPipelinedCeAlgorithm ? EnqueueReduceScatterCe(g, plan, c, run)
+                                                 : EnqueueReduceScatter(g, plan, c, run);
+  }
   // The transfers start once x is ready, that is after the work XLA enqueued
   // before the call.
   JCG_CUDA(cudaEventRecord(g.started, run));

@@ -1,6 +1,7 @@
-// The project's own AllGather+GEMM: the shards travel by NCCL on a side stream
-// while a cuBLASLt GEMM per shard runs on the call's stream, the local shard's
-// first, which hides the transfers. Two ways to move the shards:
+// The project's own comm-GEMMs: a cuBLASLt GEMM per block of rows on the call's
+// stream while NCCL moves the blocks on a side stream, which hides the
+// transfers. AllGather+GEMM, the local shard's GEMM first, two ways to move
+// the shards:
 //   "pipelined"     NCCL point-to-point straight into the gathered output, a
 //                   step per peer, each shard's GEMM as soon as it is in;
 //                   NCCL's kernels take SMs from the GEMM beside them.
@@ -8,6 +9,15 @@
 //                   place on a zero-CTA communicator (copy engines, no SMs);
 //                   the window is then copied into the gathered output, when
 //                   one is asked for.
+// GEMM+ReduceScatter: x's rows are cut into blocks, a chunk of every
+// destination rank's rows at a time, in one order on every rank (chunks.h);
+// XLA's psum_scatter instead waits for the whole GEMM, then moves everything.
+//   "pipelined"     each block's partial sums go to their owner by an
+//                   ncclReduce beside the next block's GEMM (NCCL's kernels).
+//   "pipelined_ce"  the peers' blocks of a chunk are computed first into a
+//                   symmetric window and swapped by an ncclAlltoAll on the
+//                   zero-CTA communicator (copy engines); then each own block's
+//                   GEMM adds what arrived (beta = 1, C = the received block).
 //
 // Why beside cuBLASMp's: at 4096^3 on 2xH200 cuBLASMp's call spends 118-277 us
 // of host time per call (GPU path ~113 us), so the fused op lost to XLA there.
@@ -31,14 +41,22 @@ namespace jax_comm_gemm {
 
 struct MatmulCall;  // plan.h
 
-// The per-shard GEMM, made once per plan: y_shard[r, m] = x_shard[r, k] @ w.
+// The per-block GEMM, made once per plan: y_block[r, m] = x_block[r, k] @ w. A
+// block is one shard of x (AllGather) or one chunk of a destination's rows
+// (ReduceScatter: `chunks` per rank).
 struct PipelinedPlan {
   LtMatmulDesc matmul;
-  LtLayout a, b, d;  // w, one shard of x, one shard of y (column-major views)
+  LtLayout a, b, d;  // w, one block of x, one block of y (column-major views)
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_bytes = 0;  // what `algo` needs of the context's cuBLASLt workspace
-  size_t x_shard_bytes = 0, y_shard_bytes = 0;
+  size_t x_shard_bytes = 0, y_shard_bytes = 0;  // one block's
+  size_t block_rows = 0;
+  int chunks = 1;            // ReduceScatter: blocks per destination rank (chunks.h)
+  LtTransformDesc add;       // pipelined_ce ReduceScatter, groups over 2: y += received
+  size_t partial_bytes = 0;  // ReduceScatter: the partial sums of all rows, [n, m]
+  ncclDataType_t nccl_type = ncclFloat32;
 };
+
 
 // What a pipelined call runs on: the context's.
 struct PipelineTarget {
@@ -46,11 +64,13 @@ struct PipelineTarget {
   ncclComm_t comm;           // the project's own (split off cuBLASMp's): send/recv
   cudaStream_t comm_stream;
   // started: the call's stream -> comm_stream; arrived[s] (s = 1..P-1): the
-  // shard of step s is in; arrived[0]: comm_stream's last work is done.
+  // shard of step s is in (ReduceScatter, pipelined_ce: chunk s-1 is);
+  // arrived[0]: comm_stream's last work is done.
   cudaEvent_t started;
-  const CudaEvent* arrived;  // max(nranks, 2) of them
+  const CudaEvent* arrived;  // max(nranks, kMaxChunks + 1) of them
   ncclComm_t ce_comm;        // zero-CTA policy; pipelined_ce only
-  char* window;              // symmetric on ce_comm, nranks shards; pipelined_ce only
+  char* window;              // symmetric on ce_comm; pipelined_ce only
+  char* partials;            // plan.partial_bytes; pipelined ReduceScatter only
   void* workspace;
   size_t workspace_bytes;
   int rank, nranks;
@@ -61,10 +81,13 @@ struct PipelineTarget {
 Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
                    ncclComm_t comm, cudaStream_t stream);
 
-// Picks the GEMM algorithm for `call` (an AllGather+GEMM) with cuBLASLt's
-// heuristic, within `workspace_bytes` of workspace.
-Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& call, size_t workspace_bytes,
-                         PipelinedPlan* plan);
+// The window bytes pipelined_ce needs for `plan`.
+size_t WindowBytes(const PipelinedPlan& plan, int nranks);
+
+// Picks the block GEMM's algorithm for `call` on a group of `nranks` with
+// cuBLASLt's heuristic, within `workspace_bytes` of workspace.
+Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& call, int nranks,
+                         size_t workspace_bytes, PipelinedPlan* plan);
 
 // Enqueues `call` on `run` (and target.comm_stream, joined back to `run`).
 // Collective: every rank of the group enqueues the same call.

@@ -27,15 +27,16 @@ from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import Capability
-from jax_comm_gemm.runtime.constants import ALL_GATHER_ONLY_ALGORITHMS
+from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # What autotune measures, per op. "cublasmp_<algorithm>" runs cuBLASMp's fused
-# op; the own algorithms (ALL_GATHER_ONLY_ALGORITHMS) run by their names.
+# op; the project's own algorithms (OWN_ALGORITHMS) run by their names.
 CANDIDATES = {
     AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
          "pipelined_ce"),
-    RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p"),
+    RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
+         "pipelined_ce"),
 }
 IMPLEMENTATIONS = tuple(sorted(set(CANDIDATES[AG]) | set(CANDIDATES[RS])))
 # 2 * rows * k * m per GPU: 4096^3 at TP 2 is 0.69e11 (XLA won), 8192x4096x4096
@@ -86,8 +87,6 @@ def implementation(name: str, template: CublasMpBackend) -> Backend:
   """The backend that runs implementation `name`."""
   if name in PLAIN_BACKENDS:
     return PLAIN_BACKENDS[name]()
-  if name in ALL_GATHER_ONLY_ALGORITHMS:
-    return dataclasses.replace(template, all_gather_algorithm=name)
   algorithm = name.removeprefix("cublasmp_")
   return dataclasses.replace(template, all_gather_algorithm=algorithm,
                              reduce_scatter=algorithm)
@@ -106,8 +105,7 @@ class AutoBackend(Backend):
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):
     configured = self.fused.all_gather_algorithm
-    default = (configured if configured in ALL_GATHER_ONLY_ALGORITHMS
-               else f"cublasmp_{configured}")
+    default = configured if configured in OWN_ALGORITHMS else f"cublasmp_{configured}"
     chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name), default)
     return implementation(chosen, self.fused).all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
@@ -115,7 +113,8 @@ class AutoBackend(Backend):
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
     configured = self.fused.reduce_scatter
-    default = configured if configured in PLAIN_BACKENDS else f"cublasmp_{configured}"
+    default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
+               else f"cublasmp_{configured}")
     chosen, _ = choose(problem(RS, x, w, transpose_w, axis_name), default)
     return implementation(chosen, self.fused).matmul_reduce_scatter(
         x, w, axis_name, transpose_w=transpose_w, precision=precision)

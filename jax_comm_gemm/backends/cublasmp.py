@@ -22,7 +22,8 @@ class CublasMpBackend(Backend):
 
   Attributes:
     all_gather_algorithm: algorithm of the AllGather+GEMM (config.py).
-    reduce_scatter: ``"xla"``, ``"ring"`` or a cuBLASMp algorithm (config.py).
+    reduce_scatter: ``"xla"``, ``"ring"``, a cuBLASMp algorithm or
+      ``"pipelined"`` (config.py).
     gathered_layout: where the gathered operand sits in the workspace; None
       for what the cuBLASMp version documents.
   """

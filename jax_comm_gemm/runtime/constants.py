@@ -14,7 +14,7 @@ TARGETS: dict[str, str] = {
 }
 
 # The fused ops' algorithms, by name: cuBLASMp's cublasMpMatmulAlgoType_t, and
-# the project's own pipelined AllGather+GEMMs (xla_ffi/pipelined.h).
+# the project's own pipelined comm-GEMMs (xla_ffi/pipelined.h).
 ALGORITHMS: dict[str, int] = {
     "default": 0,
     "split_p2p": 1,
@@ -25,8 +25,8 @@ ALGORITHMS: dict[str, int] = {
     "pipelined": 100,
     "pipelined_ce": 101,
 }
-# The project's own algorithms (xla_ffi/pipelined.h): AllGather+GEMM only.
-ALL_GATHER_ONLY_ALGORITHMS = frozenset({"pipelined", "pipelined_ce"})
+# The project's own algorithms (xla_ffi/pipelined.h), for both ops.
+OWN_ALGORITHMS = frozenset({"pipelined", "pipelined_ce"})
 
 # NVLink multicast can take a shared host's GPUs out of service: never without
 # an explicit opt-in, and never in the self-test.

@@ -10,6 +10,7 @@ Longer than 300 lines because each GPU check is a function of its own in one lis
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 
@@ -26,7 +27,7 @@ from jax_comm_gemm.backends import primitives
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
-from jax_comm_gemm.runtime.constants import ALL_GATHER_ONLY_ALGORITHMS, FENCES, TARGETS
+from jax_comm_gemm.runtime.constants import FENCES, OWN_ALGORITHMS, TARGETS
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # Per-row error bounds against float64 (max |error| in a row over max |value| in
@@ -34,7 +35,8 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 # left is the output's rounding and the order of accumulation. One corrupted
 # row gives an error near 1 and fails.
 TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3, "f32": 2e-5}
-RS_ALGORITHMS = ("split_p2p", "atomic_p2p", "no_overlap", "default")
+RS_ALGORITHMS = ("split_p2p", "atomic_p2p", "no_overlap", "default", "pipelined",
+                 "pipelined_ce")
 
 
 def cublasmp(**kw) -> jcg.CommGemmConfig:
@@ -148,13 +150,40 @@ def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
   return out
 
 
+def check_rs_pipelined_chunks(mesh):
+  """The project's own GEMM+ReduceScatters where a rank's rows make 2 and 4
+  chunks (xla_ffi/chunks.h; the other checks' shapes make one), bf16 NN and
+  TN, per row against float64."""
+  out = {}
+  for (n, k, m), transpose_w, algorithm in itertools.product(
+      ((6144, 512, 384), (8192, 256, 640)),  # 3072 rows a rank: 2 chunks; 4096: 4
+      (False, True), ("pipelined", "pipelined_ce")):
+    x64 = random(40, n, k)
+    w64 = random(41, k, m, scale=k**-0.5)
+    x = put(mesh, x64, P(None, "tp"), jnp.bfloat16)
+    w = put(mesh, w64.T if transpose_w else w64,
+            P(None, "tp") if transpose_w else P("tp"), jnp.bfloat16)
+    ref = (np.asarray(x64.astype(jnp.bfloat16), np.float64)
+           @ np.asarray(w64.astype(jnp.bfloat16), np.float64))
+    f = smap(mesh, lambda x, w, t=transpose_w, a=algorithm: primitives.matmul_reduce_scatter(
+        x, w, "tp", transpose_w=t, algorithm=jcg.ALGORITHMS[a]),
+        (P(None, "tp"), P(None, "tp") if transpose_w else P("tp")), P("tp"))
+    err = rel_err(jax.block_until_ready(f(x, w)), ref)
+    name = f"{algorithm}_{n}x{k}x{m}_{'tn' if transpose_w else 'nn'}"
+    assert err < TOLERANCE["bf16"] * 2, f"{name}: worst row error {err}"
+    out[name] = f"ok row_err={err:.2e}"
+  return out
+
+
 def check_inputs_intact(mesh):
   """Each fused op leaves its input buffers as they were (XLA reads them again
   after the op, e.g. to all-gather x for a weight gradient)."""
   out = {}
   for op, transpose_w, algorithm in (("ag", False, "split_p2p"), ("ag", True, "split_p2p"),
                                      ("rs", False, "split_p2p"), ("rs", True, "split_p2p"),
-                                     ("rs", False, "no_overlap"), ("ag", False, "pipelined"),
+                                     ("rs", False, "no_overlap"), ("rs", False, "pipelined"),
+                                     ("rs", True, "pipelined"), ("rs", False, "pipelined_ce"),
+                                     ("rs", True, "pipelined_ce"), ("ag", False, "pipelined"),
                                      ("ag", True, "pipelined"), ("ag", False, "pipelined_ce")):
     x64 = random(30, 1024, 512)
     w64 = random(31, 512, 768, scale=512**-0.5)
@@ -248,7 +277,9 @@ def check_mlp_repeated(mesh, rounds: int = 4):
   variants = {"plain": {}, "keep_input": {"keep": True},
               "rs_no_overlap": {"reduce_scatter": "no_overlap"},
               "pipelined": {"all_gather_algorithm": "pipelined"},
-              "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"}}
+              "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
+              "rs_pipelined": {"reduce_scatter": "pipelined"},
+              "rs_pipelined_ce": {"reduce_scatter": "pipelined_ce"}}
   failures = []
   for i in range(rounds):
     for name, kwargs in variants.items():
@@ -329,7 +360,7 @@ def check_layout_self_test(mesh):
         bad = REGISTRY.verdict(VerdictKey(size, algorithm, dtype, transpose_w, wrong))
         name = f"{algorithm}/{dtype}/{'TN' if transpose_w else 'NN'}"
         assert good.ok, f"{name}: {good.reason}"
-        if algorithm in ALL_GATHER_ONLY_ALGORITHMS:  # no workspace: any layout passes
+        if algorithm in OWN_ALGORITHMS:  # no workspace: any layout passes
           assert bad.ok, f"{name}: {bad.reason}"
         else:
           assert not bad.ok and "self-test" in bad.reason, f"{name}: {bad.reason}"
@@ -547,6 +578,12 @@ CHECKS["mlp_bf16_pipelined_keep_input"] = (
 CHECKS["mlp_bf16_pipelined_ce_keep_input"] = (
     lambda mesh: check_mlp(mesh, "bf16", keep=True, all_gather_algorithm="pipelined_ce"))
 CHECKS["mlp_bf16_rs_no_overlap"] = lambda mesh: check_mlp(mesh, "bf16", "no_overlap")
+for _dt in DTYPES:
+  for _algo in ("pipelined", "pipelined_ce"):
+    CHECKS[f"mlp_{_dt}_rs_{_algo}"] = lambda mesh, dt=_dt, a=_algo: check_mlp(mesh, dt, a)
+    CHECKS[f"mlp_{_dt}_all_{_algo}"] = lambda mesh, dt=_dt, a=_algo: check_mlp(
+        mesh, dt, a, all_gather_algorithm=a)
+CHECKS["rs_pipelined_chunks"] = check_rs_pipelined_chunks
 CHECKS["mlp_f32_rs_no_overlap"] = lambda mesh: check_mlp(mesh, "f32", "no_overlap")
 CHECKS["mlp_repeated"] = check_mlp_repeated
 CHECKS["routing"] = check_routing
@@ -561,5 +598,7 @@ CHECKS["autotune_step"] = check_autotune_step
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
                          "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_bf16_pipelined",
-                         "mlp_bf16_pipelined_ce", "mlp_repeated", "routing", "layout_self_test",
+                         "mlp_bf16_pipelined_ce", "mlp_bf16_rs_pipelined", "mlp_bf16_rs_pipelined_ce",
+                         "rs_pipelined_chunks",
+                         "mlp_repeated", "routing", "layout_self_test",
                          "autotune", "vmap")

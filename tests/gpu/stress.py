@@ -39,7 +39,9 @@ import checks  # noqa: E402
 VARIANTS = {"plain": {}, "keep_input": {"keep": True}, "no_reuse": {"reuse_gathered": False},
             "rs_no_overlap": {"reduce_scatter": "no_overlap"},
             "pipelined": {"all_gather_algorithm": "pipelined"},
-            "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"}}
+            "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
+            "rs_pipelined": {"reduce_scatter": "pipelined"},
+            "own_ce": {"all_gather_algorithm": "pipelined_ce", "reduce_scatter": "pipelined_ce"}}
 IN_SPECS, OUT_SPECS = checks.MLP_IN_SPECS, checks.MLP_OUT_SPECS
 OUTPUTS = ("y", "dx", "dw1", "dw2")
 CHUNK = int(os.environ.get("JCG_STRESS_CHUNK", "20"))  # runs in flight before a fetch

@@ -1,0 +1,62 @@
+// ChunksFor and ReduceScatterBlocks: the pipelined GEMM+ReduceScatter's row
+// blocks cover x once, each block's sums land in its owner's rows, and the
+// order is the same for every rank (it depends on the shape alone).
+#include <cstdint>
+#include <vector>
+
+#include "check.h"
+#include "chunks.h"
+
+using jax_comm_gemm::ChunksFor;
+using jax_comm_gemm::kMaxChunks;
+using jax_comm_gemm::kMinChunkRows;
+using jax_comm_gemm::ReduceScatterBlocks;
+using jax_comm_gemm::RowBlock;
+
+TEST(ChunksDivideTheRowsAndKeepBlocksLarge) {
+  CHECK_EQ(ChunksFor(8192), kMaxChunks);
+  CHECK_EQ(ChunksFor(4096), 4);
+  CHECK_EQ(ChunksFor(2048), 2);
+  CHECK_EQ(ChunksFor(1024), 1);
+  CHECK_EQ(ChunksFor(512), 1);
+  CHECK_EQ(ChunksFor(6144), 4);  // 1536 rows each
+  CHECK_EQ(ChunksFor(3072), 2);  // 768 a chunk would be under kMinChunkRows
+  CHECK_EQ(ChunksFor(4098), 2);  // not a multiple of 4
+  for (int64_t rows : {1, 7, 1000, 1026, 2050, 4100, 8192, 65536}) {
+    const int c = ChunksFor(rows);
+    CHECK(c >= 1 && c <= kMaxChunks);
+    CHECK_EQ(rows % c, int64_t{0});
+    CHECK(c == 1 || rows / c >= kMinChunkRows);
+  }
+}
+
+TEST(BlocksCoverEveryRowOnceAndLandInTheOwnersRows) {
+  for (int nranks : {1, 2, 4, 8}) {
+    for (int chunks : {1, 2, 4}) {
+      const int64_t per_block = 3, rows = per_block * chunks * nranks;
+      const std::vector<RowBlock> blocks = ReduceScatterBlocks(rows, nranks, chunks);
+      CHECK_EQ(blocks.size(), static_cast<size_t>(nranks * chunks));
+      std::vector<int> covered(static_cast<size_t>(rows), 0);
+      for (const RowBlock& b : blocks) {
+        CHECK(b.dest >= 0 && b.dest < nranks);
+        // The block's rows are the owner's: its y rows are its x rows less
+        // the owner's first row.
+        CHECK_EQ(b.x_row - b.dest * (rows / nranks), b.y_row);
+        CHECK(b.y_row >= 0 && b.y_row + per_block <= rows / nranks);
+        for (int64_t r = b.x_row; r < b.x_row + per_block; ++r) ++covered[static_cast<size_t>(r)];
+      }
+      for (int c : covered) CHECK_EQ(c, 1);
+    }
+  }
+}
+
+TEST(EveryDestinationsFirstChunkComesFirst) {
+  const std::vector<RowBlock> blocks = ReduceScatterBlocks(16, 2, 2);
+  CHECK_EQ(blocks.size(), size_t{4});
+  const int64_t want[4][3] = {{0, 0, 0}, {1, 8, 0}, {0, 4, 4}, {1, 12, 4}};
+  for (size_t i = 0; i < 4; ++i) {
+    CHECK_EQ(blocks[i].dest, static_cast<int>(want[i][0]));
+    CHECK_EQ(blocks[i].x_row, want[i][1]);
+    CHECK_EQ(blocks[i].y_row, want[i][2]);
+  }
+}
