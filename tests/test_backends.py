@@ -175,6 +175,25 @@ def _equations(jaxpr):
           yield from _equations(inner)
 
 
+def _checked_mlp_gradient_equations(backend, seed: int) -> list:
+  """The MLP block on `backend` over 2 CPU devices: forward and gradients
+  checked against float64; returns the equations of its gradient's jaxpr."""
+  mesh = cpu_mesh(2)
+  config = jcg.CommGemmConfig(backend=backend)
+  args = random_inputs(seed, [(N, K), (K, M), (M, K)], jnp.float32)
+
+  def fn(x, w1, w2):
+    local = jax.shard_map(
+        lambda x, w1, w2: jcg.mlp(x, w1, w2, axis_name="tp", config=config), mesh=mesh,
+        in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return (local(x, w1, w2),)
+
+  check_against_reference(fn, lambda x, w1, w2: (jax.nn.gelu(x @ w1) @ w2,), args, [(N, K)],
+                          jnp.float32, seed=seed + 1, arg_names=["x", "fc1", "fc2"])
+  jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)[0] ** 2), (0, 1, 2)))(*args)
+  return list(_equations(jaxpr.jaxpr))
+
+
 @pytest.mark.parametrize("reuse_ok", [True, False], ids=["verdict_passes", "verdict_fails"])
 @pytest.mark.parametrize("algorithm", ["pipelined", "pipelined_ce"])
 def test_own_algorithms_mlp(algorithm, reuse_ok):
@@ -184,21 +203,9 @@ def test_own_algorithms_mlp(algorithm, reuse_ok):
   the shards into the gathered output, so it always asks for it and drops it
   where it is not reused; "pipelined_ce" asks only where it is reused (fc2's
   weight gradient, where the verdict passes)."""
-  mesh = cpu_mesh(2)
-  config = jcg.CommGemmConfig(backend=VerdictBackend(all_gather_algorithm=algorithm,
-                                                     reuse_ok=reuse_ok))
-  args = random_inputs(100, [(N, K), (K, M), (M, K)], jnp.float32)
-
-  def fn(x, w1, w2):
-    local = jax.shard_map(
-        lambda x, w1, w2: jcg.mlp(x, w1, w2, axis_name="tp", config=config), mesh=mesh,
-        in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
-    return (local(x, w1, w2),)
-
-  check_against_reference(fn, lambda x, w1, w2: (jax.nn.gelu(x @ w1) @ w2,), args, [(N, K)],
-                          jnp.float32, seed=101, arg_names=["x", "fc1", "fc2"])
-  jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)[0] ** 2), (0, 1, 2)))(*args)
-  calls = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == TARGETS["all_gather_matmul"]]
+  equations = _checked_mlp_gradient_equations(
+      VerdictBackend(all_gather_algorithm=algorithm, reuse_ok=reuse_ok), seed=100)
+  calls = [e for e in equations if e.primitive.name == TARGETS["all_gather_matmul"]]
   assert len(calls) == 2
   assert all(c.params["algorithm"] == jcg.ALGORITHMS[algorithm] for c in calls)
   # By transpose_w: fc2's dgrad (TN) hands its operand on, fc1 (NN) gathers x again.
@@ -206,33 +213,20 @@ def test_own_algorithms_mlp(algorithm, reuse_ok):
   for c in calls:
     asks = reused[c.params["transpose_w"]] or algorithm == "pipelined"
     assert c.params["return_gathered"] == asks, c.params
-  gathers = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "all_gather"]
+  gathers = [e for e in equations if e.primitive.name == "all_gather"]
   assert len(gathers) == (1 if reuse_ok else 2)
 
 
 @pytest.mark.parametrize("reduce_scatter", ["pipelined", "pipelined_ce"])
 @pytest.mark.parametrize("all_gather_algorithm", ["split_p2p", "pipelined"])
 def test_own_reduce_scatter_mlp(all_gather_algorithm, reduce_scatter):
-  """The project's own GEMM+ReduceScatters through
-  CublasMpBackend: the MLP block, forward and gradients, against float64; both
-  GEMM+ReduceScatter calls (fc2 forward, fc1's dgrad, TN) run it, and no
-  psum_scatter of XLA's is left."""
-  mesh = cpu_mesh(2)
-  config = jcg.CommGemmConfig(backend=VerdictBackend(
-      all_gather_algorithm=all_gather_algorithm, reduce_scatter=reduce_scatter, reuse_ok=True))
-  args = random_inputs(102, [(N, K), (K, M), (M, K)], jnp.float32)
-
-  def fn(x, w1, w2):
-    local = jax.shard_map(
-        lambda x, w1, w2: jcg.mlp(x, w1, w2, axis_name="tp", config=config), mesh=mesh,
-        in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
-    return (local(x, w1, w2),)
-
-  check_against_reference(fn, lambda x, w1, w2: (jax.nn.gelu(x @ w1) @ w2,), args, [(N, K)],
-                          jnp.float32, seed=103, arg_names=["x", "fc1", "fc2"])
-  jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(fn(*a)[0] ** 2), (0, 1, 2)))(*args)
-  calls = [e for e in _equations(jaxpr.jaxpr)
-           if e.primitive.name == TARGETS["matmul_reduce_scatter"]]
+  """The project's own GEMM+ReduceScatters through CublasMpBackend: the MLP
+  block, forward and gradients, against float64; both GEMM+ReduceScatter calls
+  (fc2 forward, fc1's dgrad, TN) run it, and no psum_scatter of XLA's is left."""
+  equations = _checked_mlp_gradient_equations(
+      VerdictBackend(all_gather_algorithm=all_gather_algorithm, reduce_scatter=reduce_scatter,
+                     reuse_ok=True), seed=102)
+  calls = [e for e in equations if e.primitive.name == TARGETS["matmul_reduce_scatter"]]
   assert sorted(c.params["transpose_w"] for c in calls) == [False, True]
   assert all(c.params["algorithm"] == jcg.ALGORITHMS[reduce_scatter] for c in calls)
-  assert not [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "reduce_scatter"]
+  assert not [e for e in equations if e.primitive.name == "reduce_scatter"]
