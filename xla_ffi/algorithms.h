@@ -1,8 +1,8 @@
 // The AllGather+GEMM / GEMM+ReduceScatter algorithms the project offers, by
 // the names Python uses: cuBLASMp's, with their numbers taken straight from
-// cublasmp.h's enum, and the project's own "pipelined" AllGather+GEMM
-// and GEMM+ReduceScatter (pipelined.h), numbered clear of that enum. Header constants only: including
-// it links nothing, so _constants can export it.
+// cublasmp.h's enum, and the project's own (pipelined.h), numbered clear of
+// that enum. Header constants only: including it links nothing, so _constants
+// can export it.
 // CUBLASMP_MATMUL_ALGO_TYPE_FUSED (GEMM+AllReduce only) is left out on purpose.
 #ifndef JAX_COMM_GEMM_ALGORITHMS_H_
 #define JAX_COMM_GEMM_ALGORITHMS_H_

@@ -28,7 +28,8 @@ void Context::Abandon() noexcept {
   (void)keys_host_.release(), (void)keys_device_.release(), (void)barrier_word_.release();
   (void)host_wait_event_.release(), (void)event_out_.release(), (void)event_in_.release();
   (void)row_grid_.release(), (void)col_grid_.release(), (void)handle_.release();
-  (void)partials_.release(), (void)lt_workspace_.release(), (void)started_.release(), (void)comm_stream_.release();
+  (void)partials_.release(), (void)lt_workspace_.release();
+  (void)started_.release(), (void)comm_stream_.release();
   for (CudaEvent& e : arrived_) (void)e.release();
   (void)lt_.release();
   (void)stream_.release();

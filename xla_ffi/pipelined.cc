@@ -1,9 +1,6 @@
 #include "pipelined.h"
 
-#include <vector>
-
 #include "algorithms.h"
-#include "chunks.h"
 #include "library_status.h"
 #include "plan.h"
 
@@ -112,18 +109,17 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
 // comm_stream behind its GEMM and beside the next block's GEMM.
 Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
                             const MatmulCall& c, cudaStream_t run) {
-  const size_t e = ElementBytes(c.dtype), m = plan.y_shard_bytes / e / plan.block_rows;
-  const size_t x_row_bytes = plan.x_shard_bytes / plan.block_rows, y_row_bytes = m * e;
-  for (const RowBlock& b : ReduceScatterBlocks(c.x_rows, g.nranks, plan.chunks)) {
-    char* partial = g.partials + y_row_bytes * b.x_row;
-    const char* x = static_cast<const char*>(c.x) + x_row_bytes * b.x_row;
+  const size_t count = plan.y_shard_bytes / ElementBytes(c.dtype);
+  for (const RowBlock& b : plan.blocks) {
+    char* partial = g.partials + plan.y_row_bytes * b.x_row;
+    const char* x = static_cast<const char*>(c.x) + plan.x_row_bytes * b.x_row;
     JCG_RETURN_IF_ERROR(BlockGemm(g, plan, c, x, partial, run));
     // One event serves every block: a wait binds to the record before it.
     JCG_CUDA(cudaEventRecord(g.started, run));
     JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
-    void* owned = static_cast<char*>(c.y) + y_row_bytes * b.y_row;  // on `dest`
-    JCG_NCCL(ncclReduce(partial, owned, plan.block_rows * m, plan.nccl_type, ncclSum, b.dest,
-                        g.comm, g.comm_stream));
+    void* owned = static_cast<char*>(c.y) + plan.y_row_bytes * b.y_row;  // on `dest`
+    JCG_NCCL(ncclReduce(partial, owned, count, plan.nccl_type, ncclSum, b.dest, g.comm,
+                        g.comm_stream));
   }
   // y is complete, and the partials free for the next call, once comm_stream is.
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
@@ -138,14 +134,12 @@ Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
 // itself) and computed last, adding what the peers sent.
 Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan,
                               const MatmulCall& c, cudaStream_t run) {
-  const size_t e = ElementBytes(c.dtype), count = plan.y_shard_bytes / e;
-  const size_t x_row_bytes = plan.x_shard_bytes / plan.block_rows;
-  const size_t y_row_bytes = plan.y_shard_bytes / plan.block_rows;
+  const size_t count = plan.y_shard_bytes / ElementBytes(c.dtype);
   char* sent = g.window;
   char* received = g.window + plan.partial_bytes;
-  const std::vector<RowBlock> blocks = ReduceScatterBlocks(c.x_rows, g.nranks, plan.chunks);
+  const std::vector<RowBlock>& blocks = plan.blocks;
   auto x_of = [&](const RowBlock& b) {
-    return static_cast<const char*>(c.x) + x_row_bytes * b.x_row;
+    return static_cast<const char*>(c.x) + plan.x_row_bytes * b.x_row;
   };
   for (int j = 0; j < plan.chunks; ++j) {
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
@@ -164,7 +158,7 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
   for (int j = 0; j < plan.chunks; ++j) {
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
     const RowBlock& own = blocks[chunk + g.rank];
-    void* y = static_cast<char*>(c.y) + y_row_bytes * own.y_row;
+    void* y = static_cast<char*>(c.y) + plan.y_row_bytes * own.y_row;
     auto from = [&](int peer) { return received + plan.y_shard_bytes * (chunk + peer); };
     const int first = (g.rank + 1) % g.nranks;
     JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[j + 1].get(), 0));
@@ -214,6 +208,7 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
     plan->chunks = ChunksFor(c.x_rows / nranks);
     r = c.x_rows / nranks / plan->chunks;
     plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(t);
+    plan->blocks = ReduceScatterBlocks(c.x_rows, nranks, plan->chunks);
     if (c.algorithm == kPipelinedCeAlgorithm && nranks > 2) {
       cublasLtMatrixTransformDesc_t add = nullptr;
       JCG_CUBLASLT(cublasLtMatrixTransformDescCreate(&add, CUDA_R_32F));
@@ -222,7 +217,7 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   }
   if (r <= 0) return Status::InvalidArgument("x has no rows to multiply");
   plan->nccl_type = NcclType(t);
-  plan->block_rows = static_cast<size_t>(r);
+
   cublasLtMatmulDesc_t desc = nullptr;
   // float32 accumulation and scaling, as cuBLASMp's CUBLAS_COMPUTE_32F.
   JCG_CUBLASLT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -257,8 +252,10 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   }
   plan->algo = result.algo;
   plan->workspace_bytes = result.workspaceSize;
-  plan->x_shard_bytes = static_cast<size_t>(r * k) * ElementBytes(t);
-  plan->y_shard_bytes = static_cast<size_t>(r * m) * ElementBytes(t);
+  plan->x_row_bytes = static_cast<size_t>(k) * ElementBytes(t);
+  plan->y_row_bytes = static_cast<size_t>(m) * ElementBytes(t);
+  plan->x_shard_bytes = static_cast<size_t>(r) * plan->x_row_bytes;
+  plan->y_shard_bytes = static_cast<size_t>(r) * plan->y_row_bytes;
   return Status();
 }
 

@@ -32,11 +32,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include "chunks.h"
 #include "handles.h"
 #include "status.h"
 
@@ -53,8 +55,9 @@ struct PipelinedPlan {
   cublasLtMatmulAlgo_t algo{};
   size_t workspace_bytes = 0;  // what `algo` needs of the context's cuBLASLt workspace
   size_t x_shard_bytes = 0, y_shard_bytes = 0;  // one block's
-  size_t block_rows = 0;
-  int chunks = 1;            // ReduceScatter: blocks per destination rank (chunks.h)
+  size_t x_row_bytes = 0, y_row_bytes = 0;
+  int chunks = 1;                // ReduceScatter: blocks per destination rank
+  std::vector<RowBlock> blocks;  // ReduceScatter: in enqueue order (chunks.h)
   LtTransformDesc add;       // pipelined_ce ReduceScatter, groups over 2: y += received
   size_t partial_bytes = 0;  // ReduceScatter: the partial sums of all rows, [n, m]
   ncclDataType_t nccl_type = ncclFloat32;
