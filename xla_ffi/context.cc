@@ -349,13 +349,14 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
     if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   }
-  // Under kIsolated and kOwnStream, cuBLASMp's call runs on stream_, after
-  // everything XLA enqueued before it and before anything XLA enqueues after
-  // it. The own algorithms run on XLA's stream under every fence: the fences
-  // are for cuBLASMp's workspace, and they were right on XLA's stream (fence
-  // kNone, GPU runs 29 and 33: 0 wrong MLP runs of 460, both process modes).
+  // Under kIsolated and kOwnStream, the call runs on stream_,
+  // after everything XLA enqueued before it and before anything XLA enqueues
+  // after it. The own algorithms need no cross-rank fence, but they stay on
+  // stream_ too: XLA may hand two calls different compute streams, and the
+  // calls of one context share its scratch (cuBLASLt workspace, window,
+  // partial sums, events), which one stream keeps in order.
   const Fence fence = options_.fence;
-  const bool own = !pipelined && (fence == Fence::kIsolated || fence == Fence::kOwnStream);
+  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
   cudaStream_t run = own ? stream_.get() : stream;
   JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
     if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));

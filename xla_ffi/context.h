@@ -148,7 +148,7 @@ class Context {
   NcclComm comm_;      // cuBLASMp's (its grids)
   NcclComm own_comm_;  // split from comm_: the project's barrier, plan agreement, p2p
   NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
-  CudaStream stream_;  // the handle's; cuBLASMp's calls run on it (kIsolated, kOwnStream)
+  CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns
