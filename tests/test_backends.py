@@ -103,8 +103,9 @@ def test_ring_backend_mlp(size, keep):
   assert names.count("ppermute") >= 4 * (size - 1)
 
 
-@pytest.mark.parametrize("reduce_scatter", ["ring", "split_p2p", "xla"])
-@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("reduce_scatter", ["ring", "split_p2p", "xla", "pipelined",
+                                            "pipelined_ce"])
+@pytest.mark.parametrize("size", [2, 4, 8])
 def test_mlp_on_each_reduce_scatter(reduce_scatter, size):
   """The MLP block, forward and gradients, with each way of reduce-scattering."""
   mesh = cpu_mesh(size)
