@@ -221,7 +221,13 @@ Status Context::EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_poin
   JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
   JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
   JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
-  return WithComm([&] { return window_.Allocate(ce_comm_.get(), Granules(bytes)); });
+  Status s = WithComm([&] { return window_.Allocate(ce_comm_.get(), Granules(bytes)); });
+  CountOwnBuffers();
+  return s;
+}
+
+void Context::CountOwnBuffers() {
+  own_buffer_bytes_ = (lt_workspace_ ? kLtWorkspaceBytes : 0) + window_.size() + partials_bytes_;
 }
 
 // Local (cudaMalloc), but the old buffer may still be read by earlier calls'
@@ -234,10 +240,12 @@ Status Context::EnsurePartials(size_t bytes, cudaStream_t stream, Clock::time_po
   JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
   partials_.reset();
   partials_bytes_ = 0;
+  CountOwnBuffers();
   void* ptr = nullptr;
   JCG_CUDA(cudaMalloc(&ptr, Granules(bytes)));
   partials_.reset(ptr);
   partials_bytes_ = Granules(bytes);
+  CountOwnBuffers();
   return Status();
 }
 
@@ -271,6 +279,7 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
     void* ptr = nullptr;
     JCG_CUDA(cudaMalloc(&ptr, kLtWorkspaceBytes));
     lt_workspace_.reset(ptr);
+    CountOwnBuffers();
   }
   // Local, and fails alike on every rank: before the collectives below.
   JCG_RETURN_IF_ERROR(

@@ -84,6 +84,8 @@ class Context {
   int rank() const { return options_.rank; }
   // These never wait for a call in flight (Registry::Describe polls them).
   size_t workspace_bytes() const { return workspace_bytes_.load(); }
+  // The own algorithms' buffers: cuBLASLt workspace, window, partial sums.
+  size_t own_buffer_bytes() const { return own_buffer_bytes_.load(); }
   size_t plan_count() const { return plan_count_.load(); }
   std::string error() const;  // "" while healthy, else why it was aborted
 
@@ -103,6 +105,7 @@ class Context {
                       Clock::time_point deadline);  // pipelined_ce
   Status EnsurePartials(size_t bytes, cudaStream_t stream,
                         Clock::time_point deadline);  // pipelined GEMM+ReduceScatter
+  void CountOwnBuffers();  // own_buffer_bytes_, after one of them changed
   // Enqueues the call's own work on `run`: cuBLASMp's or the pipelined one.
   Status Enqueue(const MatmulCall& call, const Plan& plan, size_t gathered_offset,
                  cudaStream_t run);
@@ -139,6 +142,7 @@ class Context {
   std::atomic<bool> aborted_{false};
   std::atomic<bool> closed_{false};
   std::atomic<size_t> workspace_bytes_{0};
+  std::atomic<size_t> own_buffer_bytes_{0};
   std::atomic<size_t> plan_count_{0};
   CallTracker tracker_;
 

@@ -77,6 +77,7 @@ nb::list Contexts() {
     d["rank"] = c.rank;
     d["nranks"] = c.nranks;
     d["workspace_bytes"] = c.workspace_bytes;
+    d["own_buffer_bytes"] = c.own_buffer_bytes;
     d["plans"] = c.plans;
     d["error"] = c.error;
     out.append(d);
@@ -146,6 +147,7 @@ NB_MODULE(_comm_gemm, m) {
       "Destroys every context; False if that outlasted `timeout_s` (the rest is leaked).");
 
   m.def("contexts", &jcg::Contexts,
-        "One dict per context: group, device, rank, nranks, workspace_bytes, plans, and\n"
-        "error ('' while healthy, else why its communicator was aborted).");
+        "One dict per context: group, device, rank, nranks, workspace_bytes (cuBLASMp's),\n"
+        "own_buffer_bytes (the own algorithms' buffers), plans, and error ('' while\n"
+        "healthy, else why its communicator was aborted).");
 }

@@ -133,7 +133,8 @@ std::vector<ContextInfo> Registry::Describe() {
   std::vector<ContextInfo> out;
   for (const auto& ctx : Snapshot()) {
     out.push_back({ctx->group(), ctx->device(), ctx->rank(), ctx->nranks(),
-                   ctx->workspace_bytes(), ctx->plan_count(), ctx->error()});
+                   ctx->workspace_bytes(), ctx->own_buffer_bytes(), ctx->plan_count(),
+                   ctx->error()});
   }
   return out;
 }

@@ -38,7 +38,7 @@ struct GroupSpec {
 struct ContextInfo {
   int64_t group;
   int device, rank, nranks;
-  size_t workspace_bytes, plans;
+  size_t workspace_bytes, own_buffer_bytes, plans;
   std::string error;  // "" while healthy
 };
 

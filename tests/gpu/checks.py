@@ -466,14 +466,17 @@ def check_memory_flat(mesh, steps: int = 200):
   for i in range(len(sizes)):
     w1, w2 = step(w1, w2, xs[i])
   jax.block_until_ready(w1)
-  before = (_gpu_memory_used_mib(), [c["workspace_bytes"] for c in REGISTRY.contexts()])
+  def buffers():
+    return [(c["workspace_bytes"], c["own_buffer_bytes"]) for c in REGISTRY.contexts()]
+
+  before = (_gpu_memory_used_mib(), buffers())
   for i in range(steps - len(sizes)):
     w1, w2 = step(w1, w2, xs[i % len(sizes)])
   jax.block_until_ready(w1)
-  after = (_gpu_memory_used_mib(), [c["workspace_bytes"] for c in REGISTRY.contexts()])
+  after = (_gpu_memory_used_mib(), buffers())
   assert after[1] == before[1], (before, after)
   assert abs(after[0] - before[0]) <= 8, (before, after)
-  return {"memory_used_mib": [before[0], after[0]], "workspace_bytes": after[1]}
+  return {"memory_used_mib": [before[0], after[0]], "workspace_and_own_bytes": after[1]}
 
 
 def check_autotune(mesh):
