@@ -24,6 +24,7 @@ from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm.runtime.constants import TARGETS
 
 
 def test_decide_takes_the_fastest_by_its_slowest_process():
@@ -132,6 +133,17 @@ def test_environment_forces_or_turns_off(empty_decisions, monkeypatch):
     auto.choose(p, "xla")
 
 
+def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: int):
+  """`program` (x, w) -> x @ w runs `fused_calls` calls of `target` with the
+  chosen algorithm's number, and gives x @ w."""
+  jaxpr = str(jax.make_jaxpr(program)(x, w))
+  assert jaxpr.count(target) == fused_calls
+  if fused_calls:  # the chosen algorithm, by its number
+    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
+  np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                             atol=1e-5)
+
+
 @pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_split_p2p", 1),
                                                  ("pipelined", 1), ("pipelined_ce", 1)])
 def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatch, chosen,
@@ -148,12 +160,7 @@ def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatc
 
   program = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
                                   out_specs=P(None, "tp")))
-  jaxpr = str(jax.make_jaxpr(program)(x, w))
-  assert jaxpr.count("jax_comm_gemm_all_gather_matmul") == fused_calls
-  if fused_calls:  # the chosen algorithm, by its number
-    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
-  np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
-                             atol=1e-5)
+  _check_chosen_program(program, x, w, TARGETS["all_gather_matmul"], chosen, fused_calls)
 
 
 @pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_default", 1),
@@ -170,12 +177,7 @@ def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fu
 
   program = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), P("tp")),
                                   out_specs=P("tp")))
-  jaxpr = str(jax.make_jaxpr(program)(x, w))
-  assert jaxpr.count("jax_comm_gemm_matmul_reduce_scatter") == fused_calls
-  if fused_calls:  # the chosen algorithm, by its number
-    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
-  np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
-                             atol=1e-5)
+  _check_chosen_program(program, x, w, TARGETS["matmul_reduce_scatter"], chosen, fused_calls)
 
 
 def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
