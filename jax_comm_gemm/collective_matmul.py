@@ -9,7 +9,8 @@ gradient. The weight gradient needs the gathered operand, and
 * in ``matmul_reduce_scatter``'s backward, from the AllGather+GEMM that computes
   the input gradient (its gathered grad_output), where the backend can hand it
   out (a verdict cached at connect and read at trace time), else from a
-  regular ``lax.all_gather``;
+  regular ``lax.all_gather``. Where :func:`weight_gradient_route` allows, that
+  call computes the weight gradient itself, reading the operand in place;
 * in ``all_gather_matmul``'s backward, from the forward when
   ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
   ``lax.all_gather`` of the input.
@@ -55,6 +56,28 @@ def gathered_route(backend: Backend, reuse_gathered: bool | None, axis_size: int
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightGradientRoute:
+  """Whether the row-parallel backward computes its weight gradient inside the
+  AllGather+GEMM (``fuse``), reading the gathered operand in place, and why."""
+  fuse: bool
+  reason: str
+
+
+def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
+                          reuse_gathered: bool | None, x, w, axis_name: str,
+                          transpose_w: bool) -> WeightGradientRoute:
+  """The one place that decides whether the row-parallel backward's
+  AllGather+GEMM (of grad_output `x` and `w`, with `transpose_w`) also
+  computes the weight gradient."""
+  if not fuse_weight_gradient:
+    return WeightGradientRoute(False, "fuse_weight_gradient=False was requested")
+  if reuse_gathered is False:
+    return WeightGradientRoute(False, "reuse_gathered=False was requested")
+  verdict = backend.weight_gradient_fusion(x, w, axis_name, transpose_w)
+  return WeightGradientRoute(verdict.ok, verdict.reason)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Static:
   """The non-differentiable arguments of both custom_vjp rules."""
   axis_name: str
@@ -64,6 +87,7 @@ class _Static:
   return_gathered: bool = False
   keep_gathered_input: bool = False
   precision: Any = None
+  fuse_weight_gradient: bool = True
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -127,7 +151,8 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
-                   config.reuse_gathered, precision=precision)
+                   config.reuse_gathered, precision=precision,
+                   fuse_weight_gradient=config.fuse_weight_gradient)
   return _matmul_reduce_scatter(*_varying(axis_name, x, w), static)
 
 
@@ -249,6 +274,11 @@ def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
   x, w = res
   if isinstance(ct_y, SymbolicZero):
     return (_or_zeros(None, x.shape, x.dtype, x), _or_zeros(None, w.shape, w.dtype, w))
+  route = weight_gradient_route(s.backend, s.fuse_weight_gradient, s.reuse_gathered, ct_y, w,
+                                s.axis_name, not s.transpose_w)
+  if route.fuse:  # dx and dw in one call, AG(dy) read where it was gathered
+    return s.backend.all_gather_matmul_weight_gradient(
+        ct_y, w, x, s.axis_name, transpose_w=not s.transpose_w, precision=s.precision)
   # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
   dx, gathered_dy = _gathering_matmul(s, ct_y, w, not s.transpose_w)
   # w [k, m]: dw = x.T @ AG(dy);  w [m, k]: dw = AG(dy).T @ x.

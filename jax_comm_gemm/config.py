@@ -46,6 +46,13 @@ class CommGemmConfig:
     reuse_gathered: ``None`` reuses the operand that a fused AllGather+GEMM
       gathered wherever the cached capability check passes; ``False`` always
       gathers again with ``lax.all_gather`` (for A/B runs and debugging).
+    fuse_weight_gradient: in the row-parallel backward, let the AllGather+GEMM
+      that computes the input gradient also compute the weight gradient,
+      reading its gathered grad_output where it gathered it (cuBLASMp's
+      workspace, ``pipelined_ce``'s window: xla_ffi/weight_gradient.h), instead
+      of copying it out for XLA's GEMM. Where the backend cannot (XLA, the
+      ring, ``pipelined``, a failed verdict) the copy path runs. ``False``
+      always runs the copy path, for A/B runs.
     allow_multicast: permit the NVLink-multicast algorithms.
     gathered_layout: where cuBLASMp leaves the gathered operand, ``None`` to
       choose from the cuBLASMp version (a debugging knob: a wrong layout is
@@ -56,6 +63,7 @@ class CommGemmConfig:
   all_gather_algorithm: str = "split_p2p"
   reduce_scatter: str = "xla"
   reuse_gathered: bool | None = None
+  fuse_weight_gradient: bool = True
   allow_multicast: bool = False
   gathered_layout: str | None = None
 
@@ -73,6 +81,10 @@ class CommGemmConfig:
       raise ValueError(
           "CommGemmConfig.reuse_gathered must be None (reuse where the "
           f"capability check passes) or False, got {self.reuse_gathered!r}")
+    if not isinstance(self.fuse_weight_gradient, bool):
+      raise ValueError(
+          "CommGemmConfig.fuse_weight_gradient must be True or False, got "
+          f"{self.fuse_weight_gradient!r}")
     if self.gathered_layout is not None and self.gathered_layout not in GATHERED_LAYOUTS:
       raise ValueError(
           f"CommGemmConfig.gathered_layout must be None or one of "

@@ -16,6 +16,9 @@ namespace jax_comm_gemm {
 // The names Python registers the handlers under (jax.ffi.register_ffi_target).
 inline constexpr char kAllGatherMatmulTarget[] = "jax_comm_gemm_all_gather_matmul";
 inline constexpr char kMatmulReduceScatterTarget[] = "jax_comm_gemm_matmul_reduce_scatter";
+// The AllGather+GEMM that also computes the weight gradient (weight_gradient.h).
+inline constexpr char kAllGatherMatmulWeightGradientTarget[] =
+    "jax_comm_gemm_all_gather_matmul_weight_gradient";
 
 // Where cuBLASMp leaves the gathered operand B of an AllGather+GEMM in its
 // workspace. kFront: at offset 0 (documented for cuBLASMp >= 0.11.0).

@@ -16,6 +16,7 @@ NB_MODULE(_constants, m) {
     nb::dict targets;
     targets["all_gather_matmul"] = jcg::kAllGatherMatmulTarget;
     targets["matmul_reduce_scatter"] = jcg::kMatmulReduceScatterTarget;
+    targets["all_gather_matmul_weight_gradient"] = jcg::kAllGatherMatmulWeightGradientTarget;
     nb::dict algorithms;
     for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
       algorithms[a.name] = static_cast<int>(a.algorithm);

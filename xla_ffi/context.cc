@@ -11,6 +11,7 @@
 #include "layout.h"
 #include "library_status.h"
 #include "pipelined.h"
+#include "weight_gradient.h"
 
 namespace jax_comm_gemm {
 namespace {
@@ -269,18 +270,27 @@ Status Context::ConnectPeers(Clock::time_point deadline) {
   return Status();
 }
 
+Status Context::EnsureLtWorkspace() {
+  if (lt_workspace_) return Status();
+  void* ptr = nullptr;
+  JCG_CUDA(cudaMalloc(&ptr, kLtWorkspaceBytes));
+  lt_workspace_.reset(ptr);
+  CountOwnBuffers();
+  return Status();
+}
+
 Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
                             Clock::time_point deadline, Plan* plan) {
+  if (c.dw != nullptr) {  // local, and fails alike on every rank: first
+    JCG_RETURN_IF_ERROR(EnsureLtWorkspace());
+    JCG_RETURN_IF_ERROR(MakeWeightGradientPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes,
+                                               &plan->weight_gradient));
+  }
   if (!IsPipelined(c.algorithm)) {
     const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
     return WithComm([&] { return MakePlan(target, c, plan); });
   }
-  if (!lt_workspace_) {
-    void* ptr = nullptr;
-    JCG_CUDA(cudaMalloc(&ptr, kLtWorkspaceBytes));
-    lt_workspace_.reset(ptr);
-    CountOwnBuffers();
-  }
+  JCG_RETURN_IF_ERROR(EnsureLtWorkspace());
   // Local, and fails alike on every rank: before the collectives below.
   JCG_RETURN_IF_ERROR(
       MakePipelinedPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes, &plan->pipelined));
@@ -308,7 +318,15 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
                                 kLtWorkspaceBytes,
                                 options_.rank,
                                 options_.nranks};
-    return EnqueuePipelined(target, plan.pipelined, c, run);
+    JCG_RETURN_IF_ERROR(EnqueuePipelined(target, plan.pipelined, c, run));
+    // pipelined_ce gathered into the window (the handler refuses "pipelined"),
+    // which the next call overwrites only after its start on `run`.
+    if (c.dw != nullptr) {
+      JCG_RETURN_IF_ERROR(EnqueueWeightGradient(lt_.get(), plan.weight_gradient, c,
+                                                window_.data(), lt_workspace_.get(),
+                                                kLtWorkspaceBytes, run));
+    }
+    return Status();
   }
   JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
   const float alpha = 1.0f, beta = 0.0f;
@@ -317,12 +335,18 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
       plan.a.get(), c.x, 1, 1, plan.b.get(), &beta, nullptr, 1, 1, nullptr, c.y, 1, 1,
       plan.d.get(), workspace_.data(), plan.device_bytes, host_workspace_.data(),
       plan.host_bytes));
+  const char* gathered = workspace_.data() + gathered_offset;
   if (c.gathered != nullptr) {
-    JCG_CUDA(cudaMemcpyAsync(c.gathered, workspace_.data() + gathered_offset, c.gathered_bytes,
-                             cudaMemcpyDeviceToDevice, run));
+    JCG_CUDA(cudaMemcpyAsync(c.gathered, gathered, c.gathered_bytes, cudaMemcpyDeviceToDevice,
+                             run));
+  }
+  if (c.dw != nullptr) {
+    JCG_RETURN_IF_ERROR(EnqueueWeightGradient(lt_.get(), plan.weight_gradient, c, gathered,
+                                              lt_workspace_.get(), kLtWorkspaceBytes, run));
   }
   // The barrier keeps a peer's next call off this rank's workspace until the
-  // gathered copy above, which cuBLASMp does not know about, has read it. The
+  // gathered copy or weight gradient above, which cuBLASMp does not know
+  // about, has read it. The
   // pipelined algorithm writes no workspace of a peer's: NCCL orders its
   // transfers within the call.
   const Fence fence = options_.fence;
@@ -351,7 +375,7 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
   const bool pipelined = IsPipelined(c.algorithm);
   size_t gathered_offset = 0;
   if (!pipelined) {
-    if (c.gathered != nullptr) {  // before any collective: fails alike on every rank
+    if (c.gathered != nullptr || c.dw != nullptr) {  // before any collective: fails alike
       JCG_RETURN_IF_ERROR(
           GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
     }

@@ -122,7 +122,8 @@ class Context {
   void Abandon() noexcept;
 
   static constexpr size_t kMaxPlans = 64;
-  // cuBLASLt's workspace for the pipelined GEMMs (XLA gives its own 32 MiB).
+  Status EnsureLtWorkspace();
+  // cuBLASLt's workspace for the own GEMMs (XLA gives its own 32 MiB).
   static constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
   const ContextOptions options_;
@@ -166,7 +167,7 @@ class Context {
   CudaStream comm_stream_;
   CudaEvent started_;
   std::vector<CudaEvent> arrived_;  // max(nranks, kMaxChunks + 1): see PipelineTarget
-  DeviceBuffer lt_workspace_;       // allocated with the first pipelined plan
+  DeviceBuffer lt_workspace_;       // allocated with the first plan of a cuBLASLt GEMM
   bool peers_connected_ = false;    // for NCCL send/recv (ConnectPeers)
   SymmetricWindow window_;          // pipelined_ce's, on ce_comm_
   DeviceBuffer partials_;           // the pipelined GEMM+ReduceScatter's partial sums

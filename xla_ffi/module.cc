@@ -95,6 +95,8 @@ NB_MODULE(_comm_gemm, m) {
     nb::dict d;
     d[jcg::kAllGatherMatmulTarget] = nb::capsule(reinterpret_cast<void*>(kAllGatherMatmul));
     d[jcg::kMatmulReduceScatterTarget] = nb::capsule(reinterpret_cast<void*>(kMatmulReduceScatter));
+    d[jcg::kAllGatherMatmulWeightGradientTarget] =
+        nb::capsule(reinterpret_cast<void*>(kAllGatherMatmulWeightGradient));
     return d;
   }, "The FFI handlers by target name (the names _constants.constants() lists).");
 

@@ -1,13 +1,14 @@
 #include "pipelined.h"
 
+#include <string>
+
 #include "algorithms.h"
+#include "cublaslt.h"
 #include "library_status.h"
 #include "plan.h"
 
 namespace jax_comm_gemm {
 namespace {
-
-size_t ElementBytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
 
 ncclDataType_t NcclType(cudaDataType_t t) {
   switch (t) {
@@ -15,20 +16,6 @@ ncclDataType_t NcclType(cudaDataType_t t) {
     case CUDA_R_16F: return ncclFloat16;
     default: return ncclFloat32;
   }
-}
-
-Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out) {
-  cublasLtMatrixLayout_t layout = nullptr;
-  JCG_CUBLASLT(cublasLtMatrixLayoutCreate(&layout, t, rows, cols, ld));
-  out->reset(layout);
-  return Status();
-}
-
-template <typename T>
-Status SetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
-                    const T& value) {
-  JCG_CUBLASLT(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
-  return Status();
 }
 
 // One block: y_block = x_block @ w, on `run`.
@@ -218,14 +205,8 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   if (r <= 0) return Status::InvalidArgument("x has no rows to multiply");
   plan->nccl_type = NcclType(t);
 
-  cublasLtMatmulDesc_t desc = nullptr;
-  // float32 accumulation and scaling, as cuBLASMp's CUBLAS_COMPUTE_32F.
-  JCG_CUBLASLT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  plan->matmul.reset(desc);
   const cublasOperation_t trans_a = c.transpose_w ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const cublasOperation_t trans_b = CUBLAS_OP_N;
-  JCG_RETURN_IF_ERROR(SetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, trans_a));
-  JCG_RETURN_IF_ERROR(SetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, trans_b));
+  JCG_RETURN_IF_ERROR(CreateMatmulDesc(trans_a, CUBLAS_OP_N, &plan->matmul));
   if (c.transpose_w) {  // w [m, k] row-major is A (k x m), used transposed
     JCG_RETURN_IF_ERROR(CreateLayout(t, k, m, k, &plan->a));
   } else {  // w [k, m] row-major is A (m x k)
@@ -233,25 +214,10 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   }
   JCG_RETURN_IF_ERROR(CreateLayout(t, k, r, k, &plan->b));
   JCG_RETURN_IF_ERROR(CreateLayout(t, m, r, m, &plan->d));
-  cublasLtMatmulPreference_t pref_raw = nullptr;
-  JCG_CUBLASLT(cublasLtMatmulPreferenceCreate(&pref_raw));
-  LtPreference pref(pref_raw);
-  const uint64_t max_workspace = workspace_bytes;
-  JCG_CUBLASLT(cublasLtMatmulPreferenceSetAttribute(
-      pref.get(), CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_workspace,
-      sizeof(max_workspace)));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  JCG_CUBLASLT(cublasLtMatmulAlgoGetHeuristic(lt, desc, plan->a.get(), plan->b.get(),
-                                              plan->d.get(), plan->d.get(), pref.get(), 1,
-                                              &result, &found));
-  if (found == 0) {
-    return Status::InvalidArgument("cuBLASLt has no GEMM algorithm for a " + std::to_string(r) +
-                                   " x " + std::to_string(k) + " x " + std::to_string(m) +
-                                   " shard");
-  }
-  plan->algo = result.algo;
-  plan->workspace_bytes = result.workspaceSize;
+  JCG_RETURN_IF_ERROR(PickAlgorithm(
+      lt, plan->matmul, plan->a, plan->b, plan->d, workspace_bytes,
+      "a " + std::to_string(r) + " x " + std::to_string(k) + " x " + std::to_string(m) + " shard",
+      &plan->algo, &plan->workspace_bytes));
   plan->x_row_bytes = static_cast<size_t>(k) * ElementBytes(t);
   plan->y_row_bytes = static_cast<size_t>(m) * ElementBytes(t);
   plan->x_shard_bytes = static_cast<size_t>(r) * plan->x_row_bytes;

@@ -15,12 +15,15 @@
 #include "pipelined.h"
 #include "plan_key.h"
 #include "status.h"
+#include "weight_gradient.h"
 
 namespace jax_comm_gemm {
 
 // One comm+GEMM call, in the row-major (JAX) terms of one shard:
 //   AllGather:      y[n, m/P] = AG(x[n/P, k]) @ w[k, m/P]   (w[m/P, k] if transpose_w)
 //   ReduceScatter:  y[n/P, m] = RS(x[n, k/P] @ w[k/P, m])   (w[m, k/P] if transpose_w)
+// An AllGather may also compute the weight gradient from the gathered x in
+// place (weight_gradient.h): dw (w's shape) from h (y's shape).
 struct MatmulCall {
   CommOp op = CommOp::kAllGather;
   cudaDataType_t dtype = CUDA_R_32F;
@@ -31,19 +34,25 @@ struct MatmulCall {
   const void* w = nullptr;
   int64_t w_rows = 0, w_cols = 0;
   void* y = nullptr;
-  // AllGather only: where to copy the gathered x ([n, k]), or null.
+  // AllGather only: where to copy the gathered x ([n, k]), or null; its size
+  // and where cuBLASMp leaves it, also set for the weight gradient.
   void* gathered = nullptr;
   size_t gathered_bytes = 0;
   GatheredLayout layout = GatheredLayout::kFront;
+  // AllGather only, the fused weight gradient: its input h and result dw, or null.
+  const void* h = nullptr;
+  void* dw = nullptr;
 
   PlanKey key() const {
     return {op,     static_cast<int64_t>(dtype), transpose_w, algorithm,
-            x_rows, x_cols,                      w_rows,      w_cols};
+            x_rows, x_cols,                      w_rows,      w_cols,
+            dw != nullptr};
   }
 };
 
 struct Plan {
   PipelinedPlan pipelined;      // the pipelined algorithm's; empty for cuBLASMp's
+  WeightGradientPlan weight_gradient;  // empty unless the call computes dw
   int64_t m = 0, n = 0, k = 0;  // cuBLASMp's global problem
   MatrixDescriptor a, b, d;
   MatmulDescriptor matmul;

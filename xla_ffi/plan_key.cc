@@ -13,15 +13,16 @@ namespace {
 
 // "JCGPKEY" and a format version: a rank running another build (or garbage)
 // is reported as such rather than as a shape mismatch.
-constexpr uint64_t kFormatWord = 0x4A4347504B455901ull;
+constexpr uint64_t kFormatWord = 0x4A4347504B455902ull;
 
 const char* const kFieldNames[kPlanKeyFields] = {
     "operation", "dtype", "transpose_w", "algorithm", "x rows", "x cols", "w rows", "w cols",
+    "weight gradient",
 };
 
 std::array<int64_t, kPlanKeyFields> Fields(const PlanKey& k) {
   return {static_cast<int64_t>(k.op), k.dtype, k.transpose_w ? 1 : 0, k.algorithm,
-          k.x_rows, k.x_cols, k.w_rows, k.w_cols};
+          k.x_rows, k.x_cols, k.w_rows, k.w_cols, k.weight_gradient ? 1 : 0};
 }
 
 std::string DtypeName(int64_t dtype) {
@@ -39,7 +40,8 @@ std::string FormatField(size_t field, int64_t value) {
       return value == static_cast<int64_t>(CommOp::kAllGather) ? kAllGatherMatmulTarget
                                                                : kMatmulReduceScatterTarget;
     case 1: return DtypeName(value);
-    case 2: return value ? "true" : "false";
+    case 2:
+    case 8: return value ? "true" : "false";
     case 3: {
       const char* name = AlgorithmNameOf(value);
       return name != nullptr ? name : "algorithm " + std::to_string(value);
@@ -113,7 +115,8 @@ Status ParsePlanKey(const unsigned char* bytes, int rank, PlanKey* out) {
   }
   const bool known_op = f[0] == static_cast<int64_t>(CommOp::kAllGather) ||
                         f[0] == static_cast<int64_t>(CommOp::kReduceScatter);
-  if (GetWord(bytes) != kFormatWord || !known_op || (f[2] != 0 && f[2] != 1)) {
+  if (GetWord(bytes) != kFormatWord || !known_op || (f[2] != 0 && f[2] != 1) ||
+      (f[8] != 0 && f[8] != 1)) {
     return Status::FailedPrecondition(
         "plan agreement: rank " + std::to_string(rank) +
         " sent something that is not a jax_comm_gemm plan key (do all processes run the "
@@ -124,6 +127,7 @@ Status ParsePlanKey(const unsigned char* bytes, int rank, PlanKey* out) {
   out->transpose_w = f[2] != 0;
   out->algorithm = f[3];
   out->x_rows = f[4], out->x_cols = f[5], out->w_rows = f[6], out->w_cols = f[7];
+  out->weight_gradient = f[8] != 0;
   return Status();
 }
 

@@ -23,18 +23,20 @@ struct PlanKey {
   bool transpose_w = false;
   int64_t algorithm = 0;  // a cublasMpMatmulAlgoType_t
   int64_t x_rows = 0, x_cols = 0, w_rows = 0, w_cols = 0;
+  bool weight_gradient = false;  // AllGather only: also dw (weight_gradient.h)
 
   auto tie() const {
-    return std::tie(op, dtype, transpose_w, algorithm, x_rows, x_cols, w_rows, w_cols);
+    return std::tie(op, dtype, transpose_w, algorithm, x_rows, x_cols, w_rows, w_cols,
+                    weight_gradient);
   }
   bool operator==(const PlanKey& o) const { return tie() == o.tie(); }
   bool operator!=(const PlanKey& o) const { return tie() != o.tie(); }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
 
-// The wire form: a format word, then the 8 fields, each as 8 little-endian
+// The wire form: a format word, then the 9 fields, each as 8 little-endian
 // bytes. Fixed size, so one ncclAllGather of kPlanKeyBytes per rank carries it.
-inline constexpr size_t kPlanKeyFields = 8;
+inline constexpr size_t kPlanKeyFields = 9;
 inline constexpr size_t kPlanKeyBytes = 8 * (1 + kPlanKeyFields);
 using PlanKeyBytes = std::array<unsigned char, kPlanKeyBytes>;
 

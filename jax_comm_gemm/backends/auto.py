@@ -103,14 +103,27 @@ class AutoBackend(Backend):
 
   name = "auto"
 
-  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
-                        precision=None):
+  def _all_gather(self, x, w, transpose_w, axis_name) -> Backend:
+    """The backend of the AllGather+GEMM chosen for these operands."""
     configured = self.fused.all_gather_algorithm
     default = configured if configured in OWN_ALGORITHMS else f"cublasmp_{configured}"
     chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name), default)
-    return implementation(chosen, self.fused).all_gather_matmul(
+    return implementation(chosen, self.fused)
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    return self._all_gather(x, w, transpose_w, axis_name).all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
         precision=precision)
+
+  def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
+                                        precision=None):
+    return self._all_gather(x, w, transpose_w, axis_name).all_gather_matmul_weight_gradient(
+        x, w, h, axis_name, transpose_w=transpose_w, precision=precision)
+
+  def weight_gradient_fusion(self, x, w, axis_name, transpose_w):
+    return self._all_gather(x, w, transpose_w, axis_name).weight_gradient_fusion(
+        x, w, axis_name, transpose_w)
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
     configured = self.fused.reduce_scatter

@@ -22,6 +22,12 @@ class Backend:
   gathered_reuse: whether return_gathered hands out the operand the op
     gathered anyway (no extra all-gather), for this group size, dtype and
     transpose. Only then may a caller ask for it.
+  all_gather_matmul_weight_gradient: x, w as all_gather_matmul, h of y's
+    shape [n, f] -> (y, dw), dw of w's shape computed from the gathered x
+    where the op gathered it (``h.T @ AG(x)`` for w [f, k], else
+    ``AG(x).T @ h``): the row-parallel layer's backward in one call.
+  weight_gradient_fusion: whether that call exists for these operands; only
+    then may a caller make it.
   `precision` is passed to the GEMMs that XLA runs (``lax.dot_general``).
   """
 
@@ -36,3 +42,10 @@ class Backend:
 
   def gathered_reuse(self, axis_size: int, dtype, transpose_w: bool) -> Capability:
     raise NotImplementedError
+
+  def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
+                                        precision=None):
+    raise NotImplementedError
+
+  def weight_gradient_fusion(self, x, w, axis_name, transpose_w: bool) -> Capability:
+    return Capability(False, f"the {self.name} backend leaves the weight gradient to XLA")

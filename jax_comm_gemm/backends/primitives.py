@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.backends.xla import XlaBackend
+from jax_comm_gemm.backends.xla import XlaBackend, gathered_matmul_t
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS, TARGETS
 
@@ -34,6 +34,19 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool, return_gathere
   return tuple(_ag_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
                           transpose_w=bool(transpose_w), return_gathered=bool(return_gathered),
                           algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout]))
+
+
+def all_gather_matmul_weight_gradient(x, w, h, axis_name: str, *, transpose_w: bool,
+                                      algorithm: int, layout: str):
+  """(y, dw): the AllGather+GEMM, and the weight gradient that reads its
+  gathered x in place (xla_ffi/weight_gradient.h), h having y's shape and dw
+  w's: ``h.T @ AG(x)`` for w [f, k] (transpose_w), ``AG(x).T @ h`` for w [k, f].
+  Checked by the caller."""
+  x, w, h = vma.match(x, w, h)
+  return tuple(_agw_p.bind(x, w, h, axis_name=axis_name,
+                           axis_size=int(lax.axis_size(axis_name)),
+                           transpose_w=bool(transpose_w), algorithm=int(algorithm),
+                           layout=GATHERED_LAYOUTS[layout]))
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool, algorithm: int):
@@ -53,6 +66,11 @@ def _ag_abstract_eval(x, w, *, axis_size, transpose_w, return_gathered, **_):
   if return_gathered:
     outs.append(x.update(shape=(n, x.shape[1])))
   return outs
+
+
+def _agw_abstract_eval(x, w, h, *, axis_size, transpose_w, **_):
+  n = x.shape[0] * axis_size
+  return [x.update(shape=(n, _out_features(w, transpose_w))), x.update(shape=w.shape)]
 
 
 def _rs_abstract_eval(x, w, *, axis_size, transpose_w, **_):
@@ -77,6 +95,13 @@ def _ag_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, return_gathere
       transpose_w=bool(transpose_w), layout=np.int64(layout))
 
 
+def _agw_lowering(ctx, x, w, h, *, axis_name, axis_size, transpose_w, algorithm, layout):
+  del axis_size
+  return jax.ffi.ffi_lowering(TARGETS["all_gather_matmul_weight_gradient"])(
+      ctx, x, w, h, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
+      transpose_w=bool(transpose_w), layout=np.int64(layout))
+
+
 def _rs_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, algorithm):
   del axis_size
   return jax.ffi.ffi_lowering(TARGETS["matmul_reduce_scatter"])(
@@ -88,6 +113,12 @@ def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
   out = XlaBackend().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
                                        return_gathered=return_gathered)
   return list(out) if return_gathered else [out]
+
+
+def _agw_elsewhere(x, w, h, *, axis_name, transpose_w, **_):
+  y, g = XlaBackend().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
+                                        return_gathered=True)
+  return [y, gathered_matmul_t(h, g) if transpose_w else gathered_matmul_t(g, h)]
 
 
 def _rs_elsewhere(x, w, *, axis_name, transpose_w, **_):
@@ -126,6 +157,14 @@ _ag_p.def_impl(_eager)
 mlir.register_lowering(_ag_p, _ag_lowering, platform="cuda")
 mlir.register_lowering(_ag_p, mlir.lower_fun(_ag_elsewhere, multiple_results=True))
 batching.primitive_batchers[_ag_p] = _per_element(_ag_p)
+
+_agw_p = Primitive("jax_comm_gemm_all_gather_matmul_weight_gradient")
+_agw_p.multiple_results = True
+_agw_p.def_abstract_eval(_agw_abstract_eval)
+_agw_p.def_impl(_eager)
+mlir.register_lowering(_agw_p, _agw_lowering, platform="cuda")
+mlir.register_lowering(_agw_p, mlir.lower_fun(_agw_elsewhere, multiple_results=True))
+batching.primitive_batchers[_agw_p] = _per_element(_agw_p)
 
 _rs_p = Primitive("jax_comm_gemm_matmul_reduce_scatter")
 _rs_p.def_abstract_eval(_rs_abstract_eval)

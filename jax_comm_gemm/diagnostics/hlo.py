@@ -23,8 +23,9 @@ class CollectiveCounts:
   all_gather: int
   reduce_scatter: int
   all_reduce: int
-  fused_all_gather_matmul: int
+  fused_all_gather_matmul: int  # those computing the weight gradient too included
   fused_matmul_reduce_scatter: int
+  fused_weight_gradient: int = 0  # AllGather+GEMMs that compute the weight gradient
 
 
 def _opcodes(hlo_text: str) -> list[tuple[str, str]]:
@@ -54,8 +55,10 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
       all_gather=n("all-gather", "all-gather-start"),
       reduce_scatter=n("reduce-scatter", "reduce-scatter-start"),
       all_reduce=n("all-reduce", "all-reduce-start"),
-      fused_all_gather_matmul=calls(TARGETS["all_gather_matmul"]),
-      fused_matmul_reduce_scatter=calls(TARGETS["matmul_reduce_scatter"]))
+      fused_all_gather_matmul=(calls(TARGETS["all_gather_matmul"])
+                               + calls(TARGETS["all_gather_matmul_weight_gradient"])),
+      fused_matmul_reduce_scatter=calls(TARGETS["matmul_reduce_scatter"]),
+      fused_weight_gradient=calls(TARGETS["all_gather_matmul_weight_gradient"]))
 
 
 def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:

@@ -11,6 +11,8 @@ from __future__ import annotations
 TARGETS: dict[str, str] = {
     "all_gather_matmul": "jax_comm_gemm_all_gather_matmul",
     "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
+    # the AllGather+GEMM that also computes the weight gradient in place
+    "all_gather_matmul_weight_gradient": "jax_comm_gemm_all_gather_matmul_weight_gradient",
 }
 
 # The fused ops' algorithms, by name: cuBLASMp's cublasMpMatmulAlgoType_t, and

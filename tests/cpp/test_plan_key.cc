@@ -28,7 +28,7 @@ PlanKey Sample() {
 
 // Each way of changing one field of Sample().
 std::vector<PlanKey> OneFieldChanged() {
-  std::vector<PlanKey> out(8, Sample());
+  std::vector<PlanKey> out(9, Sample());
   out[0].op = CommOp::kReduceScatter;
   out[1].dtype = 0;
   out[2].transpose_w = true;
@@ -37,6 +37,7 @@ std::vector<PlanKey> OneFieldChanged() {
   out[5].x_cols = 1023;
   out[6].w_rows = 1;
   out[7].w_cols = 4096;
+  out[8].weight_gradient = true;
   return out;
 }
 
@@ -67,7 +68,7 @@ TEST(KeysPlanCacheApart) {
   std::map<PlanKey, int> cache;
   cache[Sample()] = 1;
   for (const PlanKey& other : OneFieldChanged()) cache[other] = 2;
-  CHECK_EQ(cache.size(), size_t{9});
+  CHECK_EQ(cache.size(), size_t{10});
   CHECK_EQ(cache[Sample()], 1);
 }
 
@@ -86,7 +87,7 @@ TEST(RoundTripKeepsExtremeValues) {
 }
 
 TEST(WireFormIsFixedSizeLittleEndian) {
-  CHECK_EQ(kPlanKeyBytes, size_t{72});
+  CHECK_EQ(kPlanKeyBytes, size_t{80});
   PlanKey k = Sample();
   k.x_rows = 0x0102;
   const PlanKeyBytes bytes = SerializePlanKey(k);
@@ -110,4 +111,8 @@ TEST(ParseRejectsWhatIsNotAKey) {
   PlanKeyBytes bad_flag = SerializePlanKey(Sample());
   bad_flag[8 * 3] = 2;  // transpose_w
   CHECK(!ParsePlanKey(bad_flag.data(), 0, &out).ok());
+
+  PlanKeyBytes bad_weight_gradient = SerializePlanKey(Sample());
+  bad_weight_gradient[8 * 9] = 2;  // weight_gradient
+  CHECK(!ParsePlanKey(bad_weight_gradient.data(), 0, &out).ok());
 }

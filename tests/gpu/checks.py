@@ -291,6 +291,53 @@ def check_mlp_repeated(mesh, rounds: int = 4):
   return {"runs": rounds * len(variants), "fence": settings.fence()}
 
 
+# --- the fused weight gradient -------------------------------------------------
+
+# The AllGather+GEMM algorithms whose weight gradient can be fused: they gather
+# into a buffer of their own (cuBLASMp's workspace, pipelined_ce's window).
+FUSING_ALGORITHMS = ("split_p2p", "default", "pipelined_ce")
+
+
+def check_weight_gradient(mesh, dtype: str, transpose_w: bool):
+  """The row-parallel backward with the weight gradient computed inside the
+  AllGather+GEMM from the gathered grad_output in place, per algorithm that
+  fuses, beside the copy path: dh and dw per row against float64; the program
+  holds the weight-gradient call (or not) and no all-gather. Each program runs
+  on two sets of data: a stale gathered operand would show."""
+  n, f, d = 1024, 768, 512  # h [n, f] sharded along f; w [f, d] (or [d, f]); y [n, d]
+  dt = DTYPES[dtype]
+  w_spec = P(None, "tp") if transpose_w else P("tp")
+  specs = ((P(None, "tp"), w_spec, P("tp")), (P(), (P(None, "tp"), w_spec)))
+  data = []
+  for seed in (30, 40):
+    hosts = [random(seed, n, f), random(seed + 1, f, d, scale=f**-0.5), random(seed + 2, n, d)]
+    h64, w64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
+    args = (put(mesh, hosts[0], P(None, "tp"), dt),
+            put(mesh, hosts[1].T if transpose_w else hosts[1], w_spec, dt),
+            put(mesh, hosts[2], P("tp"), dt))
+    data.append((seed, args, (g64 @ w64.T, (g64.T @ h64) if transpose_w else (h64.T @ g64))))
+  out = {}
+  for algorithm in FUSING_ALGORITHMS:
+    for fuse in (True, False):
+      config = cublasmp(all_gather_algorithm=algorithm, fuse_weight_gradient=fuse)
+
+      def loss(h, w, g, config=config):
+        y = jcg.matmul_reduce_scatter(h, w, "tp", transpose_w=transpose_w, config=config)
+        return lax.psum(jnp.sum((y * g).astype(jnp.float32)), "tp")
+
+      step = smap(mesh, jax.value_and_grad(loss, argnums=(0, 1)), *specs)
+      counts = hlo.compiled_collectives(step, *data[0][1])
+      assert counts.fused_weight_gradient == int(fuse) and counts.all_gather == 0, counts
+      for seed, args, refs in data:
+        _, grads = step(*args)
+        errs = {name: rel_err(a, r) for name, a, r in zip(("dh", "dw"), grads, refs)}
+        for name, err in errs.items():
+          assert err < TOLERANCE[dtype], f"{algorithm} fuse={fuse} seed {seed}: {name} {errs}"
+        out[f"{algorithm}_{'fused' if fuse else 'copy'}_{seed}"] = (
+            f"dh {errs['dh']:.2e} dw {errs['dw']:.2e}")
+  return out
+
+
 # --- routing -------------------------------------------------------------------
 
 def _row_step(config):
@@ -412,8 +459,18 @@ def check_ffi_errors(mesh):
             x, w, comm_id=np.int64(comm), algorithm=np.int64(1), transpose_w=False,
             layout=np.int64(0))
 
+  def fused_on_pipelined(x, w):  # w [k, m] as dw's and h's feature count
+    return jax.ffi.ffi_call(
+        TARGETS["all_gather_matmul_weight_gradient"],
+        (jax.ShapeDtypeStruct((x.shape[0] * size, w.shape[1]), x.dtype),
+         jax.ShapeDtypeStruct(w.shape, x.dtype)))(
+            x, w, jnp.zeros((x.shape[0] * size, w.shape[1]), x.dtype), comm_id=np.int64(comm_id),
+            algorithm=np.int64(jcg.ALGORITHMS["pipelined"]), transpose_w=False,
+            layout=np.int64(0))[1]
+
   cases = {
       "no communicator": (lambda x, w: call(x, w, 12345, x.shape[0] * size), jnp.bfloat16),
+      "has no weight gradient to fuse": (fused_on_pipelined, jnp.bfloat16),
       "unsupported dtype": (lambda x, w: call(x, w, comm_id, x.shape[0] * size), jnp.int32),
       "has shape": (lambda x, w: call(x, w, comm_id, x.shape[0]), jnp.bfloat16),
   }
@@ -587,6 +644,10 @@ for _dt in DTYPES:
     CHECKS[f"mlp_{_dt}_all_{_algo}"] = lambda mesh, dt=_dt, a=_algo: check_mlp(
         mesh, dt, a, all_gather_algorithm=a)
 CHECKS["rs_pipelined_chunks"] = check_rs_pipelined_chunks
+for _dt in ("bf16", "f32"):
+  for _t in (False, True):
+    CHECKS[f"weight_gradient_{_dt}_{'tn' if _t else 'nn'}"] = (
+        lambda mesh, dt=_dt, t=_t: check_weight_gradient(mesh, dt, t))
 CHECKS["mlp_f32_rs_no_overlap"] = lambda mesh: check_mlp(mesh, "f32", "no_overlap")
 CHECKS["mlp_repeated"] = check_mlp_repeated
 CHECKS["routing"] = check_routing
@@ -602,6 +663,6 @@ CHECKS["autotune_step"] = check_autotune_step
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
                          "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_bf16_pipelined",
                          "mlp_bf16_pipelined_ce", "mlp_bf16_rs_pipelined", "mlp_bf16_rs_pipelined_ce",
-                         "rs_pipelined_chunks",
-                         "mlp_repeated", "routing", "layout_self_test",
+                         "rs_pipelined_chunks", "weight_gradient_bf16_nn",
+                         "weight_gradient_f32_tn", "mlp_repeated", "routing", "layout_self_test",
                          "autotune", "vmap")

@@ -1,0 +1,37 @@
+// The cuBLASLt pieces the project's own GEMMs share (pipelined.cc,
+// weight_gradient.cc): matrix layouts, descriptor attributes, and an algorithm
+// picked once per plan by cuBLASLt's heuristic.
+#ifndef JAX_COMM_GEMM_CUBLASLT_H_
+#define JAX_COMM_GEMM_CUBLASLT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cublasLt.h>
+#include <library_types.h>
+
+#include "handles.h"
+#include "library_status.h"
+#include "status.h"
+
+namespace jax_comm_gemm {
+
+inline size_t ElementBytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+
+// A column-major rows x cols matrix with leading dimension `ld`.
+Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out);
+
+// A GEMM descriptor with float32 accumulation and scaling (as cuBLASMp's
+// CUBLAS_COMPUTE_32F) and the given operations on A and B.
+Status CreateMatmulDesc(cublasOperation_t trans_a, cublasOperation_t trans_b, LtMatmulDesc* out);
+
+// cuBLASLt's first choice for D = op(A) op(B) (C = D) within `workspace_bytes`;
+// `what` names the GEMM in the error when it has none.
+Status PickAlgorithm(cublasLtHandle_t lt, const LtMatmulDesc& desc, const LtLayout& a,
+                     const LtLayout& b, const LtLayout& d, size_t workspace_bytes,
+                     const std::string& what, cublasLtMatmulAlgo_t* algo, size_t* needs);
+
+}  // namespace jax_comm_gemm
+
+#endif  // JAX_COMM_GEMM_CUBLASLT_H_
