@@ -58,10 +58,12 @@ if has tests; then
   # runs 18 and 25 come back, the watchdog says whether a call of ours is stuck
   # (on the host or the GPU) before the dump ends the workers. The dump is a
   # limit on the whole worker: the two-process job's checks took 158 s in run
-  # 28, before session 6 added 13 checks (about 40 s more).
-  JCG_GPU_LOG_DIR=/tmp/jcg_gpu_logs JCG_GPU_JOB_TIMEOUT_S=${JOB_TIMEOUT:-330} \
+  # 28, before session 6 added 13 checks (about 40 s more); the whole suite
+  # took 282 s in run 34, before session 7 added the fused weight gradient's
+  # 8 checks and 2 mlp_repeated variants (about 60 s more).
+  JCG_GPU_LOG_DIR=/tmp/jcg_gpu_logs JCG_GPU_JOB_TIMEOUT_S=${JOB_TIMEOUT:-400} \
     JAX_COMM_GEMM_TIMEOUT=${CALL_TIMEOUT:-60} JAX_COMM_GEMM_ABORT_GRACE=20 \
-    JCG_HANG_DUMP_S=${HANG_DUMP:-300} timeout ${TESTS_TIMEOUT:-540} \
+    JCG_HANG_DUMP_S=${HANG_DUMP:-370} timeout ${TESTS_TIMEOUT:-570} \
     python3 -m pytest tests/gpu -q -rs -p no:cacheprovider --ignore=tests/gpu/test_gpu_failures.py \
       > "$OUT/gpu_tests.log" 2>&1
   rc=$?

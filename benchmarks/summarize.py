@@ -36,11 +36,13 @@ OP_TITLES = {
 }
 OP_ORDER = list(OP_TITLES)
 VARIANT_ORDER = [
-    "auto", "auto_copy", "auto_no_reuse", "auto_keep", "auto_step", "cublasmp_split_p2p",
-    "cublasmp_split_p2p_copy", "cublasmp_default", "cublasmp_atomic_p2p", "cublasmp_no_overlap",
-    "pipelined", "pipelined_ce", "pipelined_ce_copy", "ring",
+    "auto", "auto_fused", "auto_copy", "auto_no_reuse", "auto_keep", "auto_step",
+    "cublasmp_split_p2p", "cublasmp_split_p2p_fused", "cublasmp_split_p2p_copy",
+    "cublasmp_default", "cublasmp_atomic_p2p", "cublasmp_no_overlap",
+    "pipelined", "pipelined_ce", "pipelined_ce_fused", "pipelined_ce_copy", "ring",
     "cublasmp_rs_default", "cublasmp_rs_ring", "cublasmp_rs_pipelined",
-    "cublasmp_rs_pipelined_ce", "pipelined_all", "pipelined_ce_all", "pipelined_ce_all_copy",
+    "cublasmp_rs_pipelined_ce", "pipelined_all", "pipelined_ce_all", "pipelined_ce_all_fused",
+    "pipelined_ce_all_copy",
     "xla",
     "pure_jax", "windowed_einsum", "torch_symm_mem", "torch_nccl", "pallas_mgpu", "floor",
 ]

@@ -70,7 +70,8 @@ def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
   AllGather+GEMM (of grad_output `x` and `w`, with `transpose_w`) also
   computes the weight gradient."""
   if not fuse_weight_gradient:
-    return WeightGradientRoute(False, "fuse_weight_gradient=False was requested")
+    return WeightGradientRoute(False, "fuse_weight_gradient is off (the default: config.py "
+                                      "says why)")
   if reuse_gathered is False:
     return WeightGradientRoute(False, "reuse_gathered=False was requested")
   verdict = backend.weight_gradient_fusion(x, w, axis_name, transpose_w)
@@ -87,7 +88,7 @@ class _Static:
   return_gathered: bool = False
   keep_gathered_input: bool = False
   precision: Any = None
-  fuse_weight_gradient: bool = True
+  fuse_weight_gradient: bool = False
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,

@@ -235,12 +235,14 @@ MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
 
 
 def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str = "cublasmp",
-             all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None):
+             all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None,
+             fuse_weight_gradient: bool = False):
   """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
   (check_mlp and the stress runner time and check the same step)."""
   config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter,
                               all_gather_algorithm=all_gather_algorithm,
-                              reuse_gathered=reuse_gathered)
+                              reuse_gathered=reuse_gathered,
+                              fuse_weight_gradient=fuse_weight_gradient)
 
   def loss(x, w1, w2, g):
     y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)
@@ -254,7 +256,8 @@ def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str
 
 
 def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
-              backend: str = "cublasmp", all_gather_algorithm: str = "split_p2p"):
+              backend: str = "cublasmp", all_gather_algorithm: str = "split_p2p",
+              fuse_weight_gradient: bool = False):
   """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
   n, d, f = 1024, 512, 1024
   dt = DTYPES[dtype]
@@ -262,7 +265,8 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
            random(8, n, d)]
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
   x, w1, w2, g = (put(mesh, a, s, dt) for a, s in zip(hosts, MLP_IN_SPECS))
-  outs = mlp_step(mesh, keep, reduce_scatter, backend, all_gather_algorithm)(x, w1, w2, g)
+  outs = mlp_step(mesh, keep, reduce_scatter, backend, all_gather_algorithm,
+                  fuse_weight_gradient=fuse_weight_gradient)(x, w1, w2, g)
   refs = mlp_reference(x64, w1_64, w2_64, g64)
   errs = {name: rel_err(o, r) for name, o, r in zip(("y", "dx", "dw1", "dw2"), outs, refs)}
   for name, err in errs.items():
@@ -279,7 +283,10 @@ def check_mlp_repeated(mesh, rounds: int = 4):
               "pipelined": {"all_gather_algorithm": "pipelined"},
               "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
               "rs_pipelined": {"reduce_scatter": "pipelined"},
-              "rs_pipelined_ce": {"reduce_scatter": "pipelined_ce"}}
+              "rs_pipelined_ce": {"reduce_scatter": "pipelined_ce"},
+              "fused_weight_gradient": {"fuse_weight_gradient": True},
+              "pipelined_ce_fused_weight_gradient": {"all_gather_algorithm": "pipelined_ce",
+                                                     "fuse_weight_gradient": True}}
   failures = []
   for i in range(rounds):
     for name, kwargs in variants.items():
@@ -644,6 +651,10 @@ for _dt in DTYPES:
     CHECKS[f"mlp_{_dt}_all_{_algo}"] = lambda mesh, dt=_dt, a=_algo: check_mlp(
         mesh, dt, a, all_gather_algorithm=a)
 CHECKS["rs_pipelined_chunks"] = check_rs_pipelined_chunks
+for _dt, _algo in [("bf16", a) for a in FUSING_ALGORITHMS] + [("f32", "split_p2p")]:
+  CHECKS[f"mlp_{_dt}_{_algo}_fused_weight_gradient"] = (
+      lambda mesh, dt=_dt, a=_algo: check_mlp(mesh, dt, all_gather_algorithm=a,
+                                              fuse_weight_gradient=True))
 for _dt in ("bf16", "f32"):
   for _t in (False, True):
     CHECKS[f"weight_gradient_{_dt}_{'tn' if _t else 'nn'}"] = (
