@@ -150,25 +150,22 @@ def _eager(*args, **kwargs):
   raise ValueError("jax_comm_gemm's cuBLASMp ops run inside jax.shard_map only")
 
 
-_ag_p = Primitive("jax_comm_gemm_all_gather_matmul")
-_ag_p.multiple_results = True
-_ag_p.def_abstract_eval(_ag_abstract_eval)
-_ag_p.def_impl(_eager)
-mlir.register_lowering(_ag_p, _ag_lowering, platform="cuda")
-mlir.register_lowering(_ag_p, mlir.lower_fun(_ag_elsewhere, multiple_results=True))
-batching.primitive_batchers[_ag_p] = _per_element(_ag_p)
+def _primitive(target: str, abstract_eval, lowering, elsewhere, multiple_results: bool):
+  """The primitive of FFI target `target` (its name too): `lowering` on CUDA,
+  `elsewhere` (XLA's collectives) on other platforms, once per batch element
+  under vmap, an error outside shard_map."""
+  p = Primitive(TARGETS[target])
+  p.multiple_results = multiple_results
+  p.def_abstract_eval(abstract_eval)
+  p.def_impl(_eager)
+  mlir.register_lowering(p, lowering, platform="cuda")
+  mlir.register_lowering(p, mlir.lower_fun(elsewhere, multiple_results=multiple_results))
+  batching.primitive_batchers[p] = _per_element(p)
+  return p
 
-_agw_p = Primitive("jax_comm_gemm_all_gather_matmul_weight_gradient")
-_agw_p.multiple_results = True
-_agw_p.def_abstract_eval(_agw_abstract_eval)
-_agw_p.def_impl(_eager)
-mlir.register_lowering(_agw_p, _agw_lowering, platform="cuda")
-mlir.register_lowering(_agw_p, mlir.lower_fun(_agw_elsewhere, multiple_results=True))
-batching.primitive_batchers[_agw_p] = _per_element(_agw_p)
 
-_rs_p = Primitive("jax_comm_gemm_matmul_reduce_scatter")
-_rs_p.def_abstract_eval(_rs_abstract_eval)
-_rs_p.def_impl(_eager)
-mlir.register_lowering(_rs_p, _rs_lowering, platform="cuda")
-mlir.register_lowering(_rs_p, mlir.lower_fun(_rs_elsewhere, multiple_results=False))
-batching.primitive_batchers[_rs_p] = _per_element(_rs_p)
+_ag_p = _primitive("all_gather_matmul", _ag_abstract_eval, _ag_lowering, _ag_elsewhere, True)
+_agw_p = _primitive("all_gather_matmul_weight_gradient", _agw_abstract_eval, _agw_lowering,
+                    _agw_elsewhere, True)
+_rs_p = _primitive("matmul_reduce_scatter", _rs_abstract_eval, _rs_lowering, _rs_elsewhere,
+                   False)
