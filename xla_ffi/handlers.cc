@@ -39,11 +39,6 @@ Status CudaType(ffi::DataType t, cudaDataType_t* out) {
   }
 }
 
-bool SameDtype(ffi::AnyBuffer b, cudaDataType_t t) {
-  cudaDataType_t bt;
-  return CudaType(b.element_type(), &bt).ok() && bt == t;
-}
-
 std::string Shape(ffi::AnyBuffer::Dimensions d) {
   std::string s = "[";
   for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
@@ -56,6 +51,13 @@ Status Expect(const char* what, ffi::AnyBuffer::Dimensions d, std::vector<int64_
   for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
   return Status::InvalidArgument(std::string(what) + " has shape " + Shape(d) + ", expected " +
                                  w + "]");
+}
+
+Status Layout(int64_t number, GatheredLayout* out) {
+  const std::optional<GatheredLayout> l = LayoutByNumber(number);
+  if (!l) return Status::InvalidArgument("unknown gathered layout " + std::to_string(number));
+  *out = *l;
+  return Status();
 }
 
 Status Algorithm(int64_t a, int64_t* out) {
@@ -119,35 +121,31 @@ Status PrepareGathered(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
   }
   JCG_RETURN_IF_ERROR(
       Expect("the gathered result", g.dimensions(), {call->x_rows * ctx.nranks(), call->x_cols}));
-  const std::optional<GatheredLayout> l = LayoutByNumber(layout);
-  if (!l) return Status::InvalidArgument("unknown gathered layout " + std::to_string(layout));
+  JCG_RETURN_IF_ERROR(Layout(layout, &call->layout));
   call->gathered = g.untyped_data();
   call->gathered_bytes = g.size_bytes();
-  call->layout = *l;
   return Status();
 }
 
 // The fused weight gradient's buffers (weight_gradient.h): h of y's shape,
 // dw of w's. It reads the gathered x where the algorithm gathered it.
-Status PrepareWeightGradient(const Context& ctx, int64_t layout, ffi::AnyBuffer h,
-                             ffi::AnyBuffer dw, MatmulCall* call) {
+Status PrepareWeightGradient(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
+                             ffi::AnyBuffer h, ffi::AnyBuffer dw, MatmulCall* call) {
   if (call->algorithm == kPipelinedAlgorithm) {
     return Status::InvalidArgument(
         "the pipelined algorithm gathers into an XLA buffer, so it has no weight gradient to "
         "fuse; use pipelined_ce or a cuBLASMp algorithm");
   }
-  if (h.element_type() != dw.element_type() || !SameDtype(h, call->dtype)) {
+  if (h.element_type() != x.element_type() || dw.element_type() != x.element_type()) {
     return Status::InvalidArgument("h and dw must have x's dtype");
   }
   const int64_t f = call->transpose_w ? call->w_rows : call->w_cols;
   JCG_RETURN_IF_ERROR(Expect("h", h.dimensions(), {call->x_rows * ctx.nranks(), f}));
   JCG_RETURN_IF_ERROR(Expect("dw", dw.dimensions(), {call->w_rows, call->w_cols}));
-  const std::optional<GatheredLayout> l = LayoutByNumber(layout);
-  if (!l) return Status::InvalidArgument("unknown gathered layout " + std::to_string(layout));
+  JCG_RETURN_IF_ERROR(Layout(layout, &call->layout));
   call->h = h.untyped_data();
   call->dw = dw.untyped_data();
-  call->gathered_bytes = h.size_bytes() / static_cast<size_t>(f) * call->x_cols;
-  call->layout = *l;
+  call->gathered_bytes = x.size_bytes() * static_cast<size_t>(ctx.nranks());
   return Status();
 }
 
@@ -188,7 +186,7 @@ ffi::Error AllGatherMatmulWeightGradientImpl(cudaStream_t stream, int32_t device
     return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
       JCG_RETURN_IF_ERROR(
           Prepare(CommOp::kAllGather, ctx, algorithm, transpose_w, x, w, *y, call));
-      return PrepareWeightGradient(ctx, layout, h, *dw, call);
+      return PrepareWeightGradient(ctx, layout, x, h, *dw, call);
     });
   });
 }
