@@ -38,8 +38,9 @@ Modes:
   --peer windowed_einsum   XLA's windowed einsum: pure_jax with
                            --xla_gpu_threshold_for_windowed_einsum_mib=0, in this
                            process (run it in its own process; no package code)
-  --profile OP:SHAPE:VARIANT  capture a jax.profiler trace of a few steps and
-                           summarise it (trace_summary.py); repeatable
+  --profile OP:SHAPE:VARIANT  capture a jax.profiler trace of a few steps, each
+                           waited for, then as many back to back, and summarise
+                           both (trace_summary.py); repeatable
   --cpu-smoke              tiny shapes on 2 CPU devices, ring/xla/pure_jax/floor
   --spawn N                one process per GPU (jax.distributed on 127.0.0.1)
 
@@ -139,9 +140,10 @@ ROW_VARIANTS = ("auto", "auto_fused", "auto_no_reuse", "cublasmp_split_p2p",
                 "pipelined", "pipelined_ce", "pipelined_ce_fused", "ring", "cublasmp_rs_ring",
                 "cublasmp_rs_default", "cublasmp_rs_pipelined", "cublasmp_rs_pipelined_ce",
                 "pipelined_all", "pipelined_ce_all", "pipelined_ce_all_fused", "xla", "pure_jax",
-                "floor")
-# auto_step (last: its step-level decision is recorded for the problems it meets):
-# backend="auto" tuned with jcg.autotune_step, as the example does.
+                "auto_step", "floor")
+# auto_step, here and in ROW_VARIANTS (last: its step-level decision is recorded
+# for the problems it meets): backend="auto" tuned with jcg.autotune_step, as the
+# example does.
 MLP_VARIANTS = ("auto", "auto_fused", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p",
                 "cublasmp_split_p2p_fused", "pipelined", "pipelined_ce", "pipelined_ce_fused",
                 "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined",
@@ -567,8 +569,8 @@ class Runner:
       try:
         if n == "auto_step" and not self.args.cpu_smoke:
           # The other variants are traced already: this decision is auto_step's.
-          kept, why = self.ctx.jcg.autotune_step(self.mesh, AXIS, fns[n], *args[n],
-                                                 seconds_per_problem=0.6)
+          _, why = self.ctx.jcg.autotune_step(self.mesh, AXIS, fns[n], *args[n],
+                                              seconds_per_problem=0.6)
           entries[n]["autotune_step"] = why
         lowered[n] = fns[n].lower(*args[n])
       except Exception as e:  # noqa: BLE001  (a variant that fails is a result)
@@ -748,6 +750,13 @@ class Runner:
         for i in range(self.args.profile_steps):
           with jax.profiler.TraceAnnotation(f"bench_step_{i}"):
             jax.block_until_ready(f(*a))
+        # As the timings run: enqueued back to back, one wait at the end, so
+        # that the gaps left are the GPU waiting (for a peer, a fence, the
+        # host's launches falling behind), not the wait after each step.
+        with jax.profiler.TraceAnnotation("bench_back_to_back"):
+          for _ in range(self.args.profile_steps):
+            out = f(*a)
+          jax.block_until_ready(out)
       traces = sorted(glob.glob(os.path.join(folder, "**", "perfetto_trace.json.gz"),
                                 recursive=True), key=os.path.getmtime)
       if not traces:
@@ -755,7 +764,8 @@ class Runner:
       entry["trace"] = traces[-1]
       import trace_summary  # noqa: PLC0415
       mid = self.args.profile_steps // 2
-      for key, window in (("step", f"bench_step_{mid}"), ("all_steps", "bench_step_")):
+      for key, window in (("step", f"bench_step_{mid}"), ("all_steps", "bench_step_"),
+                          ("back_to_back", "bench_back_to_back")):
         summ = trace_summary.summarize(trace_summary.load(traces[-1]), window=window,
                                        include_host=self.args.cpu_smoke)
         entry[key] = summ
@@ -769,7 +779,7 @@ class Runner:
     except Exception as e:  # noqa: BLE001
       entry["error"] = short_error(e, 600)
       self.log(f"profile {item}: FAILED {entry['error']}")
-    for key in ("step", "all_steps"):  # keep the JSON small: the text has the detail
+    for key in ("step", "all_steps", "back_to_back"):  # keep the JSON small: the text has the detail
       if isinstance(entry.get(key), dict):
         entry[key] = {k: v for k, v in entry[key].items() if k != "events"}
     self.result.setdefault("profiles", []).append(entry)

@@ -13,16 +13,18 @@
 #   --build       pip install -e . first (default: only when the project part runs
 #                 and jax_comm_gemm is not importable from outside the tree)
 #   --no-build    never build
-#   --no-profiles skip the jax.profiler traces
+#   --no-profiles skip the jax.profiler traces and the torch.profiler ones (the
+#                 torch peer's all_gather_matmul at 16384x8192x8192 and 4096x4096x4096)
 # Environment: MEMORY_ENV="K=V ..." is passed to the memory workers (e.g. a
 # variable that turns the backend's autotuning cache off); BENCH_ARGS is added
-# to the project's bench.py command line, WINDOWED_ARGS to the windowed one.
+# to the project's bench.py command line, WINDOWED_ARGS to the windowed one,
+# TORCH_ARGS to the torch peer's (e.g. TORCH_ARGS="--profile matmul_reduce_scatter:4096x4096x4096").
 #
 # What comes back in $OUT (8 files at most): project.json, windowed_einsum.json,
 # torch_symm_mem.json, pallas_mgpu.json (one per part; each written after every
 # shape, so a killed part leaves what it measured), run.log (all logs, glog
 # noise removed), profiles.txt (trace summaries), table.md, traces.tar.gz (the
-# perfetto traces, if under 15 MiB). Then, on any machine:
+# perfetto traces and torch_profiles/*.trace.json.gz, if under 15 MiB). Then, on any machine:
 #   python3 benchmarks/summarize.py $OUT --out-dir benchmarks/results/<date>_<machine>
 set -uo pipefail
 : "${OUT:?set OUT to the output folder}"
@@ -46,7 +48,7 @@ while [ $# -gt 0 ]; do
 done
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 work=/tmp/jcg_bench
-rm -rf "$work"; mkdir -p "$work/logs" "$work/profiles" "$OUT"
+rm -rf "$work"; mkdir -p "$work/logs" "$work/profiles" "$work/torch_profiles" "$OUT"
 LOG=$OUT/run.log
 : > "$LOG"
 summary=()
@@ -121,12 +123,16 @@ run_part() {  # run_part NAME BUDGET CMD...: runs under a hard timeout, logs int
 }
 
 prof_args=()
+torch_prof_args=()
 if [ $profiles = 1 ]; then
   prof_args=(--profile all_gather_matmul:4096x4096x4096:auto
              --profile mlp_fwd_bwd:8192x8192x7168:auto)
   [ -z "$quick" ] && prof_args+=(--profile all_gather_matmul:4096x4096x4096:xla
                                  --profile mlp_fwd_bwd:8192x8192x7168:pure_jax)
   prof_args+=(--profile-dir "$work/profiles" --profile-out "$OUT/profiles.txt")
+  # The torch peer's traces (within its budget: it weighs them against its shapes).
+  torch_prof_args=(--profile all_gather_matmul:16384x8192x8192
+                   --profile all_gather_matmul:4096x4096x4096 --profile-dir "$work/torch_profiles")
 fi
 mem_args=()
 for kv in ${MEMORY_ENV:-}; do mem_args+=(--memory-env "$kv"); done
@@ -155,14 +161,27 @@ for part in "${todo[@]}"; do
     torch_symm_mem)
       run_part torch_symm_mem "$b" python3 -m torch.distributed.run --standalone \
         --nproc-per-node 2 "$here/peers/torch_symm_mem.py" --out "$OUT/torch_symm_mem.json" \
-        --budget "$(( b - 10 ))" $quick
+        --budget "$(( b - 10 ))" $quick ${torch_prof_args[@]+"${torch_prof_args[@]}"} ${TORCH_ARGS:-}
       # After a hang: once more, without the shape that hung.
       if [ $? -ne 0 ] && grep -q '"hangs"' "$OUT/torch_symm_mem.json" 2>/dev/null \
           && [ "$(share_of torch_symm_mem)" -gt 45 ]; then
         b=$(share_of torch_symm_mem)
         run_part torch_symm_mem_resume "$b" python3 -m torch.distributed.run --standalone \
           --nproc-per-node 2 "$here/peers/torch_symm_mem.py" --out "$OUT/torch_symm_mem.json" \
-          --budget "$(( b - 10 ))" $quick --resume
+          --budget "$(( b - 10 ))" $quick --resume ${torch_prof_args[@]+"${torch_prof_args[@]}"} \
+          ${TORCH_ARGS:-}
+      fi
+      # Their summaries, as bench.py --profile-out writes the project's: the span of
+      # the steps waited for one by one, then of those run back to back.
+      if [ $profiles = 1 ]; then
+        for t in "$work"/torch_profiles/*.trace.json.gz; do
+          [ -e "$t" ] || continue
+          for w in all_steps:bench_step_ back_to_back:bench_back_to_back; do
+            { echo "== torch_symm_mem $(basename "$t" .trace.json.gz) [${w%%:*}: ${w#*:}]"
+              timeout 60 python3 "$here/trace_summary.py" "$t" --window "${w#*:}" 2>&1
+              echo; } >> "$OUT/profiles.txt"
+          done
+        done
       fi
       ;;
     pallas_mgpu)
@@ -188,8 +207,13 @@ EOF
 done
 
 # The traces, if small enough to come back.
-if ls "$work"/profiles/*/plugins/profile/*/perfetto_trace.json.gz > /dev/null 2>&1; then
-  (cd "$work/profiles" && tar czf "$work/traces.tar.gz" */plugins/profile/*/perfetto_trace.json.gz)
+tar_args=()
+jax_traces=$(cd "$work/profiles" && ls */plugins/profile/*/perfetto_trace.json.gz 2> /dev/null)
+[ -n "$jax_traces" ] && tar_args+=(-C "$work/profiles" $jax_traces)
+torch_traces=$(cd "$work" && ls torch_profiles/*.trace.json.gz 2> /dev/null)
+[ -n "$torch_traces" ] && tar_args+=(-C "$work" $torch_traces)
+if [ ${#tar_args[@]} -gt 0 ]; then
+  tar czf "$work/traces.tar.gz" "${tar_args[@]}"
   if [ "$(stat -c %s "$work/traces.tar.gz")" -lt $((15 * 1024 * 1024)) ]; then
     cp "$work/traces.tar.gz" "$OUT/"
   else

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Summarises a jax.profiler trace: `perfetto_trace.json.gz`, written by
-`jax.profiler.trace(dir, create_perfetto_trace=True)` (plain Chrome-trace JSON).
+`jax.profiler.trace(dir, create_perfetto_trace=True)` (plain Chrome-trace JSON),
+or a torch.profiler one (`prof.export_chrome_trace`, kineto's Chrome trace;
+benchmarks/peers/torch_symm_mem.py --profile writes `*.trace.json.gz`).
 
 Per device and per stream: busy time (the union of its events), how many
 kernels and copies, the gaps between them (sum, count over 10 us, largest), the
@@ -12,7 +14,9 @@ streams are busy at once (overlap), and the idle time in the window.
 --window restricts everything to one span:
   T0:T1          microseconds from the trace's first event
   NAME           the span of the host annotations whose name starts with NAME
-                 (bench.py --profile marks each step "bench_step_<i>")
+                 (bench.py --profile marks each step "bench_step_<i>"; in a
+                 torch trace, record_function ranges; if no host one matches,
+                 their GPU copies, gpu_user_annotation)
   NAME#K         the K-th (0-based) such annotation
 Events are clipped to the window. Needs only the standard library.
 """
@@ -34,6 +38,8 @@ DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Launch Stats", "TensorFlow 
                  "Framework Ops", "TensorFlow Name Scope", "Source code", "Framework Name Scope",
                  "XLA TraceMe", "Async XLA Ops", "SparseCore")
 COPY_RE = re.compile(r"memcpy|memset|MemcpyD2D|MemcpyP2P|MemcpyH2D|MemcpyD2H", re.I)
+# torch.profiler (kineto): the categories of GPU work, on lines args.device/args.stream.
+TORCH_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_US = 10.0
 
 
@@ -56,6 +62,8 @@ def load(path: str) -> dict:
   with opener(path, "rt") as f:
     data = json.load(f)
   raw = data.get("traceEvents", []) if isinstance(data, dict) else data
+  if any(isinstance(e, dict) and e.get("cat") in TORCH_GPU_CATS for e in raw):
+    return dict(load_torch(raw), path=path)
   pname, tname, events = {}, {}, []
   open_b = collections.defaultdict(list)
   for e in raw:
@@ -78,6 +86,40 @@ def load(path: str) -> dict:
         ts, name = stack.pop()
         events.append((e.get("pid"), e.get("tid"), ts, float(e["ts"]) - ts, name))
   return {"events": events, "pname": pname, "tname": tname, "path": path}
+
+
+def load_torch(raw: list) -> dict:
+  """load() of a torch.profiler (kineto) trace. GPU work is "X" events of
+  category kernel, gpu_memcpy or gpu_memset; each (args.device, args.stream)
+  becomes the line "stream <s>" of a process "/device:GPU:<d>", as in jax's
+  traces. Every other process is marked "/host:" (cpu_op, user_annotation,
+  cuda_runtime...). gpu_user_annotation events (record_function's ranges on the
+  GPU) are not work: they go to "gpu_marks", for --window."""
+  pname, tname, events, gpu_marks = {}, {}, [], []
+  for e in raw:
+    if not isinstance(e, dict):
+      continue
+    ph, cat, args = e.get("ph"), e.get("cat"), e.get("args") or {}
+    if ph == "M":
+      if e.get("name") == "process_name":
+        pname[e.get("pid")] = "/host:" + str(args.get("name", ""))
+      elif e.get("name") == "thread_name":
+        tname[(e.get("pid"), e.get("tid"))] = str(args.get("name", ""))
+      continue
+    if ph != "X" or "ts" not in e:
+      continue
+    ts, dur, name = float(e["ts"]), float(e.get("dur", 0.0)), str(e.get("name", ""))
+    if cat in TORCH_GPU_CATS:
+      dev, stream = args.get("device", e.get("pid")), args.get("stream", e.get("tid"))
+      pid = f"torch_gpu:{dev}"
+      pname[pid] = f"/device:GPU:{dev}"
+      tname[(pid, stream)] = f"stream {stream}"
+      events.append((pid, stream, ts, dur, name))
+    elif cat == "gpu_user_annotation":
+      gpu_marks.append((ts, dur, name))
+    else:
+      events.append((e.get("pid"), e.get("tid"), ts, dur, name))
+  return {"events": events, "pname": pname, "tname": tname, "gpu_marks": gpu_marks}
 
 
 def is_device(pname: str) -> bool:
@@ -120,6 +162,8 @@ def resolve_window(trace: dict, window: str | None):
   name, _, idx = window.partition("#")
   marks = sorted({(e[2], e[3]) for e in events
                   if not is_device(trace["pname"].get(e[0], "")) and e[4].startswith(name)})
+  if not marks:  # torch: the GPU side of record_function
+    marks = sorted({(ts, d) for ts, d, n in trace.get("gpu_marks", ()) if n.startswith(name)})
   if not marks:
     return None
   if idx:
@@ -260,7 +304,7 @@ def format_summary(s: dict, title: str | None = None) -> str:
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("trace", help="perfetto_trace.json.gz, or a folder holding one")
+  p.add_argument("trace", help="perfetto_trace.json.gz or *.trace.json.gz, or a folder holding one")
   p.add_argument("--window", help="T0:T1 (us), NAME or NAME#K (host annotations)")
   p.add_argument("--top", type=int, default=8)
   p.add_argument("--include-host", action="store_true", help="treat host threads as streams too")

@@ -140,7 +140,7 @@ def autotune(model: ByteGPT, mesh: Mesh, params, tokens, targets, say) -> None:
   step (collective; cached on disk), then the step with those choices against
   the step on XLA, and keep the faster (jcg.autotune_step)."""
   start = time.perf_counter()
-  kept, why = jcg.autotune_step(
+  _, why = jcg.autotune_step(
       mesh, "tp", lambda p, t, y: jax.grad(loss_fn, argnums=1)(model, p, t, y),
       params, tokens, targets)
   say(f"autotune in {time.perf_counter() - start:.1f} s: {why}")

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
+from jax_comm_gemm.backends.auto import AG, RS, Problem
 from jax_comm_gemm.collective_matmul import gathered_route
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
@@ -238,10 +239,12 @@ def test_report_follows_auto_on_a_connected_axis(fake):
   assert (counts.standalone_all_gathers, counts.fused_all_gather_matmuls) == (1, 2)
 
 
-def test_step_level_choice_keeps_the_faster_step(fake, monkeypatch):
-  """autotune_step measures the ops of a step, then the step with those choices
-  against the step on XLA: where XLA's step is faster, every op of the step
-  runs XLA (GPU run 16: each op was faster fused, the step 3-5% slower)."""
+def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
+  """autotune_step measures the ops of a step, then the step under each plan:
+  the per-op choices, and every op on one implementation (XLA among them).
+  Every op of the step records the plan taken (GPU run 16: each op was faster
+  fused, the step 3-5% slower; run 37: every op on pipelined_ce made the step
+  faster than both the per-op choices and XLA)."""
   monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   jcg.connect(mesh, "tp")
@@ -253,20 +256,54 @@ def test_step_level_choice_keeps_the_faster_step(fake, monkeypatch):
                           in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
     return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
 
-  # Every op measures faster fused; then the step decides.
-  monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
-  for faster, kept, expected in (("tuned", True, "cublasmp_split_p2p"), ("xla", False, "xla")):
-    monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, f=faster: {
-        name: (1e-3 if name == f else 2e-3) for name in runs})
-    keep, why = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
-    assert keep == kept and "step measured" in why
+  # Each op measures fastest on split_p2p, except the backward RS on the ring:
+  # the per-op plan mixes two implementations.
+  def per_op(times):
+    return ("ring", "fake") if len(decided) == 3 else ("cublasmp_split_p2p", "fake")
+  decided = []
+  monkeypatch.setattr(tuning, "decide", lambda times: decided.append(1) or per_op(times))
+  timed = []
+  for faster in ("tuned", "xla", "pipelined_ce", "cublasmp_split_p2p"):
+    decided.clear()
+    monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, f=faster: (
+        timed.append(sorted(runs)) or {name: (1e-3 if name == f else 2e-3) for name in runs}))
+    plan, why = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
+    assert plan == faster and why.startswith("step measured"), why
     problems = REGISTRY.seen()
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
-    assert {REGISTRY.decision(p)[0] for p in problems} == {expected}
-  assert step_tuning.decide_step([1.0, 1.2], [1.1, 1.1])[0] is False  # slowest process rules
-  # A lead under the margin is noise: XLA takes it.
-  assert step_tuning.decide_step([0.99], [1.0])[0] is False
-  assert step_tuning.decide_step([0.97], [1.0])[0] is True
+    taken = {REGISTRY.decision(p)[0] for p in problems}
+    assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
+  # Every plan was timed: the AG-only "pipelined" cannot run the step's RS.
+  assert timed[0] == sorted(["tuned", "xla", "ring", "cublasmp_default", "cublasmp_split_p2p",
+                             "pipelined_ce"])
+
+
+def test_step_plans_time_a_uniform_per_op_choice_once():
+  ag = Problem(AG, 8, 8, 16, "bfloat16", False, 2)
+  rs = Problem(RS, 8, 16, 8, "bfloat16", False, 2)
+  mixed = step_tuning.step_plans([ag, rs], {ag: ("pipelined", "m"), rs: ("xla", "m")})
+  assert list(mixed)[0] == "tuned" and mixed["tuned"][ag] == ("pipelined", "m")
+  assert "pipelined" not in mixed  # it has no ReduceScatter
+  uniform = step_tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")})
+  assert "tuned" not in uniform and uniform["ring"][rs][0] == "ring"
+  only_ag = step_tuning.step_plans([ag], {ag: ("pipelined", "m")})
+  assert "tuned" not in only_ag and "pipelined" in only_ag
+
+
+def test_step_decision_fastest_plan_by_the_slowest_process():
+  decide = step_tuning.decide_step
+  assert decide({"tuned": [1.0, 1.2], "xla": [1.1, 1.1]})[0] == "xla"  # slowest process rules
+  # A lead under the margin over XLA is noise: XLA takes it.
+  margin = step_tuning.KEEP_MARGIN
+  assert decide({"tuned": [1 - margin / 2], "xla": [1.0]})[0] == "xla"
+  assert decide({"tuned": [1 - margin * 1.5], "xla": [1.0]})[0] == "tuned"
+  plan, why = decide({"tuned": [0.97e-3], "pipelined_ce": [0.95e-3], "xla": [1e-3],
+                      "ring": [float("inf")]})
+  assert plan == "pipelined_ce"
+  assert why.startswith("step measured: all pipelined_ce 0.950 ms, per-op choices 0.970 ms")
+  assert "ring failed" in why and "(all pipelined_ce kept)" in why
+  # A plan that beats XLA by the margin but ties another: the names order it.
+  assert decide({"cublasmp_default": [0.9], "ring": [0.9], "xla": [1.0]})[0] == "cublasmp_default"
 
 
 @pytest.mark.parametrize("on_abort, watching", [("exit", True), ("wait", False)])

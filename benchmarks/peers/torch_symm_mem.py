@@ -6,6 +6,13 @@ bench.py (harness.time_interleaved: load first, interleaved rounds, medians of
 per-round ratios to the floor; the slowest rank's time per round).
 
   torchrun --nproc-per-node 2 benchmarks/peers/torch_symm_mem.py --out X.json [--quick]
+      [--profile all_gather_matmul:16384x8192x8192 --profile-dir DIR]
+
+--profile OP:SHAPE (repeatable), after the timings: every rank records a
+torch.profiler trace of --profile-steps calls of each variant (torch_symm_mem,
+torch_nccl, floor), each call in record_function("bench_step_<i>") and ended by a
+synchronize, then as many back to back in "bench_back_to_back", into DIR/<op>_<shape>_<variant>_rank<r>.trace.json.gz (Chrome trace,
+gzipped; benchmarks/trace_summary.py reads it).
 
 NVLink multicast stays off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (.device/setup.sh
 sets it; this script refuses to run without it). Every failure becomes an
@@ -15,7 +22,9 @@ sets it; this script refuses to run without it). Every failure becomes an
 from __future__ import annotations
 
 import argparse
+import gzip
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -43,6 +52,11 @@ def parse_args():
   p.add_argument("--warmup-first-s", type=float)
   p.add_argument("--hang-timeout", type=float, default=90.0)
   p.add_argument("--resume", action="store_true", help="keep --out's shapes; skip those that hung")
+  p.add_argument("--profile", action="append", default=[], metavar="OP:SHAPE",
+                 help="a torch.profiler trace of each variant of this shape (repeatable)")
+  p.add_argument("--profile-dir", default="/tmp/jcg_torch_profiles")
+  p.add_argument("--profile-steps", type=int, default=3)
+  p.add_argument("--profile-warmup", type=int, default=10, help="calls before each trace")
   a = p.parse_args()
   a.rounds = a.rounds or (6 if a.quick else 8)
   a.warmup_s = a.warmup_s if a.warmup_s is not None else (1.5 if a.quick else 2.0)
@@ -172,9 +186,60 @@ def main():
              "floor": (lambda x, y: x @ y, (a, b))}
     return fns
 
+  def run_profile(item):
+    """Traces every variant of one OP:SHAPE on this rank; never raises."""
+    op, _, text = item.partition(":")
+    entry = {"profile": item, "variants": {}}
+    t0 = time.time()
+    try:
+      shape = parse_shape(text)
+      state.update(op=op, shape=shape_str(shape))
+      if op not in OPS:
+        raise ValueError(f"unknown op {op!r}")
+      from torch import profiler  # noqa: PLC0415
+      tick("profile build")
+      fns = build(op, shape)
+      os.makedirs(args.profile_dir, exist_ok=True)
+      acts = [profiler.ProfilerActivity.CPU, profiler.ProfilerActivity.CUDA]
+      for name, (f, a) in fns.items():
+        tick("profile", name)
+        path = os.path.join(args.profile_dir,
+                            f"{op}_{shape_str(shape)}_{name}_rank{rank}.trace.json.gz")
+        try:
+          for _ in range(args.profile_warmup):
+            f(*a)
+          with profiler.profile(activities=acts) as prof:
+            align()  # both ranks enter step 0 together
+            for i in range(args.profile_steps):
+              with profiler.record_function(f"bench_step_{i}"):
+                f(*a)
+                torch.cuda.synchronize()
+            # As the timings run: back to back, one wait at the end.
+            with profiler.record_function("bench_back_to_back"):
+              for _ in range(args.profile_steps):
+                f(*a)
+              torch.cuda.synchronize()
+          prof.export_chrome_trace(path[:-3])
+          with open(path[:-3], "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+          os.remove(path[:-3])
+          entry["variants"][name] = {"trace": path}
+        except Exception as e:  # noqa: BLE001
+          entry["variants"][name] = {"error": short_error(e)}
+          say(f"rank {rank}: profile {item} {name}: FAILED {short_error(e)}")
+      del fns
+    except Exception as e:  # noqa: BLE001
+      entry["error"] = short_error(e, 600)
+      say(f"rank {rank}: profile {item}: FAILED {entry['error']}")
+    entry["elapsed_s"] = round(time.time() - t0, 1)
+    torch.cuda.empty_cache()
+    return entry
+
   skip = harness.resume_from(args.out, result) if args.resume else set()
-  budget = harness.Budget(args.budget - (time.time() - t_start), {
-      o: WEIGHTS.get(o, 20) for o in args.ops.split(",") if o in OPS})
+  weights = {o: WEIGHTS.get(o, 20) for o in args.ops.split(",") if o in OPS}
+  if args.profile:
+    weights["profile"] = 8 * len(args.profile)
+  budget = harness.Budget(args.budget - (time.time() - t_start), weights)
   first = True
   for op in [o for o in args.ops.split(",") if o in OPS]:
     share = budget.start(op)
@@ -256,6 +321,29 @@ def main():
         say(f"{PART} {op} {shape_str(shape)}: " + ("  ".join(parts) or rec.get("error", "?"))
             + f" | {harness.gpu_state_str(rec.get('gpu_state_warm') or rec.get('gpu_state_end', []))}")
       torch.cuda.empty_cache()
+  if args.profile:
+    budget.start("profile")
+    hung = {(h.get("op"), h.get("shape")) for h in result.get("hangs", [])
+            if "profile" in str(h.get("what"))}  # after --resume: not again
+    spent = []
+    for item in args.profile:
+      op, _, text = item.partition(":")
+      estimate = max(spent) if spent else 5.0
+      if (op, text) in hung or not decide(budget.fits(estimate)):
+        result.setdefault("profiles", []).append(
+            {"profile": item, "skipped": "hung before" if (op, text) in hung else
+             f"budget (needs ~{estimate:.0f} s, {budget.part_left():.0f} s left)"})
+        save()
+        continue
+      t0 = time.time()
+      entry = run_profile(item)
+      spent.append(time.time() - t0)
+      result.setdefault("profiles", []).append(entry)
+      save()
+      if main_rank:
+        say(f"{PART} profile {item}: " + "  ".join(
+            f"{n} {v.get('trace') or 'ERR[' + str(v.get('error'))[:100] + ']'}"
+            for n, v in entry["variants"].items()) + (f" {entry['error']}" if "error" in entry else ""))
   watchdog.stop()
   add_sweep_copies(result)
   result["finished"] = True

@@ -589,9 +589,10 @@ def check_vmap(mesh):
 
 
 def check_autotune_step(mesh):
-  """autotune_step times the MLP's grad step with the per-op choices against
-  the step on XLA, every rank takes process 0's decision, and the step then
-  computes the right gradients with whatever was kept."""
+  """autotune_step times the MLP's grad step under each plan (the per-op
+  choices, every op on XLA, every op on one implementation), every rank takes
+  process 0's decision and records it for every op, and the step then
+  computes the right gradients with whatever plan was taken."""
   n, d, f = 2048, 1024, 4096
   hosts = [random(93, n, d), random(94, d, f, scale=d**-0.5), random(95, f, d, scale=f**-0.5),
            random(96, n, d)]
@@ -607,17 +608,19 @@ def check_autotune_step(mesh):
 
   os.environ[settings.AUTOTUNE_CACHE] = ""
   try:
-    kept, why = jcg.autotune_step(mesh, "tp", grads, x, w1, w2, g, seconds_per_problem=0.3)
+    plan, why = jcg.autotune_step(mesh, "tp", grads, x, w1, w2, g, seconds_per_problem=0.3)
   finally:
     del os.environ[settings.AUTOTUNE_CACHE]
   assert why.startswith("step measured"), why
+  taken = {REGISTRY.decision(p)[0] for p in REGISTRY.seen()}
+  assert plan == "tuned" or taken == {plan}, (plan, taken)
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in hosts)
   _, dx, dw1, dw2 = mlp_reference(x64, w1_64, w2_64, g64)
   outs = jax.jit(grads)(x, w1, w2, g)
   errs = {name: rel_err(o, r) for name, o, r in zip(("dx", "dw1", "dw2"), outs, (dx, dw1, dw2))}
   for name, err in errs.items():
     assert err < TOLERANCE["bf16"] * 2, f"{name}: worst row error {err} ({errs})"
-  return {"kept": kept, "why": why, "errors": errs}
+  return {"plan": plan, "why": why, "errors": errs}
 
 
 def check_status(mesh):

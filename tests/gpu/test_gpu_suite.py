@@ -116,7 +116,7 @@ def test_one_process_all_gpus(check, single_process_results):
 def test_autotune_step_takes_the_same_decision_on_every_rank(multi_process_results):
   per_process = multi_process_results["autotune_step"]
   _assert_ok(per_process)
-  decisions = [(r["details"]["kept"], r["details"]["why"]) for r in per_process]
+  decisions = [(r["details"]["plan"], r["details"]["why"]) for r in per_process]
   assert all(d == decisions[0] for d in decisions), decisions
 
 
