@@ -65,6 +65,32 @@ def test_time_candidates_interleaves_and_takes_medians():
   assert len(waits) == 2 + 3 * 2
 
 
+def test_time_candidates_leave_the_warm_up_rounds_out():
+  """The rounds before the timed ones run alike (interleaved, the same
+  batches) but are not timed: the clocks before the power cap sets in are
+  not the steady state (GPU run 39)."""
+  clock = itertools.count()
+  calls = {"a": 0, "b": 0}
+
+  def runner(name, steady):
+    def call():
+      calls[name] += 1
+      # Another cost while the GPU warms: the warm-up call and 3 warm-up rounds.
+      for _ in range((1 if calls[name] <= 1 + 3 * 2 else steady) - 1):
+        next(clock)
+    return call
+
+  waits = []
+  times = autotune.time_candidates({"a": (runner("a", 5), 2), "b": (runner("b", 3), 2)},
+                                   rounds=3, warmup_rounds=3,
+                                   timer=lambda: float(next(clock)), wait=waits.append)
+  assert calls == {"a": 1 + 6 * 2, "b": 1 + 6 * 2}
+  assert len(waits) == 2 + 6 * 2
+  # A batch of two calls: 2 * (cost - 1) ticks and the timer's own; a median
+  # over the warm-up rounds too would fall between the two costs.
+  assert times["a"] == (2 * 4 + 1) / 2 and times["b"] == (2 * 2 + 1) / 2
+
+
 def test_time_candidates_skips_what_any_process_failed_to_run(caplog):
   """A candidate that failed to warm up in another process is skipped here
   too (the processes agree on the failed set before timing): running a

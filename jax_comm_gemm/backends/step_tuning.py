@@ -23,7 +23,7 @@ import jax
 
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
-from jax_comm_gemm.backends.tuning import autotune, time_candidates
+from jax_comm_gemm.backends.tuning import WARMUP_ROUNDS, autotune, time_candidates
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
 
 
@@ -97,7 +97,7 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     # with, whatever the caches hold later.
     compiled = jax.jit(step).lower(*args).compile()
     runs[plan] = (lambda compiled=compiled: compiled(*args), iterations)
-  mine = time_candidates(runs, rounds=rounds)
+  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS)
   plan, why = _agree(mesh, axis_name, mine)
   for p, (name, reason) in plans[plan].items():
     REGISTRY.record_decision(p, (name, reason if plan == TUNED else why))
