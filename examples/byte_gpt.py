@@ -137,8 +137,9 @@ class Trainer:
 
 def autotune(model: ByteGPT, mesh: Mesh, params, tokens, targets, say) -> None:
   """What backend="auto" should do before training: measure each op of the
-  step (collective; cached on disk), then the step with those choices against
-  the step on XLA, and keep the faster (jcg.autotune_step)."""
+  step (collective; cached on disk), then the step under each plan (those
+  choices, or every op on one implementation, XLA among them), and keep the
+  fastest (jcg.autotune_step)."""
   start = time.perf_counter()
   _, why = jcg.autotune_step(
       mesh, "tp", lambda p, t, y: jax.grad(loss_fn, argnums=1)(model, p, t, y),

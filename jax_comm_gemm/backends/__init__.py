@@ -4,8 +4,8 @@
   per-shard GEMMs and ppermutes (``RingBackend``); both run everywhere.
 * ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
 * ``auto``: per problem, the implementation that measured fastest; ``tuning``
-  measures it (``autotune``), ``step_tuning`` checks the whole step against XLA
-  (``autotune_step``).
+  measures it (``autotune``), ``step_tuning`` times the whole step under each
+  plan, the per-op choices or every op on one implementation (``autotune_step``).
 * ``select``: which one a layer takes (``choose_backend``), and why.
 
 A new backend is one module here implementing ``base.Backend``.
