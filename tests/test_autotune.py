@@ -121,6 +121,22 @@ def test_time_candidates_skips_what_any_process_failed_to_run(caplog):
   assert "candidate bad failed: cublasMpMatmul failed: not supported" in caplog.text
 
 
+def test_union_of_failures_publishes_this_process_and_skips_every_process(monkeypatch):
+  """autotune's and autotune_step's `agree`: each process publishes what it
+  failed to warm up, under its own key, and all skip the union."""
+  store = {autotune.kv.key(7, 2, "step", "failed", 1): '["ring"]'}
+  monkeypatch.setattr(autotune.kv, "multi_process", lambda: True)
+  monkeypatch.setattr(autotune.kv, "publish", store.__setitem__)
+  monkeypatch.setattr(autotune.kv, "fetch", lambda name, timeout: store[name])
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  agree = autotune.union_of_failures(7, 2, "step", "failed", timeout=1.0)
+  assert agree({"bad"}) == {"bad", "ring"}
+  assert store[autotune.kv.key(7, 2, "step", "failed", 0)] == '["bad"]'
+  monkeypatch.setattr(autotune.kv, "multi_process", lambda: False)
+  assert agree({"x"}) == {"x"}  # one process: nothing to agree on
+
+
 def test_iterations_are_a_function_of_the_problem_alone():
   small = Problem(AG, 256, 256, 256, "bfloat16", False, 2)
   large = Problem(AG, 8192, 8192, 14336, "bfloat16", False, 2)

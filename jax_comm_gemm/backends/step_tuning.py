@@ -23,7 +23,8 @@ import jax
 
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
-from jax_comm_gemm.backends.tuning import WARMUP_ROUNDS, autotune, time_candidates
+from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, autotune, time_candidates,
+                                           union_of_failures)
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
 
 
@@ -97,20 +98,24 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     # with, whatever the caches hold later.
     compiled = jax.jit(step).lower(*args).compile()
     runs[plan] = (lambda compiled=compiled: compiled(*args), iterations)
-  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS)
-  plan, why = _agree(mesh, axis_name, mine)
+  # Every process skips a plan that failed to run in any (a collective plan
+  # that one process skipped would leave the others waiting in it).
+  ident = comm_id(mesh, axis_name)
+  attempt = REGISTRY.next_attempt(("autotune_step", ident))
+  agree = union_of_failures(ident, attempt, "step", "failed",
+                            timeout=settings.connect_timeout_s())
+  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree)
+  plan, why = _agree(ident, attempt, mine)
   for p, (name, reason) in plans[plan].items():
     REGISTRY.record_decision(p, (name, reason if plan == TUNED else why))
   jax.clear_caches()
   return plan, why
 
 
-def _agree(mesh, axis_name, mine: dict[str, float]) -> tuple[str, str]:
+def _agree(ident, attempt, mine: dict[str, float]) -> tuple[str, str]:
   """Process 0 decides from every process's times; all take its decision."""
   if not kv.multi_process():
     return decide_step({plan: [t] for plan, t in mine.items()})
-  ident = comm_id(mesh, axis_name)
-  attempt = REGISTRY.next_attempt(("autotune_step", ident))
   timeout = settings.connect_timeout_s()
   me = jax.process_index()
   kv.publish(kv.key(ident, attempt, "step", me), json.dumps(mine))

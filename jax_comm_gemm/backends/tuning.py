@@ -102,6 +102,19 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
 WARMUP_ROUNDS = 3
 
 
+def union_of_failures(ident: int, attempt: int, *parts, timeout: float):
+  """time_candidates' `agree`: every process publishes the candidates it
+  failed to warm up (under kv.key(ident, attempt, *parts, process)) and skips
+  the union of them."""
+  def agree(failed):
+    if not kv.multi_process():
+      return failed
+    kv.publish(kv.key(ident, attempt, *parts, jax.process_index()), json.dumps(sorted(failed)))
+    return set().union(*(json.loads(kv.fetch(kv.key(ident, attempt, *parts, other), timeout))
+                         for other in range(jax.process_count())))
+  return agree
+
+
 def _random(mesh, shape, spec, dtype, seed, scale=1.0):
   sharding = NamedSharding(mesh, spec)
   make = jax.jit(lambda key: (scale * jax.random.normal(key, shape, "float32")).astype(dtype),
@@ -212,16 +225,7 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(plan["measure"]))
     runs = _runnables(mesh, axis_name, p, seconds_per_problem)
 
-    def agree(failed, index=index):  # the union of every process's failures
-      if not multi:
-        return failed
-      me = jax.process_index()
-      kv.publish(kv.key(ident, attempt, "autotune", index, "failed", me),
-                 json.dumps(sorted(failed)))
-      return set().union(*(json.loads(kv.fetch(
-          kv.key(ident, attempt, "autotune", index, "failed", other), timeout))
-          for other in range(jax.process_count())))
-
+    agree = union_of_failures(ident, attempt, "autotune", index, "failed", timeout=timeout)
     mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree)
     if multi:
       kv.publish(kv.key(ident, attempt, "autotune", index, jax.process_index()),
