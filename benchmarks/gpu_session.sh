@@ -5,11 +5,16 @@
 # `source .device/setup.sh`.
 # Knobs: RACE_VARIANTS, RACE_REPEAT, FENCE_BENCH, EXAMPLE_ARGS, TESTS_TIMEOUT,
 # JOB_TIMEOUT, HANG_DUMP, CALL_TIMEOUT, CHECKS, FAILURES_K, RACE_FENCES, RACE_RUNS,
-# RACE_STRESS_VARIANTS, BENCH_BUDGET, BENCH_ARGS (see each step).
+# RACE_STRESS_VARIANTS, BENCH_BUDGET, BENCH_ARGS (see each step), NGPU (processes of
+# the one-process-per-GPU jobs; default every GPU of the machine).
 # Usage: benchmarks/gpu_session.sh [build] [checks] [tests] [failures] [race] [race-stress] [race-trace] [schedule] [example] [fence-bench] [bench] [bench-quick]
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build tests example bench}
+# One process per GPU of the machine (tensor parallelism over all), or NGPU.
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c "^GPU ")}
+export JCG_GPU_PROCESSES=$NGPU  # the pytest suite's process-per-GPU job too
+ranks() { seq 0 $((NGPU - 1)); }
 has() { [[ " $steps " == *" $1 "* ]]; }
 summary=()
 
@@ -18,6 +23,7 @@ summary=()
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
   python3 -c "import nvidia.cublasmp, os; print('cublasmp wheel', os.path.dirname(nvidia.cublasmp.__path__[0]))"
+  echo "processes per process-per-GPU job: $NGPU"
 } > "$OUT/machine.txt" 2>&1
 
 if has build; then
@@ -40,15 +46,16 @@ if has checks; then
   JCG_HANG_DUMP_S=150 timeout 170 python3 tests/gpu/worker.py --checks "$CHECKS" \
     > /tmp/checks_single.log 2>&1
   echo "single process: rc=$?" >> "$OUT/checks.log"
-  for i in 0 1; do
+  rm -f /tmp/checks_p*.log
+  for i in $(ranks); do
     JCG_HANG_DUMP_S=150 timeout 170 python3 tests/gpu/worker.py --checks "$CHECKS" \
-      --process-id $i --num-processes 2 --port 12421 > /tmp/checks_p$i.log 2>&1 &
+      --process-id $i --num-processes $NGPU --port 12421 > /tmp/checks_p$i.log 2>&1 &
   done
   wait
-  for f in /tmp/checks_single.log /tmp/checks_p0.log /tmp/checks_p1.log; do
+  for f in /tmp/checks_single.log /tmp/checks_p*.log; do
     { echo "===== $(basename "$f")"; grep -v -E "^[IW][0-9]{4} " "$f"; } >> "$OUT/checks.log"
   done
-  grep -h "^\[process" /tmp/checks_single.log /tmp/checks_p0.log /tmp/checks_p1.log | tail -40
+  grep -h "^\[process" /tmp/checks_single.log /tmp/checks_p*.log | tail -40
   summary+=("checks: $(cat /tmp/checks_*.log | grep -c ': ok (') ok, $(cat /tmp/checks_*.log | grep -c ': FAILED') failed ($((SECONDS - start)) s)")
 fi
 
@@ -127,11 +134,11 @@ if has race-stress; then
   for fence in ${RACE_FENCES:-none own_stream barrier}; do
     start=$SECONDS
     port=$((port + 1))  # a fresh coordinator port per job
-    for i in 0 1; do
+    for i in $(ranks); do
       JCG_STRESS_VARIANTS=${RACE_STRESS_VARIANTS:-plain,no_reuse,rs_no_overlap} \
         JAX_COMM_GEMM_FENCE=$fence JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1 JCG_HANG_DUMP_S=150 \
         timeout 170 python3 tests/gpu/stress.py --runs ${RACE_RUNS:-150} --process-id $i \
-        --num-processes 2 --port $port > /tmp/race_stress_$i.log 2>&1 &
+        --num-processes $NGPU --port $port > /tmp/race_stress_$i.log 2>&1 &
     done
     wait
     result=$(grep -h "^JCG_RESULT" /tmp/race_stress_0.log | head -1)

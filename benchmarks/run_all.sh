@@ -19,6 +19,7 @@
 # variable that turns the backend's autotuning cache off); BENCH_ARGS is added
 # to the project's bench.py command line, WINDOWED_ARGS to the windowed one,
 # TORCH_ARGS to the torch peer's (e.g. TORCH_ARGS="--profile matmul_reduce_scatter:4096x4096x4096").
+# NGPU: how many GPUs the peers run on (default: every GPU, as the project's part).
 #
 # What comes back in $OUT (8 files at most): project.json, windowed_einsum.json,
 # torch_symm_mem.json, pallas_mgpu.json (one per part; each written after every
@@ -47,6 +48,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# Every GPU of the machine, as the project's part uses them all (or NGPU).
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c "^GPU ")}
 work=/tmp/jcg_bench
 rm -rf "$work"; mkdir -p "$work/logs" "$work/profiles" "$work/torch_profiles" "$OUT"
 LOG=$OUT/run.log
@@ -68,7 +71,7 @@ fi
   nvidia-smi topo -m 2>/dev/null | head -4
   python3 -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__)"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1 | tail -1
-  echo "budget ${budget}s parts $parts ${quick:-full}"
+  echo "budget ${budget}s parts $parts ${quick:-full} GPUs $NGPU"
 } >> "$LOG" 2>&1
 
 if [ "$build" = auto ]; then  # only the project part needs the package
@@ -160,14 +163,14 @@ for part in "${todo[@]}"; do
       ;;
     torch_symm_mem)
       run_part torch_symm_mem "$b" python3 -m torch.distributed.run --standalone \
-        --nproc-per-node 2 "$here/peers/torch_symm_mem.py" --out "$OUT/torch_symm_mem.json" \
+        --nproc-per-node "$NGPU" "$here/peers/torch_symm_mem.py" --out "$OUT/torch_symm_mem.json" \
         --budget "$(( b - 10 ))" $quick ${torch_prof_args[@]+"${torch_prof_args[@]}"} ${TORCH_ARGS:-}
       # After a hang: once more, without the shape that hung.
       if [ $? -ne 0 ] && grep -q '"hangs"' "$OUT/torch_symm_mem.json" 2>/dev/null \
           && [ "$(share_of torch_symm_mem)" -gt 45 ]; then
         b=$(share_of torch_symm_mem)
         run_part torch_symm_mem_resume "$b" python3 -m torch.distributed.run --standalone \
-          --nproc-per-node 2 "$here/peers/torch_symm_mem.py" --out "$OUT/torch_symm_mem.json" \
+          --nproc-per-node "$NGPU" "$here/peers/torch_symm_mem.py" --out "$OUT/torch_symm_mem.json" \
           --budget "$(( b - 10 ))" $quick --resume ${torch_prof_args[@]+"${torch_prof_args[@]}"} \
           ${TORCH_ARGS:-}
       fi
@@ -186,7 +189,7 @@ for part in "${todo[@]}"; do
       ;;
     pallas_mgpu)
       run_part pallas_mgpu "$b" python3 "$here/peers/pallas_mgpu.py" \
-        --out "$OUT/pallas_mgpu.json" --budget "$b" $quick
+        --out "$OUT/pallas_mgpu.json" --budget "$b" --processes "$NGPU" $quick
       ;;
     *) note "unknown part $part" ;;
   esac

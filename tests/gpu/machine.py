@@ -4,6 +4,7 @@ whether it can run them at all, and a free port for jax.distributed."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -14,6 +15,12 @@ def gpu_count() -> int:
     return 0
   out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
   return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
+
+
+def processes() -> int:
+  """How many processes the one-process-per-GPU job runs: every GPU of the
+  machine (tensor parallelism over all of them), or JCG_GPU_PROCESSES."""
+  return int(os.environ.get("JCG_GPU_PROCESSES") or gpu_count())
 
 
 def skip_reason() -> str | None:

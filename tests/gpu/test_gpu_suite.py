@@ -2,7 +2,8 @@
 pytest launches itself.
 
 Two jobs run once per session: one process per GPU (jax.distributed on
-127.0.0.1, all checks) and one process driving every GPU (a subset). Each test
+127.0.0.1, all checks; every GPU of the machine, or JCG_GPU_PROCESSES) and one
+process driving every GPU (a subset). Each test
 below reports one check of one job. Without two GPUs or without the built
 extension they skip, saying why. Set JCG_GPU_LOG_DIR to keep the workers' logs.
 """
@@ -17,18 +18,12 @@ import time
 import pytest
 
 from tests.gpu import checks
-from tests.gpu.machine import free_port, skip_reason
+from tests.gpu.machine import free_port, processes, skip_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1500)]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 JOB_TIMEOUT_S = float(os.environ.get("JCG_GPU_JOB_TIMEOUT_S", "600"))
-
-
-
-
-
-
 
 
 def _worker_env() -> dict:
@@ -87,7 +82,7 @@ def multi_process_results():
   reason = skip_reason()
   if reason:
     pytest.skip(reason)
-  return _run_job("multi_process", 2, list(checks.CHECKS))
+  return _run_job("multi_process", processes(), list(checks.CHECKS))
 
 
 @pytest.fixture(scope="session")
