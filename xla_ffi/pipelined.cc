@@ -54,9 +54,7 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
   JCG_CUDA(cudaMemcpyAsync(rows_of(g.rank), c.x, plan.x_shard_bytes, cudaMemcpyDeviceToDevice,
                            g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
-  // The local shard hides the first transfer; each other shard's GEMM waits
-  // for its own arrival only.
-  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
+  // Each other shard's GEMM waits for its own arrival only.
   for (int s = 1; s < g.nranks; ++s) {
     const int from = (g.rank - s + g.nranks) % g.nranks;
     JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[s].get(), 0));
@@ -81,7 +79,6 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
                              cudaMemcpyDeviceToDevice, g.comm_stream));
   }
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
-  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
   JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[1].get(), 0));
   for (int s = 1; s < g.nranks; ++s) {
     const int from = (g.rank - s + g.nranks) % g.nranks;
@@ -236,6 +233,11 @@ Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
   // before the call.
   JCG_CUDA(cudaEventRecord(g.started, run));
   JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
+  // The local shard's GEMM hides the first transfer, and is enqueued before
+  // the NCCL calls: it needs nothing from the peers, and GPU run 39's trace of
+  // pipelined_ce showed it starting 90-120 us after the copy-in, the host's
+  // time in ncclAllGather, where the GPU had nothing queued.
+  JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
   return c.algorithm == kPipelinedCeAlgorithm ? EnqueueCopyEngine(g, plan, c, run)
                                                : EnqueuePointToPoint(g, plan, c, run);
 }
