@@ -779,7 +779,8 @@ class Runner:
     except Exception as e:  # noqa: BLE001
       entry["error"] = short_error(e, 600)
       self.log(f"profile {item}: FAILED {entry['error']}")
-    for key in ("step", "all_steps", "back_to_back"):  # keep the JSON small: the text has the detail
+    # Keep the JSON small: the text has the detail.
+    for key in ("step", "all_steps", "back_to_back"):
       if isinstance(entry.get(key), dict):
         entry[key] = {k: v for k, v in entry[key].items() if k != "events"}
     self.result.setdefault("profiles", []).append(entry)

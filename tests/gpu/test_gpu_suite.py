@@ -3,9 +3,9 @@ pytest launches itself.
 
 Two jobs run once per session: one process per GPU (jax.distributed on
 127.0.0.1, all checks; every GPU of the machine, or JCG_GPU_PROCESSES) and one
-process driving every GPU (a subset). Each test
-below reports one check of one job. Without two GPUs or without the built
-extension they skip, saying why. Set JCG_GPU_LOG_DIR to keep the workers' logs.
+process driving every GPU (a subset). Each test below reports one check of one
+job. Without two GPUs or without the built extension they skip, saying why.
+Set JCG_GPU_LOG_DIR to keep the workers' logs.
 """
 
 import json
