@@ -568,11 +568,23 @@ class Runner:
       self.progress("lower", n)
       try:
         if n == "auto_step" and not self.args.cpu_smoke:
-          # The other variants are traced already: this decision is auto_step's.
+          # The other variants are lowered already: this decision is auto_step's,
+          # and it is undone after its lowering, so that `auto` keeps the per-op
+          # choices in the records after this one (a row-parallel layer's
+          # problems are those of an MLP's fc2).
+          registry = self.ctx.jcg.REGISTRY
+          per_op = {p: registry.decision(p) for p in registry.seen()}
           _, why = self.ctx.jcg.autotune_step(self.mesh, AXIS, fns[n], *args[n],
                                               seconds_per_problem=0.6)
           entries[n]["autotune_step"] = why
-        lowered[n] = fns[n].lower(*args[n])
+          try:
+            lowered[n] = fns[n].lower(*args[n])
+          finally:
+            for p, decision in per_op.items():
+              if decision is not None:
+                registry.record_decision(p, decision)
+        else:
+          lowered[n] = fns[n].lower(*args[n])
       except Exception as e:  # noqa: BLE001  (a variant that fails is a result)
         entries[n]["error"] = "lower: " + short_error(e)
 
@@ -829,15 +841,18 @@ def autotune_auto_variants(jax, jcg, mesh, fns, args, names) -> dict:
   """What a user of backend="auto" does before training: trace the program once
   (auto notes the problems it meets), autotune them (collective; choices cached
   on disk), then drop the traces so that the programs are traced anew with the
-  choices. Returns {problem: [choice, why]} of this program's problems."""
+  choices. Returns {problem: [choice, why]} of every problem of these programs,
+  those measured for an earlier shape too."""
   auto = [n for n in names if n.startswith("auto")]
   if not auto or not hasattr(jcg, "autotune"):
     return {}
+  jcg.REGISTRY.forget_seen()
   for n in auto:
     fns[n].trace(*args[n])
-  choices = jcg.autotune(mesh, AXIS, seconds_per_problem=0.6)
+  problems = jcg.REGISTRY.seen()
+  jcg.autotune(mesh, AXIS, seconds_per_problem=0.6)
   jax.clear_caches()
-  return {p.text(): list(c) for p, c in choices.items()}
+  return {p.text(): list(jcg.REGISTRY.decision(p) or ("?", "not decided")) for p in problems}
 
 
 def memory_worker(args):

@@ -130,6 +130,8 @@ def build_rows(parts):
           row["error"] = str(e["error"])[:400]
         if r.get("best_config") and v == "pallas_mgpu":
           row["config"] = r["best_config"]
+        if choice_of(e):
+          row["choice"] = choice_of(e)
         if "error" in r and "median_ms" not in e:
           row.setdefault("error", str(r["error"])[:400])
         rows[(op, shape, v)] = row
@@ -155,6 +157,21 @@ def build_rows(parts):
         continue  # keep the timing run's temp bytes
       rows[key] = row
   return list(rows.values()), clocks
+
+
+def choice_of(entry: dict) -> str | None:
+  """What an auto variant ran: autotune_step's plan ("per-op" for the per-op
+  choices), else the implementations autotune chose for its problems."""
+  why = entry.get("autotune_step")
+  if why:
+    if "XLA kept" in why:
+      return "xla"
+    kept = why.rsplit("(", 1)[-1].removesuffix(" kept)")
+    return "per-op" if kept == "per-op choices" else kept.removeprefix("all ")
+  choices = entry.get("autotune")
+  if isinstance(choices, dict) and choices:
+    return "+".join(sorted({c[0] for c in choices.values()}))
+  return None
 
 
 def shape_key(shape):
@@ -198,7 +215,8 @@ def markdown(summary):
   for part, ver in summary.get("versions", {}).items():
     out.append(f"- {part}: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v is not None))
   out += ["", "Cells: time over the GEMM-only floor, median of per-round ratios in the same "
-          "run (lower is better; **bold**: best per shape), then the median ms per call. "
+          "run (lower is better; **bold**: best per shape), then the median ms per call, "
+          "and for auto variants what they ran (autotune's choices, or autotune_step's plan). "
           "Peers are timed against their own floor, in their own processes.", ""]
   ops = [o for o in OP_ORDER if any(r["op"] == o for r in rows)] + sorted(
       {r["op"] for r in rows if r["op"] not in OP_ORDER and r["op"] != "*"})
@@ -249,7 +267,8 @@ def markdown(summary):
           else:
             of = fmt(r.get("over_floor"))
             of = f"**{of}**" if r.get("over_floor") == best else of
-            cells.append(f"{of} ({fmt(r.get('median_ms'))})")
+            ran = f" {r['choice']}" if r.get("choice") else ""
+            cells.append(f"{of} ({fmt(r.get('median_ms'))}){ran}")
         fl = cell.get((s, "floor"), {})
         out.append(f"| {s} | " + " | ".join(cells)
                    + f" | {fmt(fl.get('median_ms'))} | {fmt(fl.get('sm_mhz'), 0)} / "
