@@ -279,6 +279,40 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
                              "pipelined_ce"])
 
 
+def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
+  """The step's plan is kept in autotune's disk cache: the next autotune_step
+  of the same step takes it without compiling or timing the step; other plans
+  (implementations=) measure anew."""
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
+               for i, s in enumerate([(16, 8), (8, 32), (32, 8)]))
+
+  def step(x, w1, w2):
+    local = jax.shard_map(lambda x, a, b: jcg.mlp(x, a, b, axis_name="tp"), mesh=mesh,
+                          in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
+
+  monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
+  timed = []
+  monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
+      timed.append(sorted(runs)) or {n: (1e-3 if n == "pipelined_ce" else 2e-3) for n in runs}))
+  first = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
+  compiled = []
+  monkeypatch.setattr(step_tuning, "_measure", lambda *a: compiled.append(a) or ("xla", "?"))
+  again = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
+  assert first[0] == again[0] == "pipelined_ce" and not compiled
+  assert again[1] == first[1] + " (cached)"
+  assert {REGISTRY.decision(p)[0] for p in REGISTRY.seen()} == {"pipelined_ce"}
+  # Fewer plans: another key, measured anew.
+  other = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5,
+                            implementations=("ring",))
+  assert other[0] == "xla" and len(compiled) == 1 and len(timed) == 1
+  with pytest.raises(ValueError, match="implementations has 'nccl'"):  # before any work
+    jcg.autotune_step(mesh, "tp", None, implementations=("nccl",))
+
+
 def test_step_plans_time_a_uniform_per_op_choice_once():
   ag = Problem(AG, 8, 8, 16, "bfloat16", False, 2)
   rs = Problem(RS, 8, 16, 8, "bfloat16", False, 2)
@@ -289,6 +323,12 @@ def test_step_plans_time_a_uniform_per_op_choice_once():
   assert "tuned" not in uniform and uniform["ring"][rs][0] == "ring"
   only_ag = step_tuning.step_plans([ag], {ag: ("pipelined", "m")})
   assert "tuned" not in only_ag and "pipelined" in only_ag
+  # implementations= limits the plans of one implementation; XLA stays.
+  few = step_tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("xla", "m")},
+                               implementations=("pipelined_ce",))
+  assert list(few) == ["tuned", "pipelined_ce", "xla"]
+  with pytest.raises(ValueError, match="implementations has 'fast'; allowed: cublasmp_default"):
+    step_tuning.step_plans([ag], {ag: ("xla", "m")}, implementations=("fast",))
 
 
 def test_step_decision_fastest_plan_by_the_slowest_process():

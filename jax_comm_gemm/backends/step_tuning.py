@@ -23,8 +23,8 @@ import jax
 
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
-from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, autotune, time_candidates,
-                                           union_of_failures)
+from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, autotune, load_cache, save_cache,
+                                           signature, time_candidates, union_of_failures)
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
 
 
@@ -39,19 +39,31 @@ KEEP_MARGIN = 0.01
 TUNED, XLA = "tuned", "xla"
 
 
-def step_plans(problems, chosen: dict) -> dict[str, dict]:
+def step_plans(problems, chosen: dict, implementations=None) -> dict[str, dict]:
   """Each plan to time, as {plan: {problem: (implementation, why)}}: the
-  per-op choices (``tuned``), and every op on one implementation, for each
-  implementation that can run every op of the step (XLA always among them).
-  Where the per-op choices are all one implementation, that plan is timed
-  once, under the implementation's name."""
+  per-op choices (``tuned``), and every op on one implementation, for each of
+  `implementations` (default: all) that can run every op of the step, XLA
+  always among them. Where the per-op choices are all one implementation,
+  that plan is timed once, under the implementation's name."""
+  names = _plan_names(implementations)
   ops = {p.op for p in problems}
   plans = {name: {p: (name, "step-level comparison") for p in problems}
-           for name in IMPLEMENTATIONS if all(name in CANDIDATES[op] for op in ops)}
-  names = {name for name, _ in chosen.values()}
-  if len(names) != 1 or not names <= plans.keys():
+           for name in IMPLEMENTATIONS
+           if name in names and all(name in CANDIDATES[op] for op in ops)}
+  tuned = {name for name, _ in chosen.values()}
+  if len(tuned) != 1 or not tuned <= plans.keys():
     plans = {TUNED: dict(chosen), **plans}
   return plans
+
+
+def _plan_names(implementations) -> tuple[str, ...]:
+  """XLA and `implementations` (default: all), or a ValueError naming what is allowed."""
+  names = IMPLEMENTATIONS if implementations is None else (XLA, *implementations)
+  unknown = sorted(set(names) - set(IMPLEMENTATIONS))
+  if unknown:
+    raise ValueError(f"autotune_step: implementations has {', '.join(map(repr, unknown))}; "
+                     f"allowed: {', '.join(IMPLEMENTATIONS)}")
+  return names
 
 
 def decide_step(times: dict[str, list[float]],
@@ -72,13 +84,17 @@ def decide_step(times: dict[str, list[float]],
 
 
 def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds: int = 10,
-                  seconds_per_problem: float = 1.0) -> tuple[str, str]:
+                  seconds_per_problem: float = 1.0, implementations=None) -> tuple[str, str]:
   """Tunes every op `step(*args)` meets (``autotune``), then times the step
-  under each plan of ``step_plans`` and records the plan taken for every op.
-  Returns (plan, why): ``"tuned"`` (the per-op choices), ``"xla"``, or the
-  one implementation every op runs; ("tuned", why) without timing where there
-  is nothing to choose. Call it in every process, before compiling the step
-  for real; it clears jax's caches."""
+  under each plan of ``step_plans`` (`implementations` limits the plans of
+  one implementation for every op: each costs a compile of the step) and
+  records the plan taken for every op. The plan is kept in autotune's disk
+  cache, keyed by the step's problems and plans, and taken from it without
+  compiling or timing the next time. Returns (plan, why): ``"tuned"`` (the
+  per-op choices), ``"xla"``, or the one implementation every op runs;
+  ("tuned", why) without timing where there is nothing to choose. Call it in
+  every process, before compiling the step for real; it clears jax's caches."""
+  _plan_names(implementations)  # bad input fails here, before any device work
   if settings.autotune(IMPLEMENTATIONS) != "on" or not REGISTRY.cublasmp_status().ok:
     return TUNED, "nothing to choose: measuring is off or cuBLASMp cannot run"
   REGISTRY.forget_seen()
@@ -89,7 +105,26 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
   jax.clear_caches()
   if not problems:
     return TUNED, "the step meets no op that auto chooses for"
-  plans = step_plans(problems, {p: REGISTRY.decision(p) for p in problems})
+  plans = step_plans(problems, {p: REGISTRY.decision(p) for p in problems}, implementations)
+  ident = comm_id(mesh, axis_name)
+  attempt = REGISTRY.next_attempt(("autotune_step", ident))
+  key = (f"autotune_step margin={KEEP_MARGIN} plans={','.join(plans)} problems="
+         + "; ".join(sorted(p.text() for p in problems)))
+  cached = _cached(ident, attempt, key)
+  if cached is not None and cached[0] in plans:
+    plan, why = cached[0], f"{cached[1]} (cached)"
+  else:
+    plan, why = _measure(ident, attempt, plans, step, args, iterations, rounds)
+    _remember(key, plan, why)
+  for p, (name, reason) in plans[plan].items():
+    REGISTRY.record_decision(p, (name, reason if plan == TUNED else why))
+  jax.clear_caches()
+  return plan, why
+
+
+def _measure(ident, attempt, plans, step, args, iterations, rounds) -> tuple[str, str]:
+  """Compiles the step under each plan, times them all interleaved, and
+  returns process 0's decision."""
   runs = {}
   for plan, decisions in plans.items():
     for p, decision in decisions.items():
@@ -101,16 +136,33 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     runs[plan] = (lambda compiled=compiled: compiled(*args), iterations)
   # Every process skips a plan that failed to run in any (a collective plan
   # that one process skipped would leave the others waiting in it).
-  ident = comm_id(mesh, axis_name)
-  attempt = REGISTRY.next_attempt(("autotune_step", ident))
   agree = union_of_failures(ident, attempt, "step", "failed",
                             timeout=settings.connect_timeout_s())
   mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree)
-  plan, why = _agree(ident, attempt, mine)
-  for p, (name, reason) in plans[plan].items():
-    REGISTRY.record_decision(p, (name, reason if plan == TUNED else why))
-  jax.clear_caches()
-  return plan, why
+  return _agree(ident, attempt, mine)
+
+
+def _cached(ident, attempt, key: str):
+  """[plan, why] from the disk cache, or None: process 0 reads it, every
+  process takes its answer."""
+  lead = jax.process_index() == 0
+  path = settings.autotune_cache()
+  entry = load_cache(path).get(signature(), {}).get(key) if lead and path else None
+  if kv.multi_process():
+    name = kv.key(ident, attempt, "step", "cached")
+    if lead:
+      kv.publish(name, json.dumps(entry))
+    else:
+      entry = json.loads(kv.fetch(name, settings.connect_timeout_s()))
+  return entry
+
+
+def _remember(key: str, plan: str, why: str) -> None:
+  path = settings.autotune_cache()
+  if jax.process_index() == 0 and path:
+    cache = load_cache(path)
+    cache.setdefault(signature(), {})[key] = [plan, why]
+    save_cache(path, cache)
 
 
 def _agree(ident, attempt, mine: dict[str, float]) -> tuple[str, str]:

@@ -162,7 +162,8 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   return runs
 
 
-def _signature() -> str:
+def signature() -> str:
+  """The disk cache's section for this GPU model, these versions and settings."""
   native = REGISTRY.native()
   return (f"{jax.devices()[0].device_kind}|jax {jax.__version__}|cuBLASMp "
           f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|{settings.fence()}|"
@@ -170,7 +171,8 @@ def _signature() -> str:
           f"{';'.join(','.join(names) for names in CANDIDATES.values())}")
 
 
-def _load_cache(path: str) -> dict:
+def load_cache(path: str) -> dict:
+  """The disk cache ({signature: {key: [choice, why]}}); empty if unreadable."""
   try:
     with open(path) as f:
       return json.load(f)
@@ -178,7 +180,8 @@ def _load_cache(path: str) -> dict:
     return {}
 
 
-def _save_cache(path: str, cache: dict) -> None:
+def save_cache(path: str, cache: dict) -> None:
+  """Writes the whole cache atomically (a reader never sees half a file)."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   temporary = f"{path}.{os.getpid()}.tmp"
   with open(temporary, "w") as f:
@@ -204,9 +207,9 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
   leader = jax.process_index() == 0
   multi = kv.multi_process()
   timeout = settings.connect_timeout_s()
-  path, signature = settings.autotune_cache(), _signature()
-  cache = _load_cache(path) if leader and path else {}
-  known = cache.get(signature, {})
+  path, section = settings.autotune_cache(), signature()
+  cache = load_cache(path) if leader and path else {}
+  known = cache.get(section, {})
   # The leader's view rules: which problems, and which the cache answers.
   if leader:
     wanted = [q for q in [*REGISTRY.wanted(), *problems] if q.axis_size == size]
@@ -242,8 +245,8 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
       kv.publish(kv.key(ident, attempt, "autotune", "choices"),
                  json.dumps([[vars(p), list(c)] for p, c in choices.items()]))
     if path and measured:
-      cache[signature] = known
-      _save_cache(path, cache)
+      cache[section] = known
+      save_cache(path, cache)
   elif measured or plan["cached"]:
     choices = {Problem(**q): tuple(c) for q, c in json.loads(
         kv.fetch(kv.key(ident, attempt, "autotune", "choices"), timeout))}
