@@ -239,6 +239,20 @@ def test_report_follows_auto_on_a_connected_axis(fake):
   assert (counts.standalone_all_gathers, counts.fused_all_gather_matmuls) == (1, 2)
 
 
+def _connected_mlp_step():
+  """(mesh, step, args): the MLP's weight gradients on a connected 2-CPU mesh."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  args = [jax.random.normal(jax.random.key(i), s, jnp.float32)
+          for i, s in enumerate([(16, 8), (8, 32), (32, 8)])]
+
+  def step(x, w1, w2):
+    local = jax.shard_map(lambda x, a, b: jcg.mlp(x, a, b, axis_name="tp"), mesh=mesh,
+                          in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
+  return mesh, step, args
+
+
 def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
   """autotune_step measures the ops of a step, then the step under each plan:
   the per-op choices, and every op on one implementation (XLA among them).
@@ -246,15 +260,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
   fused, the step 3-5% slower; run 37: every op on pipelined_ce made the step
   faster than both the per-op choices and XLA)."""
   monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
-  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
-  jcg.connect(mesh, "tp")
-  x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
-               for i, s in enumerate([(16, 8), (8, 32), (32, 8)]))
-
-  def step(x, w1, w2):
-    local = jax.shard_map(lambda x, a, b: jcg.mlp(x, a, b, axis_name="tp"), mesh=mesh,
-                          in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
-    return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
+  mesh, step, (x, w1, w2) = _connected_mlp_step()
 
   # Each op measures fastest on split_p2p, except the backward RS on the ring:
   # the per-op plan mixes two implementations.
@@ -284,15 +290,7 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
   of the same step takes it without compiling or timing the step; other plans
   (implementations=) measure anew."""
   monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
-  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
-  jcg.connect(mesh, "tp")
-  x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
-               for i, s in enumerate([(16, 8), (8, 32), (32, 8)]))
-
-  def step(x, w1, w2):
-    local = jax.shard_map(lambda x, a, b: jcg.mlp(x, a, b, axis_name="tp"), mesh=mesh,
-                          in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
-    return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
+  mesh, step, (x, w1, w2) = _connected_mlp_step()
 
   monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
   timed = []
