@@ -20,6 +20,8 @@
 # to the project's bench.py command line, WINDOWED_ARGS to the windowed one,
 # TORCH_ARGS to the torch peer's (e.g. TORCH_ARGS="--profile matmul_reduce_scatter:4096x4096x4096").
 # NGPU: how many GPUs the peers run on (default: every GPU, as the project's part).
+# AG_PROFILE_SHAPES: more AllGather+GEMM shapes to profile, the project's and the
+# torch peer's (e.g. AG_PROFILE_SHAPES="8192x8192x7168 8192x4096x4096").
 #
 # What comes back in $OUT (8 files at most): project.json, windowed_einsum.json,
 # torch_symm_mem.json, pallas_mgpu.json (one per part; each written after every
@@ -132,10 +134,18 @@ if [ $profiles = 1 ]; then
              --profile mlp_fwd_bwd:8192x8192x7168:auto)
   [ -z "$quick" ] && prof_args+=(--profile all_gather_matmul:4096x4096x4096:xla
                                  --profile mlp_fwd_bwd:8192x8192x7168:pure_jax)
-  prof_args+=(--profile-dir "$work/profiles" --profile-out "$OUT/profiles.txt")
   # The torch peer's traces (within its budget: it weighs them against its shapes).
   torch_prof_args=(--profile all_gather_matmul:16384x8192x8192
                    --profile all_gather_matmul:4096x4096x4096 --profile-dir "$work/torch_profiles")
+  # AG_PROFILE_SHAPES="S1 S2 ...": AllGather+GEMM shapes to profile on both sides,
+  # the project's auto, cuBLASMp default and pipelined_ce beside the torch peer.
+  for shape in ${AG_PROFILE_SHAPES:-}; do
+    for v in auto cublasmp_default pipelined_ce; do
+      prof_args+=(--profile "all_gather_matmul:$shape:$v")
+    done
+    torch_prof_args+=(--profile "all_gather_matmul:$shape")
+  done
+  prof_args+=(--profile-dir "$work/profiles" --profile-out "$OUT/profiles.txt")
 fi
 mem_args=()
 for kv in ${MEMORY_ENV:-}; do mem_args+=(--memory-env "$kv"); done
