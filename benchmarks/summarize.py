@@ -22,6 +22,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import statistics
 import sys
 
@@ -162,12 +163,10 @@ def build_rows(parts):
 def choice_of(entry: dict) -> str | None:
   """What an auto variant ran: autotune_step's plan ("per-op" for the per-op
   choices), else the implementations autotune chose for its problems."""
-  why = entry.get("autotune_step")
-  if why:
-    if "XLA kept" in why:
-      return "xla"
-    kept = why.rsplit("(", 1)[-1].removesuffix(" kept)")
-    return "per-op" if kept == "per-op choices" else kept.removeprefix("all ")
+  found = re.search(r"\(([^()]*) kept[:)]", entry.get("autotune_step") or "")
+  if found:  # "(all pipelined_ce kept)", "(per-op choices kept)", "(XLA kept: ...)"
+    kept = found.group(1)
+    return {"per-op choices": "per-op", "XLA": "xla"}.get(kept, kept.removeprefix("all "))
   choices = entry.get("autotune")
   if isinstance(choices, dict) and choices:
     return "+".join(sorted({c[0] for c in choices.values()}))

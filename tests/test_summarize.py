@@ -43,4 +43,6 @@ def test_step_plans_read_from_autotune_steps_words():
       == "per-op"
   assert summarize.choice_of(
       {"autotune_step": "step measured: ... (XLA kept: a lead under 1% is noise)"}) == "xla"
+  assert summarize.choice_of(
+      {"autotune_step": "step measured: ... (all pipelined_ce kept) (cached)"}) == "pipelined_ce"
   assert summarize.choice_of({"autotune": {}}) is None
