@@ -13,15 +13,15 @@
 #   --build       pip install -e . first (default: only when the project part runs
 #                 and jax_comm_gemm is not importable from outside the tree)
 #   --no-build    never build
-#   --no-profiles skip the jax.profiler traces and the torch.profiler ones (the
-#                 torch peer's all_gather_matmul at 16384x8192x8192 and 4096x4096x4096)
+#   --no-profiles skip the jax.profiler traces and the peers' (the torch peer's
+#                 all_gather_matmul at 16384x8192x8192 and 4096x4096x4096, Pallas's at 4096^3)
 # Environment: MEMORY_ENV="K=V ..." is passed to the memory workers (e.g. a
 # variable that turns the backend's autotuning cache off); BENCH_ARGS is added
 # to the project's bench.py command line, WINDOWED_ARGS to the windowed one,
 # TORCH_ARGS to the torch peer's (e.g. TORCH_ARGS="--profile matmul_reduce_scatter:4096x4096x4096").
 # NGPU: how many GPUs the peers run on (default: every GPU, as the project's part).
 # AG_PROFILE_SHAPES: more AllGather+GEMM shapes to profile, the project's and the
-# torch peer's (e.g. AG_PROFILE_SHAPES="8192x8192x7168 8192x4096x4096").
+# peers' (e.g. AG_PROFILE_SHAPES="8192x8192x7168 8192x4096x4096").
 #
 # What comes back in $OUT (8 files at most): project.json, windowed_einsum.json,
 # torch_symm_mem.json, pallas_mgpu.json (one per part; each written after every
@@ -53,7 +53,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # Every GPU of the machine, as the project's part uses them all (or NGPU).
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | grep -c "^GPU ")}
 work=/tmp/jcg_bench
-rm -rf "$work"; mkdir -p "$work/logs" "$work/profiles" "$work/torch_profiles" "$OUT"
+rm -rf "$work"; mkdir -p "$work/logs" "$work/profiles" "$work/torch_profiles" "$work/pallas_profiles" "$OUT"
 LOG=$OUT/run.log
 : > "$LOG"
 summary=()
@@ -129,6 +129,7 @@ run_part() {  # run_part NAME BUDGET CMD...: runs under a hard timeout, logs int
 
 prof_args=()
 torch_prof_args=()
+pallas_prof_args=()
 if [ $profiles = 1 ]; then
   prof_args=(--profile all_gather_matmul:4096x4096x4096:auto
              --profile mlp_fwd_bwd:8192x8192x7168:auto)
@@ -137,13 +138,16 @@ if [ $profiles = 1 ]; then
   # The torch peer's traces (within its budget: it weighs them against its shapes).
   torch_prof_args=(--profile all_gather_matmul:16384x8192x8192
                    --profile all_gather_matmul:4096x4096x4096 --profile-dir "$work/torch_profiles")
-  # AG_PROFILE_SHAPES="S1 S2 ...": AllGather+GEMM shapes to profile on both sides,
-  # the project's auto, cuBLASMp default and pipelined_ce beside the torch peer.
+  # The Pallas kernel's, where it leads (4096^3 in run 39).
+  pallas_prof_args=(--profile 4096x4096x4096 --profile-dir "$work/pallas_profiles")
+  # AG_PROFILE_SHAPES="S1 S2 ...": AllGather+GEMM shapes to profile on every side,
+  # the project's auto, cuBLASMp default and pipelined_ce beside the two peers.
   for shape in ${AG_PROFILE_SHAPES:-}; do
     for v in auto cublasmp_default pipelined_ce; do
       prof_args+=(--profile "all_gather_matmul:$shape:$v")
     done
     torch_prof_args+=(--profile "all_gather_matmul:$shape")
+    pallas_prof_args+=(--profile "$shape")
   done
   prof_args+=(--profile-dir "$work/profiles" --profile-out "$OUT/profiles.txt")
 fi
@@ -199,7 +203,15 @@ for part in "${todo[@]}"; do
       ;;
     pallas_mgpu)
       run_part pallas_mgpu "$b" python3 "$here/peers/pallas_mgpu.py" \
-        --out "$OUT/pallas_mgpu.json" --budget "$b" --processes "$NGPU" $quick
+        --out "$OUT/pallas_mgpu.json" --budget "$b" --processes "$NGPU" $quick \
+        ${pallas_prof_args[@]+"${pallas_prof_args[@]}"}
+      for t in "$work"/pallas_profiles/*/plugins/profile/*/perfetto_trace.json.gz; do
+        [ -e "$t" ] || continue
+        name=${t#"$work"/pallas_profiles/}
+        { echo "== pallas_mgpu ${name%%/*} [back_to_back: bench_back_to_back]"
+          timeout 60 python3 "$here/trace_summary.py" "$t" --window bench_back_to_back 2>&1
+          echo; } >> "$OUT/profiles.txt"
+      done
       ;;
     *) note "unknown part $part" ;;
   esac
@@ -223,8 +235,9 @@ done
 tar_args=()
 jax_traces=$(cd "$work/profiles" && ls */plugins/profile/*/perfetto_trace.json.gz 2> /dev/null)
 [ -n "$jax_traces" ] && tar_args+=(-C "$work/profiles" $jax_traces)
-torch_traces=$(cd "$work" && ls torch_profiles/*.trace.json.gz 2> /dev/null)
-[ -n "$torch_traces" ] && tar_args+=(-C "$work" $torch_traces)
+peer_traces=$(cd "$work" && ls torch_profiles/*.trace.json.gz \
+  pallas_profiles/*/plugins/profile/*/perfetto_trace.json.gz 2> /dev/null)
+[ -n "$peer_traces" ] && tar_args+=(-C "$work" $peer_traces)
 if [ ${#tar_args[@]} -gt 0 ]; then
   tar czf "$work/traces.tar.gz" "${tar_args[@]}"
   if [ "$(stat -c %s "$work/traces.tar.gz")" -lt $((15 * 1024 * 1024)) ]; then

@@ -6,6 +6,12 @@ timing method of bench.py (harness.time_interleaved). Per shape it keeps the
 fastest of a few tile configurations (the same on every process).
 
   python3 benchmarks/peers/pallas_mgpu.py --out X.json [--quick] [--budget S]
+      [--profile 4096x4096x4096 --profile-dir DIR]
+
+--profile SHAPE (repeatable): after that shape's timings, every process traces
+the kernel's best config, back to back (jax.profiler, annotation
+"bench_back_to_back"), into DIR/<op>_<shape>_p<i>/ (benchmarks/trace_summary.py
+reads it).
 
 launches the processes itself (CUDA_VISIBLE_DEVICES=i each). It needs NCCL >=
 2.29 for its symmetric windows: source .device/setup.sh first. Every failure
@@ -52,6 +58,9 @@ def parse_args():
   p.add_argument("--warmup-first-s", type=float)
   p.add_argument("--hang-timeout", type=float, default=90.0)
   p.add_argument("--resume", action="store_true", help="keep --out's shapes; skip those that hung")
+  p.add_argument("--profile", action="append", default=[], metavar="SHAPE",
+                 help="trace the best config at this shape (repeatable)")
+  p.add_argument("--profile-dir", default="/tmp/jcg_pallas_profiles")
   p.add_argument("--processes", type=int, default=2)
   p.add_argument("--coordinator")
   p.add_argument("--process-id", type=int)
@@ -198,6 +207,29 @@ def child(args) -> int:
   relerr = jax.jit(lambda a, b: jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32)).ravel())
                    / jnp.maximum(jnp.linalg.norm(b.astype(jnp.float32).ravel()), 1e-30))
 
+  def trace(name, f, fargs, calls=5):
+    """A back-to-back trace of `calls` calls in every process; never raises.
+    The processes agree that each one's trace started before any collective."""
+    folder = os.path.join(args.profile_dir, f"{name}_p{pid}")
+    error = None
+    try:
+      jax.profiler.start_trace(folder, create_perfetto_trace=True)
+    except Exception as e:  # noqa: BLE001
+      error = short_error(e, 200)
+    if agree_max([1.0 if error else 0.0])[0]:
+      if error is None:
+        jax.profiler.stop_trace()
+      return {"error": error or "a peer could not start its trace"}
+    try:
+      with jax.profiler.TraceAnnotation("bench_back_to_back"):
+        out = None
+        for _ in range(calls):
+          out = f(*fargs)
+        jax.block_until_ready(out)
+    finally:
+      jax.profiler.stop_trace()
+    return {"dir": folder}
+
   skip = harness.resume_from(args.out, result) if args.resume else set()
   ops = [o for o in args.ops.split(",") if o in OPS]
   budget = harness.Budget(args.budget - (time.time() - t_start), {o: WEIGHTS[o] for o in ops})
@@ -282,6 +314,9 @@ def child(args) -> int:
         first = False
         for name, t in timings.items():
           rec["variants"].setdefault(name, {}).update(t)
+        if shape_str(shape) in args.profile and "pallas_mgpu" in fns:
+          tick("profile")
+          rec["profile"] = trace(f"{op}_{shape_str(shape)}", fns["pallas_mgpu"], (x, w))
         if main_proc:
           rec["gpu_state_warm"] = warm_state["s"]() if "s" in warm_state else []
           rec["gpu_state_end"] = harness.gpu_state()
