@@ -201,16 +201,22 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t device, int64_t 
   });
 }
 
+// What every handler binds first, in the order of its Impl's parameters: the
+// stream, the device, and the attributes every lowering sets (primitives.py).
+auto CallBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Attr<int64_t>("comm_id")
+      .Attr<int64_t>("algorithm")
+      .Attr<bool>("transpose_w");
+}
+
 }  // namespace
 }  // namespace jax_comm_gemm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherMatmul, jax_comm_gemm::AllGatherMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<bool>("transpose_w")
+                              jax_comm_gemm::CallBinding()
                                   .Attr<int64_t>("layout")
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
@@ -219,12 +225,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherMatmul, jax_comm_gemm::AllGatherMatmulIm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherMatmulWeightGradient,
                               jax_comm_gemm::AllGatherMatmulWeightGradientImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<bool>("transpose_w")
+                              jax_comm_gemm::CallBinding()
                                   .Attr<int64_t>("layout")
                                   .Arg<ffi::AnyBuffer>()   // x
                                   .Arg<ffi::AnyBuffer>()   // w
@@ -233,12 +234,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherMatmulWeightGradient,
                                   .Ret<ffi::AnyBuffer>());  // dw
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMatmulReduceScatter, jax_comm_gemm::MatmulReduceScatterImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<int64_t>("comm_id")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<bool>("transpose_w")
+                              jax_comm_gemm::CallBinding()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Ret<ffi::AnyBuffer>());
