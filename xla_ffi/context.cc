@@ -81,8 +81,10 @@ Status Context::Init(const ncclUniqueId& id) {
   JCG_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   comm_stream_.reset(stream);
   arrived_.resize(std::max(P, kMaxChunks + 1));
+  computed_.resize(kMaxChunks);
   std::vector<CudaEvent*> events = {&event_in_, &event_out_, &host_wait_event_, &started_};
   for (CudaEvent& e : arrived_) events.push_back(&e);
+  for (CudaEvent& e : computed_) events.push_back(&e);
   for (CudaEvent* e : events) {
     cudaEvent_t event = nullptr;
     JCG_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
@@ -311,6 +313,7 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
                                 comm_stream_.get(),
                                 started_.get(),
                                 arrived_.data(),
+                                computed_.data(),
                                 ce_comm_.get(),
                                 window_.data(),
                                 static_cast<char*>(partials_.get()),

@@ -31,6 +31,7 @@ void Context::Abandon() noexcept {
   (void)partials_.release(), (void)lt_workspace_.release();
   (void)started_.release(), (void)comm_stream_.release();
   for (CudaEvent& e : arrived_) (void)e.release();
+  for (CudaEvent& e : computed_) (void)e.release();
   (void)lt_.release();
   (void)stream_.release();
   // Already freed by ncclCommAbort.

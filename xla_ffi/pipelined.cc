@@ -125,6 +125,10 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
   auto x_of = [&](const RowBlock& b) {
     return static_cast<const char*>(c.x) + plan.x_row_bytes * b.x_row;
   };
+  // Every GEMM is enqueued before any ncclAlltoAll: the host spends tens of
+  // microseconds in each NCCL call, and a GEMM enqueued behind one would leave
+  // the GPU idle that long between chunks (the AllGather's local GEMM did, in
+  // GPU run 39's trace). The streams' dependencies are the same either way.
   for (int j = 0; j < plan.chunks; ++j) {
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
     for (int dest = 0; dest < g.nranks; ++dest) {
@@ -132,8 +136,11 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
       JCG_RETURN_IF_ERROR(BlockGemm(g, plan, c, x_of(blocks[chunk + dest]),
                                     sent + plan.y_shard_bytes * (chunk + dest), run));
     }
-    JCG_CUDA(cudaEventRecord(g.started, run));
-    JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
+    JCG_CUDA(cudaEventRecord(g.computed[j].get(), run));
+  }
+  for (int j = 0; j < plan.chunks; ++j) {
+    const size_t chunk = static_cast<size_t>(j) * g.nranks;
+    JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.computed[j].get(), 0));
     JCG_NCCL(ncclAlltoAll(sent + plan.y_shard_bytes * chunk, received + plan.y_shard_bytes * chunk,
                           count, plan.nccl_type, g.ce_comm, g.comm_stream));
     JCG_CUDA(cudaEventRecord(g.arrived[j + 1].get(), g.comm_stream));

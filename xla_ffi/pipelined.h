@@ -74,6 +74,9 @@ struct PipelineTarget {
   // arrived[0]: comm_stream's last work is done.
   cudaEvent_t started;
   const CudaEvent* arrived;  // max(nranks, kMaxChunks + 1) of them
+  // computed[j]: chunk j's blocks for the peers are computed (pipelined_ce
+  // ReduceScatter); kMaxChunks of them.
+  const CudaEvent* computed;
   ncclComm_t ce_comm;        // zero-CTA policy; pipelined_ce only
   char* window;              // symmetric on ce_comm; pipelined_ce only
   char* partials;            // plan.partial_bytes; pipelined ReduceScatter only
