@@ -59,9 +59,10 @@ def test_time_candidates_interleaves_and_takes_medians():
       rounds=3, timer=timer, wait=waits.append)
   assert times["bad"] == math.inf
   assert times["b"] > times["a"]
-  # Warm-up once each, then a b a b a b: interleaved rounds, one wait per
-  # batch (back-to-back calls, as in a training step), not one per call.
-  assert order[3:] == ["a", "a", "b"] * 3
+  # Warm-up once each, then a b, b a, a b: interleaved rounds alternating in
+  # order (under the power cap a batch's clock depends on the one before), one
+  # wait per batch (back-to-back calls, as in a training step), not one per call.
+  assert order[3:] == ["a", "a", "b"] + ["b", "a", "a"] + ["a", "a", "b"]
   assert len(waits) == 2 + 3 * 2
 
 

@@ -62,7 +62,14 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   gets ``inf`` (caught once per candidate at tuning time, never per call of a
   program). `agree` turns this process's set of candidates that failed to warm
   up into the set every process skips (a collective candidate that one
-  process skipped would leave the others waiting in it)."""
+  process skipped would leave the others waiting in it).
+
+  Rounds alternate in order (a b c, then c b a), as the benchmark's do. In
+  one fixed order the ring always followed XLA, and timed 5% faster than the
+  benchmark's alternating rounds timed the same program (GPU run 43: not the
+  batch size, which was tried alike); enough to pick it over cuBLASMp
+  `default` at 16384x8192x8192 (runs 41-42). Likely the power cap: a batch's
+  clock depends on the batch before it, and XLA's has its AllGather exposed."""
   samples = {name: [] for name in runs}
   failed = set()
   for name, (call, _) in runs.items():  # compile and warm up, untimed
@@ -74,7 +81,8 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
       failed.add(name)
   failed = set(agree(failed))
   for index in range(warmup_rounds + rounds):
-    for name, (call, iterations) in runs.items():
+    order = list(runs.items()) if index % 2 == 0 else list(runs.items())[::-1]
+    for name, (call, iterations) in order:
       if name in failed:
         continue
       log.debug("autotune: timing %s", name)
