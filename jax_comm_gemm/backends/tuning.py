@@ -170,10 +170,15 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   return runs
 
 
+# Raised when the timing method changes, so that choices cached on disk by an
+# older method are measured again (2: rounds alternate in order).
+METHOD = 2
+
+
 def signature() -> str:
   """The disk cache's section for this GPU model, these versions and settings."""
   native = REGISTRY.native()
-  return (f"{jax.devices()[0].device_kind}|jax {jax.__version__}|cuBLASMp "
+  return (f"{jax.devices()[0].device_kind}|timing {METHOD}|jax {jax.__version__}|cuBLASMp "
           f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|{settings.fence()}|"
           # New candidates make old choices stale.
           f"{';'.join(','.join(names) for names in CANDIDATES.values())}")
