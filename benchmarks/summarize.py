@@ -173,6 +173,37 @@ def choice_of(entry: dict) -> str | None:
   return None
 
 
+# Layer ops: an auto variant that ran one implementation for every op ran the
+# program of this variant.
+LAYER_TWINS = {"xla": "xla", "ring": "ring", "pipelined_ce": "pipelined_ce_all",
+               "pipelined": "pipelined_all"}
+LAYER_OPS = ("row_parallel_fwd_bwd", "mlp_fwd_bwd", "transformer_fwd_bwd")
+
+
+def same_program_pairs(rows):
+  """(op, shape, auto variant, what it ran, the variant that ran the same
+  program, their over_floor values): where an auto variant ran one
+  implementation that the run also timed as a variant of its own. Their
+  difference is the measurement's spread for that cell, the resolution
+  below which two cells of the run do not differ."""
+  cell = {(r["op"], r["shape"], r["variant"]): r for r in rows}
+  pairs = []
+  for r in rows:
+    choice = r.get("choice")
+    if not r["variant"].startswith("auto") or not choice or "+" in choice or \
+        r.get("over_floor") is None:
+      continue
+    twin = LAYER_TWINS.get(choice) if r["op"] in LAYER_OPS else choice
+    other = cell.get((r["op"], r["shape"], twin))
+    # The sweep repeats the AllGather+GEMM's shapes as copies: one pair each.
+    copy = ("all_gather_matmul", r["shape"], r["variant"], choice, twin, r["over_floor"],
+            other and other.get("over_floor"))
+    if other and other.get("over_floor") is not None and copy not in pairs:
+      pairs.append((r["op"], r["shape"], r["variant"], choice, twin, r["over_floor"],
+                    other["over_floor"]))
+  return pairs
+
+
 def shape_key(shape):
   try:
     return tuple(int(v) for v in shape.split("x"))
@@ -274,6 +305,20 @@ def markdown(summary):
                      f"{fmt(fl.get('power_w'), 0)} |")
     if notes:
       out += ["", "Errors: " + "; ".join(notes[:12]) + (" …" if len(notes) > 12 else "")]
+    out.append("")
+  pairs = same_program_pairs(rows)
+  if pairs:
+    gaps = [abs(a / b - 1) * 100 for *_, a, b in pairs]
+    out += ["## The same program twice", "",
+            "Where an auto variant ran one implementation that the run also timed on its own, "
+            "the two cells time one program: their difference is the run's spread there "
+            f"(median {statistics.median(gaps):.1f}%, largest {max(gaps):.1f}% over "
+            f"{len(pairs)} pairs). A gap between cells smaller than that is not resolved.", "",
+            "| op | shape | auto variant (ran) | its cell | the twin's cell | difference |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for (op, shape, variant, choice, twin, a, b), gap in zip(pairs, gaps):
+      out.append(f"| {op} | {shape} | {variant} ({choice}) | {a:.3f} | {twin} {b:.3f} | "
+                 f"{gap:.1f}% |")
     out.append("")
   failed = [r for r in rows if r["op"] == "*"]
   if failed:
