@@ -65,12 +65,21 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
   return Status();
 }
 
-// "pipelined_ce": an in-place AllGather on the window, on copy engines.
+// This rank's shard of x into its offset of the window, on comm_stream.
+Status CopyShardIntoWindow(const PipelineTarget& g, const PipelinedPlan& plan,
+                           const MatmulCall& c) {
+  char* mine = g.window + plan.x_shard_bytes * static_cast<size_t>(g.rank);
+  JCG_CUDA(cudaMemcpyAsync(mine, c.x, plan.x_shard_bytes, cudaMemcpyDeviceToDevice,
+                           g.comm_stream));
+  return Status();
+}
+
+// "pipelined_ce": an in-place AllGather on the window, on copy engines, once
+// CopyShardIntoWindow is enqueued.
 Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
                          const MatmulCall& c, cudaStream_t run) {
   const size_t shard = plan.x_shard_bytes;
   char* mine = g.window + shard * static_cast<size_t>(g.rank);
-  JCG_CUDA(cudaMemcpyAsync(mine, c.x, shard, cudaMemcpyDeviceToDevice, g.comm_stream));
   // In place: this rank's shard already sits at its offset of the window.
   JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
@@ -240,13 +249,19 @@ Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
   // before the call.
   JCG_CUDA(cudaEventRecord(g.started, run));
   JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
-  // The local shard's GEMM hides the first transfer, and is enqueued before
+  const bool ce = c.algorithm == kPipelinedCeAlgorithm;
+  // The copy of x into the window goes ahead of the local GEMM. Enqueued after
+  // it, the copy did not start beside the GEMM's kernel but only as that
+  // kernel's last tiles ended (GPU run 44's trace at 8192x8192x28672: 1167 us
+  // into a 1282 us GEMM), so the gather and the peer's GEMM waited for the
+  // whole local GEMM. PyTorch's op copies first as well.
+  if (ce) JCG_RETURN_IF_ERROR(CopyShardIntoWindow(g, plan, c));
+  // The local shard's GEMM hides the peer transfers, and is enqueued before
   // the NCCL calls: it needs nothing from the peers, and GPU run 39's trace of
   // pipelined_ce showed it starting 90-120 us after the copy-in, the host's
   // time in ncclAllGather, where the GPU had nothing queued.
   JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
-  return c.algorithm == kPipelinedCeAlgorithm ? EnqueueCopyEngine(g, plan, c, run)
-                                               : EnqueuePointToPoint(g, plan, c, run);
+  return ce ? EnqueueCopyEngine(g, plan, c, run) : EnqueuePointToPoint(g, plan, c, run);
 }
 
 }  // namespace jax_comm_gemm
