@@ -31,7 +31,7 @@ class CommGemmConfig:
       (a cuBLASLt GEMM per shard beside NCCL transfers, by NCCL's kernels or
       its copy engines; xla_ffi/pipelined.h), which enqueue a few CUDA and
       NCCL calls where cuBLASMp's call spends 118-277 us of host time at
-      4096^3 (README, "Measured").
+      4096^3 (GPU run 20, benchmarks/results/2026-11-30_h200x2/README.md).
     reduce_scatter: how the cuBLASMp backend runs GEMM+ReduceScatter:
       ``"xla"`` (dot, then ``lax.psum_scatter``), ``"ring"`` (chunked GEMMs
       and ``lax.ppermute`` that XLA overlaps), a cuBLASMp algorithm, or the
@@ -42,7 +42,7 @@ class CommGemmConfig:
       default is ``"xla"``: on 2x H200, cuBLASMp's ``"default"`` and the ring
       beat XLA by up to 8% and 11% alone at large shapes, but neither is
       faster inside the MLP step, where XLA overlaps its reduce-scatter with
-      other GEMMs (README, "Measured on the GPU test machine").
+      other GEMMs (GPU runs 20-21, benchmarks/results/2026-11-30_h200x2/README.md).
     reuse_gathered: ``None`` reuses the operand that a fused AllGather+GEMM
       gathered wherever the cached capability check passes; ``False`` always
       gathers again with ``lax.all_gather`` (for A/B runs and debugging).

@@ -33,7 +33,7 @@ AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # What autotune measures, per op. "cublasmp_<algorithm>" runs cuBLASMp's fused
 # op; the project's own algorithms (OWN_ALGORITHMS) run by their names. The
 # own "pipelined" GEMM+ReduceScatter is left out: slower than XLA and than
-# "pipelined_ce" at every shape measured (runs 30 and 32, README "Measured").
+# "pipelined_ce" at every shape measured (GPU runs 30 and 32, results README).
 CANDIDATES = {
     AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
          "pipelined_ce"),
