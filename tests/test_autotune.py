@@ -263,3 +263,50 @@ def test_auto_with_every_choice_xla_is_exactly_the_xla_program(monkeypatch):
     text = jax.jit(jax.grad(loss, (0, 1, 2))).lower(x, w1, w2).as_text()
     texts[name] = re.sub(r"loc\(.*?\)|#loc\d*", "", text)
   assert texts["auto"] == texts["xla"]
+
+
+def test_a_call_that_returns_the_gathered_operand_is_its_own_problem(empty_decisions):
+  """The gathered operand costs the implementations unlike amounts (free for
+  XLA, a copy for cuBLASMp, an assembly for the ring), so a call that asks
+  for it is measured as its own problem, and takes that problem's choice."""
+  mesh = cpu_mesh(2)
+  x = jax.random.normal(jax.random.key(4), (16, 8), jnp.float32)
+  w = jax.random.normal(jax.random.key(5), (8, 12), jnp.float32)
+  plain = Problem(AG, 8, 8, 6, "float32", False, 2)
+  gathered = Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True)
+  assert gathered.text() == plain.text() + " +gathered"
+  REGISTRY.record_decision(gathered, ("ring", "test"))
+  REGISTRY.record_decision(plain, ("xla", "test"))
+  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+
+  def program(return_gathered):
+    def local(x, w):
+      return backend.all_gather_matmul(x, w, "tp", transpose_w=False,
+                                       return_gathered=return_gathered)
+    out = (P(None, "tp"), P("tp")) if return_gathered else P(None, "tp")
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                 out_specs=out))
+
+  # The ring's ppermute in the call with the gathered operand; XLA's
+  # all-gather in the other.
+  assert "ppermute" in str(jax.make_jaxpr(program(True))(x, w))
+  text = str(jax.make_jaxpr(program(False))(x, w))
+  assert "ppermute" not in text and "all_gather" in text
+  y, g = program(True)(x, w)
+  np.testing.assert_allclose(y, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(g)[:16], np.asarray(x))
+
+
+def test_autotune_times_the_gathered_problem_with_its_operand_out():
+  """autotune's candidate programs for a problem with the gathered operand
+  return it, as the calls they stand for do."""
+  mesh = cpu_mesh(2)
+  for gathered, outputs in ((False, 1), (True, 2)):
+    p = Problem(AG, 8, 8, 6, "float32", False, 2, gathered=gathered)
+    runs = autotune._runnables(mesh, "tp", p, seconds=0.01)
+    out = runs["xla"][0]()
+    got = jax.tree.leaves(out)
+    assert len(got) == outputs
+    assert got[0].shape == (16, 12)
+    if gathered:
+      assert got[1].shape == (32, 8)  # every device's [16, 8], stacked by the out spec

@@ -54,6 +54,12 @@ class Problem:
   dtype: str
   transpose_w: bool
   axis_size: int
+  # AllGather+GEMM: the gathered operand is an output too. Layers ask for it
+  # where the weight gradient reuses it, and it costs the implementations
+  # unlike amounts (free for XLA, a copy out of the workspace for cuBLASMp,
+  # an assembly for the ring: in GPU run 44's MLP step 180 us a call), so
+  # such calls are their own problem, measured as they are made.
+  gathered: bool = False
 
   def flop(self) -> float:
     gathered = self.rows * (self.axis_size if self.op == AG else 1)
@@ -61,13 +67,14 @@ class Problem:
 
   def text(self) -> str:
     return (f"{self.op} rows={self.rows} k={self.k} m={self.m} {self.dtype} "
-            f"{'TN' if self.transpose_w else 'NN'} P={self.axis_size}")
+            f"{'TN' if self.transpose_w else 'NN'} P={self.axis_size}"
+            + (" +gathered" if self.gathered else ""))
 
 
-def problem(op: str, x, w, transpose_w: bool, axis_name: str) -> Problem:
+def problem(op: str, x, w, transpose_w: bool, axis_name: str, gathered: bool = False) -> Problem:
   m = w.shape[0] if transpose_w else w.shape[1]
   return Problem(op, int(x.shape[0]), int(x.shape[1]), int(m), jnp.dtype(x.dtype).name,
-                 bool(transpose_w), int(lax.axis_size(axis_name)))
+                 bool(transpose_w), int(lax.axis_size(axis_name)), bool(gathered))
 
 
 def choose(p: Problem, default: str) -> tuple[str, str]:
@@ -103,26 +110,28 @@ class AutoBackend(Backend):
 
   name = "auto"
 
-  def _all_gather(self, x, w, transpose_w, axis_name) -> Backend:
+  def _all_gather(self, x, w, transpose_w, axis_name, gathered) -> Backend:
     """The backend of the AllGather+GEMM chosen for these operands."""
     configured = self.fused.all_gather_algorithm
     default = configured if configured in OWN_ALGORITHMS else f"cublasmp_{configured}"
-    chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name), default)
+    chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name, gathered), default)
     return implementation(chosen, self.fused)
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):
-    return self._all_gather(x, w, transpose_w, axis_name).all_gather_matmul(
+    return self._all_gather(x, w, transpose_w, axis_name, return_gathered).all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
         precision=precision)
 
+  # The fused weight gradient consumes the gathered operand: its problem is
+  # the one with the gathered operand, in both calls, so that they agree.
   def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
                                         precision=None):
-    return self._all_gather(x, w, transpose_w, axis_name).all_gather_matmul_weight_gradient(
+    return self._all_gather(x, w, transpose_w, axis_name, True).all_gather_matmul_weight_gradient(
         x, w, h, axis_name, transpose_w=transpose_w, precision=precision)
 
   def weight_gradient_fusion(self, x, w, axis_name, transpose_w):
-    return self._all_gather(x, w, transpose_w, axis_name).weight_gradient_fusion(
+    return self._all_gather(x, w, transpose_w, axis_name, True).weight_gradient_fusion(
         x, w, axis_name, transpose_w)
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):

@@ -146,7 +146,9 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
     w_spec = P(axis_name) if p.transpose_w else P(None, axis_name)
     w_shape = (p.m * size, p.k) if p.transpose_w else (p.k, p.m * size)
-    specs = dict(in_specs=(P(axis_name), w_spec), out_specs=P(None, axis_name))
+    y_spec = P(None, axis_name)
+    specs = dict(in_specs=(P(axis_name), w_spec),
+                 out_specs=(y_spec, P(axis_name)) if p.gathered else y_spec)
   else:
     x = _random(mesh, (p.rows, p.k * size), P(None, axis_name), p.dtype, 1)
     w_spec = P(None, axis_name) if p.transpose_w else P(axis_name)
@@ -162,7 +164,7 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     def local(x, w, backend=backend):
       if p.op == AG:
         return backend.all_gather_matmul(x, w, axis_name, transpose_w=p.transpose_w,
-                                         return_gathered=False)
+                                         return_gathered=p.gathered)
       return backend.matmul_reduce_scatter(x, w, axis_name, transpose_w=p.transpose_w)
 
     program = jax.jit(jax.shard_map(local, mesh=mesh, **specs))

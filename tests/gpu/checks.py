@@ -550,6 +550,8 @@ def check_autotune(mesh):
   size = mesh.shape["tp"]
   problems = [Problem(AG, 2048, 4096, 2048, "bfloat16", False, size),
               Problem(AG, 4096, 4096, 4096 // size, "bfloat16", False, size),
+              # as a layer's backward calls it, the gathered operand an output too
+              Problem(AG, 4096, 4096, 4096 // size, "bfloat16", False, size, gathered=True),
               Problem(RS, 4096, 4096 // size, 4096, "bfloat16", False, size)]
   os.environ[settings.AUTOTUNE_CACHE] = ""  # measure now, whatever an earlier run kept
   try:
