@@ -21,12 +21,13 @@
 //
 // Why beside cuBLASMp's: at 4096^3 on 2xH200 cuBLASMp's call spends 118-277 us
 // of host time per call (GPU path ~113 us), so the fused op lost to XLA there.
-// This path enqueues P GEMMs, P-1 NCCL groups and a few events (GPU run 20,
-// benchmarks/results/2026-11-30_h200x2/README.md). The gathered operand is the receive buffer itself: no workspace
-// in between, so no copy out. No barrier either: a send waits for its receive,
-// and NCCL's copy-engine collectives start with a ready handshake of every rank
-// (its ce_coll.cc), so no peer's next call writes into this rank's buffers
-// early (0 wrong of 60 under fence none, GPU run 33).
+// This path enqueues P GEMMs, P-1 NCCL groups and a few events (GPU run 20 in
+// benchmarks/results/2026-11-30_h200x2/README.md). The gathered operand is the
+// receive buffer itself: no workspace in between, so no copy out ("pipelined";
+// "pipelined_ce" copies its window out when asked for it). No barrier either:
+// a send waits for its receive, and NCCL's copy-engine collectives start with a
+// ready handshake of every rank (its ce_coll.cc), so no peer's next call writes
+// into this rank's buffers early (0 wrong of 60 under fence none, GPU run 33).
 #ifndef JAX_COMM_GEMM_PIPELINED_H_
 #define JAX_COMM_GEMM_PIPELINED_H_
 
