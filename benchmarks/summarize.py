@@ -187,7 +187,7 @@ def same_program_pairs(rows):
   difference is the measurement's spread for that cell, the resolution
   below which two cells of the run do not differ."""
   cell = {(r["op"], r["shape"], r["variant"]): r for r in rows}
-  pairs = []
+  pairs, seen = [], set()
   for r in rows:
     choice = r.get("choice")
     if not r["variant"].startswith("auto") or not choice or "+" in choice or \
@@ -195,10 +195,12 @@ def same_program_pairs(rows):
       continue
     twin = LAYER_TWINS.get(choice) if r["op"] in LAYER_OPS else choice
     other = cell.get((r["op"], r["shape"], twin))
+    if other is None or other.get("over_floor") is None:
+      continue
     # The sweep repeats the AllGather+GEMM's shapes as copies: one pair each.
-    copy = ("all_gather_matmul", r["shape"], r["variant"], choice, twin, r["over_floor"],
-            other and other.get("over_floor"))
-    if other and other.get("over_floor") is not None and copy not in pairs:
+    key = (r["shape"], r["variant"], twin, r["over_floor"], other["over_floor"])
+    if key not in seen:
+      seen.add(key)
       pairs.append((r["op"], r["shape"], r["variant"], choice, twin, r["over_floor"],
                     other["over_floor"]))
   return pairs
