@@ -190,9 +190,9 @@ def same_program_pairs(rows):
   pairs, seen = [], set()
   for r in rows:
     choice = r.get("choice")
-    if not r["variant"].startswith("auto") or not choice or "+" in choice or \
-        r.get("over_floor") is None:
+    if not r["variant"].startswith("auto") or not choice or r.get("over_floor") is None:
       continue
+    # A mix of implementations ("a+b") names no variant, so it pairs with none.
     twin = LAYER_TWINS.get(choice) if r["op"] in LAYER_OPS else choice
     other = cell.get((r["op"], r["shape"], twin))
     if other is None or other.get("over_floor") is None:

@@ -143,6 +143,10 @@ def test_iterations_are_a_function_of_the_problem_alone():
   large = Problem(AG, 8192, 8192, 14336, "bfloat16", False, 2)
   assert autotune.iterations(small, 1.0) == 200
   assert 1 <= autotune.iterations(large, 1.0) < autotune.iterations(small, 1.0)
+  # A batch is about a tenth of the seconds given: at ~400 TFLOP/s plus 30 us a
+  # call, the large problem (2 * 16384 * 8192 * 14336 FLOP) takes ~9.65 ms.
+  assert autotune.iterations(large, 1.0) == 10
+  assert autotune.iterations(large, 3.0) == 31
 
 
 @pytest.fixture
