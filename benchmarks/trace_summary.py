@@ -7,7 +7,9 @@ benchmarks/peers/torch_symm_mem.py --profile writes `*.trace.json.gz`).
 Per device and per stream: busy time (the union of its events), how many
 kernels and copies, the gaps between them (sum, count over 10 us, largest), the
 top kernels by time; per device: the time during which two or more of its
-streams are busy at once (overlap), and the idle time in the window.
+streams are busy at once (overlap), the idle time in the window and inside the
+span from the device's first work to its last (the window's edges are host
+time), and the time by kind of work (GEMMs, collectives, copies, other).
 
   python3 benchmarks/trace_summary.py TRACE_OR_DIR [--window W] [--top 8] [--json OUT]
 
@@ -38,6 +40,11 @@ DERIVED_LINES = ("XLA Ops", "XLA Modules", "Steps", "Launch Stats", "TensorFlow 
                  "Framework Ops", "TensorFlow Name Scope", "Source code", "Framework Name Scope",
                  "XLA TraceMe", "Async XLA Ops", "SparseCore")
 COPY_RE = re.compile(r"memcpy|memset|MemcpyD2D|MemcpyP2P|MemcpyH2D|MemcpyD2H", re.I)
+# What a device's time went to, by kernel name (the first kind that matches).
+KINDS = (("copy", COPY_RE),
+         ("collective", re.compile(r"nccl|barrier|AllGather|AllReduce|ReduceScatter|SendRecv",
+                                   re.I)),
+         ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|matmul|cublas", re.I)))
 # torch.profiler (kineto): the categories of GPU work, on lines args.device/args.stream.
 TORCH_GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 GAP_US = 10.0
@@ -247,7 +254,7 @@ def summarize(trace: dict, window: str | None = None, top: int = 8,
         "gap_sum_us": sum(gaps), "gaps_over_10us": sum(g > GAP_US for g in gaps),
         "gap_max_us": max(gaps, default=0.0),
         "top": sorted(([n, c, t] for n, (c, t) in kernels.items()), key=lambda r: -r[2])[:top],
-        "_merged": merged,
+        "_merged": merged, "_kernels": kernels,
     }
   out = {"trace": trace.get("path"), "window": win[2] if win else "whole trace",
          "window_us": (win[1] - win[0]) if win else None, "note": note, "devices": {}}
@@ -261,13 +268,24 @@ def summarize(trace: dict, window: str | None = None, top: int = 8,
       span = (max(e for _, e in merged_all) - min(s for s, _ in merged_all)) if merged_all else 0.0
     totals = collections.defaultdict(lambda: [0, 0.0])
     for st in streams.values():
-      for n, c, t in st["top"]:
+      for n, (c, t) in st["_kernels"].items():
         totals[n][0] += c
         totals[n][1] += t
+    by_kind = collections.defaultdict(lambda: [0, 0.0])
+    for n, (c, t) in totals.items():
+      kind = next((k for k, pattern in KINDS if pattern.search(n)), "other")
+      by_kind[kind][0] += c
+      by_kind[kind][1] += t
+    # From the device's first work to its last: the window's edges are host
+    # time (launches before the first kernel, the wait after the last), not
+    # gaps between the device's own work.
+    active = (merged_all[-1][1] - merged_all[0][0]) if merged_all else 0.0
     out["devices"][dev] = {
         "span_us": span, "busy_us": busy, "idle_us": max(0.0, span - busy),
+        "active_us": active, "inner_idle_us": max(0.0, active - busy),
+        "by_kind": {k: v for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "overlap_2plus_us": overlap_at_least([st["_merged"] for st in streams.values()], 2),
-        "streams": {name: {k: v for k, v in st.items() if k != "_merged"}
+        "streams": {name: {k: v for k, v in st.items() if not k.startswith("_")}
                     for name, st in sorted(streams.items(), key=lambda kv: -kv[1]["busy_us"])},
         "top": sorted(([n, c, t] for n, (c, t) in totals.items()), key=lambda r: -r[2])[:top],
     }
@@ -293,6 +311,9 @@ def format_summary(s: dict, title: str | None = None) -> str:
     out.append(f"{dev}: busy {d['busy_us']:.1f} us of {d['span_us']:.1f} ({pct:.0f}%), "
                f">=2 streams busy {d['overlap_2plus_us']:.1f} us, idle {d['idle_us']:.1f} us, "
                f"{len(d['streams'])} streams")
+    kinds = ", ".join(f"{k} {t:.1f} us x{c}" for k, (c, t) in d["by_kind"].items())
+    out.append(f"  first to last work {d['active_us']:.1f} us, idle inside it "
+               f"{d['inner_idle_us']:.1f} us; {kinds}")
     for name, st in d["streams"].items():
       out.append(f"  {_name(name, 40)}: {st['kernels']} kernels + {st['copies']} copies, "
                  f"busy {st['busy_us']:.1f} us, gaps {st['gap_sum_us']:.1f} us "

@@ -128,7 +128,26 @@ def test_window_all_steps(trace):
   _, t, streams = trace
   s = summary(t, "bench_step_")
   assert s["window_us"] == pytest.approx(200) and "2 annotations" in s["window"]
-  check(s, streams, busy=140, span=200, overlap=40, compute=100, copy=80)
+  d = check(s, streams, busy=140, span=200, overlap=40, compute=100, copy=80)
+  # From the first GEMM (10) to the last copy's end (180): the 30 us between
+  # the steps' work is idle; the window's edges (10 + 20) are not in it.
+  assert d["active_us"] == pytest.approx(170) and d["inner_idle_us"] == pytest.approx(30)
+  assert d["by_kind"]["gemm"][0] == 2 and d["by_kind"]["gemm"][1] == pytest.approx(100)
+  assert d["by_kind"]["copy"][0] == 2 and d["by_kind"]["copy"][1] == pytest.approx(80)
+  assert set(d["by_kind"]) == {"gemm", "copy"}
+
+
+def test_kinds_count_every_kernel_not_only_the_top_ones(tmp_path):
+  """A device's totals by kind and its top list come from every event, not
+  from each stream's few top kernels (GPU run 44's summaries undercounted)."""
+  names = [f"nvjet_gemm_{i}" for i in range(6)] + ["ncclDevKernel_SendRecv", "loop_fusion"]
+  ev = [meta("process_name", 1, 0, "/device:GPU:0"), meta("thread_name", 1, 13, "Stream #13")]
+  ev += [x(n, 1, 13, 100.0 * i, 10.0) for i, n in enumerate(names)]
+  tr = trace_summary.load(write(tmp_path, "perfetto_trace.json.gz", {"traceEvents": ev}))
+  d = trace_summary.summarize(tr, top=2)["devices"]["GPU0"]
+  assert d["by_kind"] == {"gemm": [6, pytest.approx(60)], "collective": [1, pytest.approx(10)],
+                          "other": [1, pytest.approx(10)]}
+  assert len(d["top"]) == 2
 
 
 def test_window_one_step(trace):
@@ -164,5 +183,7 @@ def test_cli_text(trace, capsys):
   assert trace_summary.main([t["path"], "--window", "bench_step_"]) == 0
   out = capsys.readouterr().out
   assert "GPU0: busy 140.0 us of 200.0 (70%), >=2 streams busy 40.0 us, idle 60.0 us, 2 streams" in out
+  assert ("  first to last work 170.0 us, idle inside it 30.0 us; gemm 100.0 us x2, "
+          "copy 80.0 us x2") in out
   assert f"  {streams[0]}: 2 kernels + 0 copies, busy 100.0 us" in out
   assert f"  {streams[1]}: 0 kernels + 2 copies, busy 80.0 us" in out
