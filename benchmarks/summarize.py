@@ -334,9 +334,11 @@ def markdown(summary):
         out.append(f"- {p['profile']}: error {p['error'][:200]}")
         continue
       for dev, d in (p.get("step") or {}).get("devices", {}).items():
+        inside = (f" ({d['inner_idle_us']:.0f} between its first and last work)"
+                  if "inner_idle_us" in d else "")
         out.append(f"- {p['profile']} {dev}: busy {d['busy_us']:.0f} of {d['span_us']:.0f} us, "
-                   f"≥2 streams {d['overlap_2plus_us']:.0f} us, idle {d['idle_us']:.0f} us, "
-                   f"{len(d.get('streams', {}))} streams")
+                   f"≥2 streams {d['overlap_2plus_us']:.0f} us, idle {d['idle_us']:.0f} us"
+                   f"{inside}, {len(d.get('streams', {}))} streams")
     out.append("")
   return "\n".join(out)
 

@@ -79,3 +79,18 @@ def test_the_same_program_timed_twice_gives_the_spread(tmp_path):
   assert "| all_gather_matmul | 8192x8192x7168 | auto (ring) | 1.277 | ring 1.227 | 4.1% |" in table
   assert "| mlp_fwd_bwd | 4096x4096x16384 | auto_step (xla) | 1.126 | xla 1.104 | 2.0% |" in table
   assert "(median 3.5%, largest 4.1% over 3 pairs)" in table
+
+
+def test_profile_lines_say_the_idle_inside_the_work_when_known(tmp_path):
+  """The profiles' lines add the idle time between the device's first and
+  last work where the trace summary has it (older JSON does not)."""
+  device = {"busy_us": 900.0, "span_us": 1000.0, "overlap_2plus_us": 50.0, "idle_us": 100.0,
+            "streams": {"a": {}, "b": {}}}
+  profiles = [{"profile": "new", "step": {"devices": {"GPU0": dict(device, inner_idle_us=30.0)}}},
+              {"profile": "old", "step": {"devices": {"GPU0": device}}}]
+  (tmp_path / "project.json").write_text(json.dumps(
+      {"part": "project", "schema": 1, "records": [], "profiles": profiles, "finished": True}))
+  table = summarize.markdown(summarize.summarize([str(tmp_path)]))
+  assert ("- new GPU0: busy 900 of 1000 us, ≥2 streams 50 us, idle 100 us (30 between its "
+          "first and last work), 2 streams") in table
+  assert "- old GPU0: busy 900 of 1000 us, ≥2 streams 50 us, idle 100 us, 2 streams" in table
