@@ -18,6 +18,34 @@ ncclDataType_t NcclType(cudaDataType_t t) {
   }
 }
 
+// A copy within this GPU, on a copy engine where the driver lets us ask for
+// one. A plain cudaMemcpyAsync within one GPU did not run beside a GEMM kernel
+// that holds every SM: it waited for the GEMM's last tiles (GPU run 44's
+// traces). NCCL's copy-engine collectives ask for their copies the same way.
+Status CopyWithinDevice(const PipelineTarget& g, void* dst, const void* src, size_t bytes,
+                        cudaStream_t stream) {
+#if CUDART_VERSION >= 12080
+  if (g.copy_engine_copies) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t attr_index = 0;
+    void* dsts[] = {dst};
+    void* srcs[] = {const_cast<void*>(src)};
+    size_t sizes[] = {bytes};
+#if CUDART_VERSION >= 13000
+    JCG_CUDA(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attr_index, 1, stream));
+#else
+    size_t failed = 0;
+    JCG_CUDA(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attr_index, 1, &failed, stream));
+#endif
+    return Status();
+  }
+#endif
+  JCG_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
+  return Status();
+}
+
 // One block: y_block = x_block @ w, on `run`.
 Status BlockGemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall& c,
                  const void* x_block, void* y_block, cudaStream_t run) {
@@ -51,8 +79,8 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
     JCG_CUDA(cudaEventRecord(g.arrived[s].get(), g.comm_stream));
   }
   // This rank's own rows of the gathered output, off the critical path.
-  JCG_CUDA(cudaMemcpyAsync(rows_of(g.rank), c.x, plan.x_shard_bytes, cudaMemcpyDeviceToDevice,
-                           g.comm_stream));
+  JCG_RETURN_IF_ERROR(
+      CopyWithinDevice(g, rows_of(g.rank), c.x, plan.x_shard_bytes, g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
   // Each other shard's GEMM waits for its own arrival only.
   for (int s = 1; s < g.nranks; ++s) {
@@ -69,9 +97,7 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
 Status CopyShardIntoWindow(const PipelineTarget& g, const PipelinedPlan& plan,
                            const MatmulCall& c) {
   char* mine = g.window + plan.x_shard_bytes * static_cast<size_t>(g.rank);
-  JCG_CUDA(cudaMemcpyAsync(mine, c.x, plan.x_shard_bytes, cudaMemcpyDeviceToDevice,
-                           g.comm_stream));
-  return Status();
+  return CopyWithinDevice(g, mine, c.x, plan.x_shard_bytes, g.comm_stream);
 }
 
 // "pipelined_ce": an in-place AllGather on the window, on copy engines, once
@@ -84,8 +110,8 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
   JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
   if (c.gathered != nullptr) {
-    JCG_CUDA(cudaMemcpyAsync(c.gathered, g.window, shard * static_cast<size_t>(g.nranks),
-                             cudaMemcpyDeviceToDevice, g.comm_stream));
+    JCG_RETURN_IF_ERROR(CopyWithinDevice(g, c.gathered, g.window,
+                                         shard * static_cast<size_t>(g.nranks), g.comm_stream));
   }
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
   JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[1].get(), 0));

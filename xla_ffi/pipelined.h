@@ -65,6 +65,9 @@ struct PipelinedPlan {
 };
 
 
+// The driver from which cudaMemcpyBatchAsync takes copy attributes (CUDA 12.8).
+inline constexpr int kCopyEngineCopiesDriver = 12080;
+
 // What a pipelined call runs on: the context's.
 struct PipelineTarget {
   cublasLtHandle_t lt;
@@ -78,6 +81,9 @@ struct PipelineTarget {
   // computed[j]: chunk j's blocks for the peers are computed (pipelined_ce
   // ReduceScatter); kMaxChunks of them.
   const CudaEvent* computed;
+  // Copies within the GPU ask for a copy engine (cudaMemcpyBatchAsync with
+  // PreferOverlapWithCompute): the driver has it (kCopyEngineCopiesDriver).
+  bool copy_engine_copies;
   ncclComm_t ce_comm;        // zero-CTA policy; pipelined_ce only
   char* window;              // symmetric on ce_comm; pipelined_ce only
   char* partials;            // plan.partial_bytes; pipelined ReduceScatter only
