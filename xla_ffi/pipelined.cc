@@ -93,11 +93,16 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
   return Status();
 }
 
+// Rank `rank`'s shard of the window (AllGather+GEMM on copy engines).
+char* WindowShard(const PipelineTarget& g, const PipelinedPlan& plan, int rank) {
+  return g.window + plan.x_shard_bytes * static_cast<size_t>(rank);
+}
+
 // This rank's shard of x into its offset of the window, on comm_stream.
 Status CopyShardIntoWindow(const PipelineTarget& g, const PipelinedPlan& plan,
                            const MatmulCall& c) {
-  char* mine = g.window + plan.x_shard_bytes * static_cast<size_t>(g.rank);
-  return CopyWithinDevice(g, mine, c.x, plan.x_shard_bytes, g.comm_stream);
+  return CopyWithinDevice(g, WindowShard(g, plan, g.rank), c.x, plan.x_shard_bytes,
+                          g.comm_stream);
 }
 
 // "pipelined_ce": an in-place AllGather on the window, on copy engines, once
@@ -105,7 +110,7 @@ Status CopyShardIntoWindow(const PipelineTarget& g, const PipelinedPlan& plan,
 Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
                          const MatmulCall& c, cudaStream_t run) {
   const size_t shard = plan.x_shard_bytes;
-  char* mine = g.window + shard * static_cast<size_t>(g.rank);
+  char* mine = WindowShard(g, plan, g.rank);
   // In place: this rank's shard already sits at its offset of the window.
   JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
@@ -117,7 +122,7 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
   JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[1].get(), 0));
   for (int s = 1; s < g.nranks; ++s) {
     const int from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, g.window + shard * static_cast<size_t>(from), from, run));
+    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, WindowShard(g, plan, from), from, run));
   }
   // The next call may overwrite the window only after these GEMMs and the copy.
   JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
