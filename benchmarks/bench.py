@@ -778,10 +778,13 @@ class Runner:
       mid = self.args.profile_steps // 2
       for key, window in (("step", f"bench_step_{mid}"), ("all_steps", "bench_step_"),
                           ("back_to_back", "bench_back_to_back")):
+        lines = self.args.profile_timeline if key == "back_to_back" else 0
         summ = trace_summary.summarize(trace_summary.load(traces[-1]), window=window,
-                                       include_host=self.args.cpu_smoke)
+                                       include_host=self.args.cpu_smoke, timeline=lines)
         entry[key] = summ
         text = trace_summary.format_summary(summ, title=f"{item} [{key}: {window}]")
+        if lines:  # which copy waited for which GEMM: the totals do not say
+          text += "\n" + trace_summary.format_timeline(summ, lines)
         entry[key + "_text"] = text
         if self.main:
           print(text, flush=True)
@@ -1091,6 +1094,8 @@ def parse_args(argv):
   p.add_argument("--profile-steps", type=int, default=5)
   p.add_argument("--profile-warmup-s", type=float, default=2.0)
   p.add_argument("--profile-out", help="append the trace summaries to this text file")
+  p.add_argument("--profile-timeline", type=int, default=30, metavar="N",
+                 help="list each device's first N pieces of work of the back-to-back window")
   # processes
   p.add_argument("--spawn", type=int, default=0, help="run N processes, one per GPU")
   p.add_argument("--coordinator")

@@ -12,6 +12,12 @@ span from the device's first work to its last (the window's edges are host
 time), and the time by kind of work (GEMMs, collectives, copies, other).
 
   python3 benchmarks/trace_summary.py TRACE_OR_DIR [--window W] [--top 8] [--json OUT]
+                                      [--timeline N]
+
+--timeline N also lists each device's first N pieces of work in the window in
+the order they started: start and end from the device's first work, stream,
+name. The totals say whether copies overlapped GEMMs; the timeline says which
+waited for which.
 
 --window restricts everything to one span:
   T0:T1          microseconds from the trace's first event
@@ -211,7 +217,10 @@ def overlap_at_least(stream_intervals: list, k: int = 2) -> float:
 
 
 def summarize(trace: dict, window: str | None = None, top: int = 8,
-              include_host: bool = False) -> dict:
+              include_host: bool = False, timeline: int = 0) -> dict:
+  """The summary of one window; with timeline > 0 each device also lists its
+  first `timeline` pieces of work ("timeline": [start, end, stream, name], us
+  from the device's first work)."""
   lines = stream_threads(trace, include_host)
   win = resolve_window(trace, window)
   note = None
@@ -228,11 +237,15 @@ def summarize(trace: dict, window: str | None = None, top: int = 8,
       if e <= s and not (dur == 0 and win[0] <= ts <= win[1]):
         continue
     per_line[key].append((s, e, name))
+  timelines = collections.defaultdict(list)
+  for key, evs in per_line.items():
+    dev, stream = lines[key]
+    timelines[dev] += [(s, e, stream, name) for s, e, name in evs]
   if win and not per_line and any(key in lines for key in
                                   ((e[0], e[1]) for e in trace["events"])):
     # Device and host clocks disagree, or the window holds no device work: say
     # so, and summarise the whole trace instead.
-    whole = summarize(trace, None, top, include_host)
+    whole = summarize(trace, None, top, include_host, timeline)
     whole["note"] = f"no device events inside window {window!r}: whole trace"
     return whole
   devices = collections.defaultdict(dict)
@@ -289,11 +302,26 @@ def summarize(trace: dict, window: str | None = None, top: int = 8,
                     for name, st in sorted(streams.items(), key=lambda kv: -kv[1]["busy_us"])},
         "top": sorted(([n, c, t] for n, (c, t) in totals.items()), key=lambda r: -r[2])[:top],
     }
+    if timeline > 0:
+      out["devices"][dev]["timeline"] = [
+          [s - merged_all[0][0], e - merged_all[0][0], stream, name]
+          for s, e, stream, name in sorted(timelines[dev])[:timeline]]
   return out
 
 
 def _name(n: str, width: int = 90) -> str:
   return n if len(n) <= width else n[: width - 3] + "..."
+
+
+def format_timeline(s: dict, n: int) -> str:
+  """Each device's first n pieces of work, in the order they started."""
+  out = []
+  for dev, d in s["devices"].items():
+    out.append(f"{dev} timeline (us from its first work; start end duration stream name):")
+    for start, end, stream, name in d.get("timeline", [])[:n]:
+      out.append(f"  {start:9.1f} {end:9.1f} {end - start:8.1f}  {_name(stream, 24):24s} "
+                 f"{_name(name, 70)}")
+  return "\n".join(out)
 
 
 def format_summary(s: dict, title: str | None = None) -> str:
@@ -330,9 +358,14 @@ def main(argv=None):
   p.add_argument("--top", type=int, default=8)
   p.add_argument("--include-host", action="store_true", help="treat host threads as streams too")
   p.add_argument("--json", help="also write the summary as JSON")
+  p.add_argument("--timeline", type=int, default=0, metavar="N",
+                 help="also list each device's first N pieces of work")
   a = p.parse_args(argv)
-  s = summarize(load(a.trace), window=a.window, top=a.top, include_host=a.include_host)
+  s = summarize(load(a.trace), window=a.window, top=a.top, include_host=a.include_host,
+                timeline=a.timeline)
   print(format_summary(s))
+  if a.timeline:
+    print(format_timeline(s, a.timeline))
   if a.json:
     with open(a.json, "w") as f:
       json.dump(s, f, indent=1)

@@ -187,3 +187,16 @@ def test_cli_text(trace, capsys):
           "copy 80.0 us x2") in out
   assert f"  {streams[0]}: 2 kernels + 0 copies, busy 100.0 us" in out
   assert f"  {streams[1]}: 0 kernels + 2 copies, busy 80.0 us" in out
+
+
+def test_timeline_in_start_order(trace, capsys):
+  """--timeline lists the window's work by start, from the device's first work."""
+  _, t, streams = trace
+  assert "timeline" not in summary(t, "bench_step_#1")["devices"]["GPU0"]
+  d = trace_summary.summarize(t, window="bench_step_#1", timeline=5)["devices"]["GPU0"]
+  assert [(round(s), round(e), st) for s, e, st, _ in d["timeline"]] == [
+      (0, 50, streams[0]), (30, 70, streams[1])]
+  assert trace_summary.main([t["path"], "--window", "bench_step_#1", "--timeline", "1"]) == 0
+  out = capsys.readouterr().out
+  listed = out.split("GPU0 timeline", 1)[1].splitlines()[1:]
+  assert len(listed) == 1 and listed[0].split()[:3] == ["0.0", "50.0", "50.0"]
