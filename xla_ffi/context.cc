@@ -82,9 +82,6 @@ Status Context::Init(const ncclUniqueId& id) {
   comm_stream_.reset(stream);
   arrived_.resize(std::max(P, kMaxChunks + 1));
   computed_.resize(kMaxChunks);
-  int driver = 0;
-  JCG_CUDA(cudaDriverGetVersion(&driver));
-  copy_engine_copies_ = driver >= kCopyEngineCopiesDriver;
   std::vector<CudaEvent*> events = {&event_in_, &event_out_, &host_wait_event_, &started_};
   for (CudaEvent& e : arrived_) events.push_back(&e);
   for (CudaEvent& e : computed_) events.push_back(&e);
@@ -317,7 +314,6 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
                                 started_.get(),
                                 arrived_.data(),
                                 computed_.data(),
-                                copy_engine_copies_,
                                 ce_comm_.get(),
                                 window_.data(),
                                 static_cast<char*>(partials_.get()),

@@ -168,7 +168,6 @@ class Context {
   CudaEvent started_;
   std::vector<CudaEvent> arrived_;  // max(nranks, kMaxChunks + 1): see PipelineTarget
   std::vector<CudaEvent> computed_;  // kMaxChunks: see PipelineTarget
-  bool copy_engine_copies_ = false;  // see PipelineTarget
   DeviceBuffer lt_workspace_;       // allocated with the first plan of a cuBLASLt GEMM
   bool peers_connected_ = false;    // for NCCL send/recv (ConnectPeers)
   SymmetricWindow window_;          // pipelined_ce's, on ce_comm_

@@ -18,30 +18,12 @@ ncclDataType_t NcclType(cudaDataType_t t) {
   }
 }
 
-// A copy within this GPU, on a copy engine where the driver lets us ask for
-// one. A plain cudaMemcpyAsync within one GPU did not run beside a GEMM kernel
-// that holds every SM: it waited for the GEMM's last tiles (GPU run 44's
-// traces). NCCL's copy-engine collectives ask for their copies the same way.
-Status CopyWithinDevice(const PipelineTarget& g, void* dst, const void* src, size_t bytes,
-                        cudaStream_t stream) {
-#if CUDART_VERSION >= 12080
-  if (g.copy_engine_copies) {
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    size_t attr_index = 0;
-    void* dsts[] = {dst};
-    void* srcs[] = {const_cast<void*>(src)};
-    size_t sizes[] = {bytes};
-#if CUDART_VERSION >= 13000
-    JCG_CUDA(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attr_index, 1, stream));
-#else
-    size_t failed = 0;
-    JCG_CUDA(cudaMemcpyBatchAsync(dsts, srcs, sizes, 1, &attr, &attr_index, 1, &failed, stream));
-#endif
-    return Status();
-  }
-#endif
+// A copy within this GPU. The driver runs it as a kernel: it did not start
+// while a GEMM kernel held the SMs, and a GEMM enqueued after it waited for its
+// end (GPU run 47's timeline; cudaMemcpyBatchAsync with
+// PreferOverlapWithCompute, NCCL's way, changed nothing). Each caller orders it
+// against the GEMMs on purpose.
+Status CopyWithinDevice(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
   JCG_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   return Status();
 }
@@ -80,7 +62,7 @@ Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
   }
   // This rank's own rows of the gathered output, off the critical path.
   JCG_RETURN_IF_ERROR(
-      CopyWithinDevice(g, rows_of(g.rank), c.x, plan.x_shard_bytes, g.comm_stream));
+      CopyWithinDevice(rows_of(g.rank), c.x, plan.x_shard_bytes, g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
   // Each other shard's GEMM waits for its own arrival only.
   for (int s = 1; s < g.nranks; ++s) {
@@ -101,7 +83,7 @@ char* WindowShard(const PipelineTarget& g, const PipelinedPlan& plan, int rank) 
 // This rank's shard of x into its offset of the window, on comm_stream.
 Status CopyShardIntoWindow(const PipelineTarget& g, const PipelinedPlan& plan,
                            const MatmulCall& c) {
-  return CopyWithinDevice(g, WindowShard(g, plan, g.rank), c.x, plan.x_shard_bytes,
+  return CopyWithinDevice(WindowShard(g, plan, g.rank), c.x, plan.x_shard_bytes,
                           g.comm_stream);
 }
 
@@ -115,7 +97,7 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
   JCG_NCCL(ncclAllGather(mine, g.window, shard, ncclUint8, g.ce_comm, g.comm_stream));
   JCG_CUDA(cudaEventRecord(g.arrived[1].get(), g.comm_stream));
   if (c.gathered != nullptr) {
-    JCG_RETURN_IF_ERROR(CopyWithinDevice(g, c.gathered, g.window,
+    JCG_RETURN_IF_ERROR(CopyWithinDevice(c.gathered, g.window,
                                          shard * static_cast<size_t>(g.nranks), g.comm_stream));
   }
   JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
@@ -156,33 +138,56 @@ Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
 // the P blocks of one chunk are contiguous: one ncclAlltoAll per chunk. This
 // rank's own block of a chunk is left out of the send half (it would be sent to
 // itself) and computed last, adding what the peers sent.
+//
+// Two ranks swap with an in-place ncclAllGather instead: the block for the peer
+// goes into this rank's own slot of the chunk, and the peer's block for this
+// rank arrives in the peer's slot. ncclAlltoAll copies a rank's own (unused)
+// slot to itself every time (NCCL's ce_coll.cc), a copy within the GPU that
+// runs as a kernel, so it waited for the next chunk's GEMM and held the
+// transfer behind it (17-48 us a chunk in GPU runs 42 and 44); an in-place
+// AllGather copies nothing to itself.
 Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan,
                               const MatmulCall& c, cudaStream_t run) {
   const size_t count = plan.y_shard_bytes / ElementBytes(c.dtype);
+  const bool swap = g.nranks == 2;
+  const int peer = 1 - g.rank;  // swap only
+  auto slot = [&](char* half, size_t chunk, int index) {
+    return half + plan.y_shard_bytes * (chunk + static_cast<size_t>(index));
+  };
   char* sent = g.window;
-  char* received = g.window + plan.partial_bytes;
+  char* received = swap ? g.window : g.window + plan.partial_bytes;
+  // Where the block for `dest` is written, and where the block from `from` lands.
+  auto send_slot = [&](size_t chunk, int dest) {
+    return slot(sent, chunk, swap ? g.rank : dest);
+  };
+  auto received_slot = [&](size_t chunk, int from) { return slot(received, chunk, from); };
   const std::vector<RowBlock>& blocks = plan.blocks;
   auto x_of = [&](const RowBlock& b) {
     return static_cast<const char*>(c.x) + plan.x_row_bytes * b.x_row;
   };
-  // Every GEMM is enqueued before any ncclAlltoAll: the host spends tens of
-  // microseconds in each NCCL call, and a GEMM enqueued behind one would leave
-  // the GPU idle that long between chunks (the AllGather's local GEMM did, in
-  // GPU run 39's trace). The streams' dependencies are the same either way.
+  // Every GEMM is enqueued before any NCCL call: the host spends tens of
+  // microseconds in each, and a GEMM enqueued behind one would leave the GPU
+  // idle that long between chunks (the AllGather's local GEMM did, in GPU run
+  // 39's trace). The streams' dependencies are the same either way.
   for (int j = 0; j < plan.chunks; ++j) {
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
     for (int dest = 0; dest < g.nranks; ++dest) {
       if (dest == g.rank) continue;
       JCG_RETURN_IF_ERROR(BlockGemm(g, plan, c, x_of(blocks[chunk + dest]),
-                                    sent + plan.y_shard_bytes * (chunk + dest), run));
+                                    send_slot(chunk, dest), run));
     }
     JCG_CUDA(cudaEventRecord(g.computed[j].get(), run));
   }
   for (int j = 0; j < plan.chunks; ++j) {
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
     JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.computed[j].get(), 0));
-    JCG_NCCL(ncclAlltoAll(sent + plan.y_shard_bytes * chunk, received + plan.y_shard_bytes * chunk,
-                          count, plan.nccl_type, g.ce_comm, g.comm_stream));
+    if (swap) {
+      JCG_NCCL(ncclAllGather(send_slot(chunk, peer), slot(sent, chunk, 0), count,
+                             plan.nccl_type, g.ce_comm, g.comm_stream));
+    } else {
+      JCG_NCCL(ncclAlltoAll(slot(sent, chunk, 0), received_slot(chunk, 0), count,
+                            plan.nccl_type, g.ce_comm, g.comm_stream));
+    }
     JCG_CUDA(cudaEventRecord(g.arrived[j + 1].get(), g.comm_stream));
   }
   const float one = 1.0f;
@@ -190,7 +195,7 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
     const RowBlock& own = blocks[chunk + g.rank];
     void* y = static_cast<char*>(c.y) + plan.y_row_bytes * own.y_row;
-    auto from = [&](int peer) { return received + plan.y_shard_bytes * (chunk + peer); };
+    auto from = [&](int p) { return received_slot(chunk, p); };
     const int first = (g.rank + 1) % g.nranks;
     JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[j + 1].get(), 0));
     // y = x_own @ w + (the first peer's block): the add rides on the GEMM.
@@ -203,16 +208,17 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
                                            plan.d.get(), run));
     }
   }
-  // Every alltoall was waited for above: the window is free for the next call.
+  // Every exchange was waited for above: the window is free for the next call.
   return Status();
 }
 
 }  // namespace
 
 size_t WindowBytes(const PipelinedPlan& plan, int nranks) {
-  // ReduceScatter: the blocks to send, then those received; AllGather: the shards.
-  return plan.partial_bytes > 0 ? 2 * plan.partial_bytes
-                                : plan.x_shard_bytes * static_cast<size_t>(nranks);
+  // ReduceScatter: the blocks to send, then those received (two ranks swap
+  // within one half); AllGather: the shards.
+  if (plan.partial_bytes > 0) return (nranks == 2 ? 1 : 2) * plan.partial_bytes;
+  return plan.x_shard_bytes * static_cast<size_t>(nranks);
 }
 
 Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
@@ -281,12 +287,18 @@ Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
   JCG_CUDA(cudaEventRecord(g.started, run));
   JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
   const bool ce = c.algorithm == kPipelinedCeAlgorithm;
-  // The copy of x into the window goes ahead of the local GEMM. Enqueued after
-  // it, the copy did not start beside the GEMM's kernel but only as that
-  // kernel's last tiles ended (GPU run 44's trace at 8192x8192x28672: 1167 us
-  // into a 1282 us GEMM), so the gather and the peer's GEMM waited for the
-  // whole local GEMM. PyTorch's op copies first as well.
-  if (ce) JCG_RETURN_IF_ERROR(CopyShardIntoWindow(g, plan, c));
+  if (ce) {
+    // x goes into the window first, and the local GEMM waits for it. The copy
+    // runs as a kernel (CopyWithinDevice), so it and the GEMM take turns
+    // whatever the order: enqueued beside the GEMM, the copy started at the
+    // GEMM's last tiles and the gather and the peer's GEMM waited behind it, a
+    // serial call (GPU run 47's timeline, back to back). Copied first, only
+    // the copy is exposed (63 us per 128 MiB); the gather's copy-engine
+    // transfers then run beside the local GEMM, as cuBLASMp's and PyTorch's do.
+    JCG_RETURN_IF_ERROR(CopyShardIntoWindow(g, plan, c));
+    JCG_CUDA(cudaEventRecord(g.computed[0].get(), g.comm_stream));
+    JCG_CUDA(cudaStreamWaitEvent(run, g.computed[0].get(), 0));
+  }
   // The local shard's GEMM hides the peer transfers, and is enqueued before
   // the NCCL calls: it needs nothing from the peers, and GPU run 39's trace of
   // pipelined_ce showed it starting 90-120 us after the copy-in, the host's

@@ -5,8 +5,9 @@
 //   "pipelined"     NCCL point-to-point straight into the gathered output, a
 //                   step per peer, each shard's GEMM as soon as it is in;
 //                   NCCL's kernels take SMs from the GEMM beside them.
-//   "pipelined_ce"  x is copied into a symmetric window and NCCL gathers it in
-//                   place on a zero-CTA communicator (copy engines, no SMs);
+//   "pipelined_ce"  x is copied into a symmetric window, before the local
+//                   GEMM, and NCCL gathers it in place on a zero-CTA
+//                   communicator (copy engines, no SMs) beside that GEMM;
 //                   the window is then copied into the gathered output, when
 //                   one is asked for.
 // GEMM+ReduceScatter: x's rows are cut into blocks, a chunk of every
@@ -15,9 +16,11 @@
 //   "pipelined"     each block's partial sums go to their owner by an
 //                   ncclReduce beside the next block's GEMM (NCCL's kernels).
 //   "pipelined_ce"  the peers' blocks of a chunk are computed first into a
-//                   symmetric window and swapped by an ncclAlltoAll on the
-//                   zero-CTA communicator (copy engines); then each own block's
-//                   GEMM adds what arrived (beta = 1, C = the received block).
+//                   symmetric window and swapped on the zero-CTA communicator
+//                   (copy engines): an ncclAlltoAll, or for two ranks an
+//                   in-place ncclAllGather, which copies nothing to itself;
+//                   then each own block's GEMM adds what arrived (beta = 1,
+//                   C = the received block).
 //
 // Why beside cuBLASMp's: at 4096^3 on 2xH200 cuBLASMp's call spends 118-277 us
 // of host time per call (GPU path ~113 us), so the fused op lost to XLA there.
@@ -65,9 +68,6 @@ struct PipelinedPlan {
 };
 
 
-// The driver from which cudaMemcpyBatchAsync takes copy attributes (CUDA 12.8).
-inline constexpr int kCopyEngineCopiesDriver = 12080;
-
 // What a pipelined call runs on: the context's.
 struct PipelineTarget {
   cublasLtHandle_t lt;
@@ -79,11 +79,9 @@ struct PipelineTarget {
   cudaEvent_t started;
   const CudaEvent* arrived;  // max(nranks, kMaxChunks + 1) of them
   // computed[j]: chunk j's blocks for the peers are computed (pipelined_ce
-  // ReduceScatter); kMaxChunks of them.
+  // ReduceScatter); kMaxChunks of them. pipelined_ce AllGather: computed[0],
+  // x is in the window.
   const CudaEvent* computed;
-  // Copies within the GPU ask for a copy engine (cudaMemcpyBatchAsync with
-  // PreferOverlapWithCompute): the driver has it (kCopyEngineCopiesDriver).
-  bool copy_engine_copies;
   ncclComm_t ce_comm;        // zero-CTA policy; pipelined_ce only
   char* window;              // symmetric on ce_comm; pipelined_ce only
   char* partials;            // plan.partial_bytes; pipelined ReduceScatter only
