@@ -1,6 +1,6 @@
 #!/bin/bash
 # The whole benchmark as one device command: the project's side (bench.py: the
-# ops, the profiles, the MLP memory rows), then each peer in its own processes
+# ops and the transformer block, the profiles, the MLP memory rows), then each peer in its own processes
 # (XLA's windowed einsum, PyTorch SymmetricMemory through torchrun, jax's Pallas
 # Mosaic GPU kernel), within one time budget; a short summary is printed last.
 #
@@ -159,14 +159,14 @@ for part in "${todo[@]}"; do
   case "$part" in
     project)
       run_part project "$b" python3 "$here/bench.py" --out "$OUT/project.json" --budget "$b" \
-        $quick ${prof_args[@]+"${prof_args[@]}"} ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-}
+        $quick --transformer ${prof_args[@]+"${prof_args[@]}"} ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-}
       rc=$?
       # A hang (the watchdog exits 3) or a kill: once more, keeping what was measured
       # and leaving out the variant that hung.
       if [ $rc -ne 0 ] && [ -s "$OUT/project.json" ] && [ "$(share_of project)" -gt 60 ]; then
         b=$(( $(share_of project) ))
         run_part project_resume "$b" python3 "$here/bench.py" --out "$OUT/project.json" \
-          --budget "$b" --resume $quick ${prof_args[@]+"${prof_args[@]}"} ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-}
+          --budget "$b" --resume $quick --transformer ${prof_args[@]+"${prof_args[@]}"} ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-}
       fi
       ;;
     windowed_einsum)
