@@ -135,21 +135,24 @@ Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
 
 // GEMM+ReduceScatter on copy engines. The window holds the partial sums to
 // send, then those received, each [n, m] in chunks.h's block order, so that
-// the P blocks of one chunk are contiguous: one ncclAlltoAll per chunk. This
+// the P blocks of one chunk are contiguous: one exchange per chunk. This
 // rank's own block of a chunk is left out of the send half (it would be sent to
 // itself) and computed last, adding what the peers sent.
 //
-// Two ranks swap with an in-place ncclAllGather instead: the block for the peer
-// goes into this rank's own slot of the chunk, and the peer's block for this
-// rank arrives in the peer's slot. ncclAlltoAll copies a rank's own (unused)
-// slot to itself every time (NCCL's ce_coll.cc), a copy within the GPU that
-// runs as a kernel, so it waited for the next chunk's GEMM and held the
-// transfer behind it (17-48 us a chunk in GPU runs 42 and 44); an in-place
-// AllGather copies nothing to itself.
+// Groups over two exchange with ncclAlltoAll. Two ranks swap with an in-place
+// ncclAllGather instead (SwapsBlocks): the block for the peer goes into this
+// rank's own slot of the chunk, and the peer's block for this rank arrives in
+// the peer's slot, so one half of the window serves both. ncclAlltoAll copies a
+// rank's own (unused) slot to itself every time (NCCL's ce_coll.cc), a copy
+// within the GPU that runs as a kernel, so it waited for the next chunk's GEMM
+// and held the transfer behind it (17-48 us a chunk in GPU runs 42 and 44); an
+// in-place AllGather copies nothing to itself.
+bool SwapsBlocks(int nranks) { return nranks == 2; }
+
 Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan,
                               const MatmulCall& c, cudaStream_t run) {
   const size_t count = plan.y_shard_bytes / ElementBytes(c.dtype);
-  const bool swap = g.nranks == 2;
+  const bool swap = SwapsBlocks(g.nranks);
   const int peer = 1 - g.rank;  // swap only
   auto slot = [&](char* half, size_t chunk, int index) {
     return half + plan.y_shard_bytes * (chunk + static_cast<size_t>(index));
@@ -215,9 +218,8 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
 }  // namespace
 
 size_t WindowBytes(const PipelinedPlan& plan, int nranks) {
-  // ReduceScatter: the blocks to send, then those received (two ranks swap
-  // within one half); AllGather: the shards.
-  if (plan.partial_bytes > 0) return (nranks == 2 ? 1 : 2) * plan.partial_bytes;
+  // ReduceScatter: the blocks to send, then those received; AllGather: the shards.
+  if (plan.partial_bytes > 0) return (SwapsBlocks(nranks) ? 1 : 2) * plan.partial_bytes;
   return plan.x_shard_bytes * static_cast<size_t>(nranks);
 }
 
