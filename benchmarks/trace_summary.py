@@ -237,10 +237,6 @@ def summarize(trace: dict, window: str | None = None, top: int = 8,
       if e <= s and not (dur == 0 and win[0] <= ts <= win[1]):
         continue
     per_line[key].append((s, e, name))
-  timelines = collections.defaultdict(list)
-  for key, evs in per_line.items():
-    dev, stream = lines[key]
-    timelines[dev] += [(s, e, stream, name) for s, e, name in evs]
   if win and not per_line and any(key in lines for key in
                                   ((e[0], e[1]) for e in trace["events"])):
     # Device and host clocks disagree, or the window holds no device work: say
@@ -303,9 +299,13 @@ def summarize(trace: dict, window: str | None = None, top: int = 8,
         "top": sorted(([n, c, t] for n, (c, t) in totals.items()), key=lambda r: -r[2])[:top],
     }
     if timeline > 0:
-      out["devices"][dev]["timeline"] = [
-          [s - merged_all[0][0], e - merged_all[0][0], stream, name]
-          for s, e, stream, name in sorted(timelines[dev])[:timeline]]
+      work = []  # built only when asked: it holds every event of the device
+      for key, evs in per_line.items():
+        if lines[key][0] == dev:
+          work += [(s, e, lines[key][1], name) for s, e, name in evs]
+      work.sort()
+      out["devices"][dev]["timeline"] = [[s - merged_all[0][0], e - merged_all[0][0], stream, name]
+                                         for s, e, stream, name in work[:timeline]]
   return out
 
 
