@@ -1,8 +1,9 @@
 #!/bin/bash
 # The whole benchmark as one device command: the project's side (bench.py: the
-# ops and the transformer block, the profiles, the MLP memory rows), then each peer in its own processes
-# (XLA's windowed einsum, PyTorch SymmetricMemory through torchrun, jax's Pallas
-# Mosaic GPU kernel), within one time budget; a short summary is printed last.
+# ops and the transformer block, the profiles, the MLP memory rows), then each
+# peer in its own processes (XLA's windowed einsum, PyTorch SymmetricMemory
+# through torchrun, jax's Pallas Mosaic GPU kernel), within one time budget; a
+# short summary is printed last.
 #
 # Run from the repository root on the GPU machine:
 #   source .device/setup.sh && OUT=$OUT benchmarks/run_all.sh [options]
@@ -158,15 +159,18 @@ for part in "${todo[@]}"; do
   b=$(share_of "$part")
   case "$part" in
     project)
+      # The same command, first and on the resume after a hang.
+      project_args=($quick --transformer ${prof_args[@]+"${prof_args[@]}"}
+                    ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-})
       run_part project "$b" python3 "$here/bench.py" --out "$OUT/project.json" --budget "$b" \
-        $quick --transformer ${prof_args[@]+"${prof_args[@]}"} ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-}
+        "${project_args[@]}"
       rc=$?
       # A hang (the watchdog exits 3) or a kill: once more, keeping what was measured
       # and leaving out the variant that hung.
       if [ $rc -ne 0 ] && [ -s "$OUT/project.json" ] && [ "$(share_of project)" -gt 60 ]; then
         b=$(( $(share_of project) ))
         run_part project_resume "$b" python3 "$here/bench.py" --out "$OUT/project.json" \
-          --budget "$b" --resume $quick --transformer ${prof_args[@]+"${prof_args[@]}"} ${mem_args[@]+"${mem_args[@]}"} ${BENCH_ARGS:-}
+          --budget "$b" --resume "${project_args[@]}"
       fi
       ;;
     windowed_einsum)
