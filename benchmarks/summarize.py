@@ -131,8 +131,8 @@ def build_rows(parts):
           row["error"] = str(e["error"])[:400]
         if r.get("best_config") and v == "pallas_mgpu":
           row["config"] = r["best_config"]
-        if choice_of(e):
-          row["choice"] = choice_of(e)
+        if choice := choice_of(e):
+          row["choice"] = choice
         if "error" in r and "median_ms" not in e:
           row.setdefault("error", str(r["error"])[:400])
         rows[(op, shape, v)] = row
