@@ -4,10 +4,11 @@
 
 namespace jax_comm_gemm {
 
-int ChunksFor(int64_t rows) {
-  int chunks = kMaxChunks;
-  while (chunks > 1 && (rows % chunks != 0 || rows / chunks < kMinChunkRows)) chunks /= 2;
-  return chunks;
+int ChunksFor(int64_t rows, int64_t k, int64_t m) {
+  auto fits = [&](int chunks) { return rows % chunks == 0 && rows / chunks >= kMinChunkRows; };
+  const double block_flop = 2.0 * static_cast<double>(rows / kMaxChunks) * k * m;
+  if (fits(kMaxChunks) && block_flop >= kMinFourChunkBlockFlop) return kMaxChunks;
+  return fits(2) ? 2 : 1;
 }
 
 std::vector<RowBlock> ReduceScatterBlocks(int64_t rows, int nranks, int chunks) {

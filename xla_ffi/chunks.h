@@ -11,15 +11,21 @@
 
 namespace jax_comm_gemm {
 
-// Rows per chunk are at least this many where a rank's rows allow, and a
-// rank's rows make at most kMaxChunks chunks: smaller GEMMs lose efficiency,
-// and each chunk costs an NCCL launch.
-inline constexpr int64_t kMinChunkRows = 1024;
+// A rank's rows make at most kMaxChunks chunks, each of at least
+// kMinChunkRows rows (smaller GEMMs lose efficiency).
+inline constexpr int64_t kMinChunkRows = 256;
 inline constexpr int kMaxChunks = 4;
+// Four chunks only where one block's GEMM does at least this much work (about
+// 55 us on an H200). The host spends 50-60 us enqueueing a chunk (an NCCL call
+// of 15-40 us, cuBLASLt launches of ~15 us each: GPU run 53), so with shorter
+// blocks the calls are host-bound: at 8192x4096x4096 (1.7e10 a block with
+// four chunks) two chunks ran at 1.26 of the floor and four at 1.43; at
+// 2048x8192x8192, two chunks of 512 rows ran at 1.20, one at 1.50 (run 52).
+inline constexpr double kMinFourChunkBlockFlop = 4e10;
 
 // How many chunks a destination rank's `rows` rows make (1, 2 or 4; always
-// a divisor of `rows`).
-int ChunksFor(int64_t rows);
+// a divisor of `rows`), each block's GEMM being rows/chunks x k x m.
+int ChunksFor(int64_t rows, int64_t k, int64_t m);
 
 struct RowBlock {
   int dest;       // the rank that owns the sums of these rows

@@ -244,7 +244,7 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
   int64_t r = c.x_rows;  // AllGather: one shard
   if (c.op == CommOp::kReduceScatter) {
-    plan->chunks = ChunksFor(c.x_rows / nranks);
+    plan->chunks = ChunksFor(c.x_rows / nranks, k, m);
     r = c.x_rows / nranks / plan->chunks;
     plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(t);
     plan->blocks = ReduceScatterBlocks(c.x_rows, nranks, plan->chunks);

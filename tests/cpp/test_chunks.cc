@@ -1,6 +1,7 @@
 // ChunksFor and ReduceScatterBlocks: the pipelined GEMM+ReduceScatter's row
-// blocks cover x once, each block's sums land in its owner's rows, and the
-// order is the same for every rank (it depends on the shape alone).
+// blocks cover x once, each block's sums land in its owner's rows, the order
+// is the same for every rank (it depends on the shape alone), and four chunks
+// are made only where a block's GEMM outlasts the host's enqueue of a chunk.
 #include <cstdint>
 #include <vector>
 
@@ -10,23 +11,35 @@
 using jax_comm_gemm::ChunksFor;
 using jax_comm_gemm::kMaxChunks;
 using jax_comm_gemm::kMinChunkRows;
+using jax_comm_gemm::kMinFourChunkBlockFlop;
 using jax_comm_gemm::ReduceScatterBlocks;
 using jax_comm_gemm::RowBlock;
 
 TEST(ChunksDivideTheRowsAndKeepBlocksLarge) {
-  CHECK_EQ(ChunksFor(8192), kMaxChunks);
-  CHECK_EQ(ChunksFor(4096), 4);
-  CHECK_EQ(ChunksFor(2048), 2);
-  CHECK_EQ(ChunksFor(1024), 1);
-  CHECK_EQ(ChunksFor(512), 1);
-  CHECK_EQ(ChunksFor(6144), 4);  // 1536 rows each
-  CHECK_EQ(ChunksFor(3072), 2);  // 768 a chunk would be under kMinChunkRows
-  CHECK_EQ(ChunksFor(4098), 2);  // not a multiple of 4
+  // The benchmark's GEMM+ReduceScatters at TP 2 (a rank's rows, k and m per GPU).
+  CHECK_EQ(ChunksFor(4096, 14336, 8192), kMaxChunks);  // 8192x28672x8192: 2.4e11 a block
+  CHECK_EQ(ChunksFor(8192, 4096, 8192), 4);            // 16384x8192x8192
+  CHECK_EQ(ChunksFor(4096, 3584, 8192), 4);            // 8192x7168x8192: 6.0e10 a block
+  CHECK_EQ(ChunksFor(4096, 2048, 4096), 2);            // 8192x4096x4096: 1.7e10 with 4
+  CHECK_EQ(ChunksFor(2048, 2048, 4096), 2);            // 4096^3
+  CHECK_EQ(ChunksFor(1024, 4096, 8192), 2);            // 2048x8192x8192: 512 rows a chunk
+  // The GPU check rs_pipelined_chunks's shapes (tests/gpu/checks.py).
+  CHECK_EQ(ChunksFor(4096, 2048, 10240), 4);  // 8192x4096x10240: 4.3e10 a block
+  CHECK_EQ(ChunksFor(3072, 256, 384), 2);
+  CHECK_EQ(ChunksFor(1024, 128, 640), 2);
+  // Rows that do not divide, or make blocks under kMinChunkRows.
+  CHECK_EQ(ChunksFor(4098, 1 << 16, 1 << 16), 2);  // not a multiple of 4
+  CHECK_EQ(ChunksFor(1000, 1 << 16, 1 << 16), 2);  // 250 rows a chunk of 4
+  CHECK_EQ(ChunksFor(510, 8192, 8192), 1);          // 255 rows a chunk of 2
+  CHECK_EQ(ChunksFor(512, 8192, 8192), 2);
   for (int64_t rows : {1, 7, 1000, 1026, 2050, 4100, 8192, 65536}) {
-    const int c = ChunksFor(rows);
-    CHECK(c >= 1 && c <= kMaxChunks);
-    CHECK_EQ(rows % c, int64_t{0});
-    CHECK(c == 1 || rows / c >= kMinChunkRows);
+    for (int64_t km : {int64_t{64}, int64_t{4096}, int64_t{1} << 15}) {
+      const int c = ChunksFor(rows, km, km);
+      CHECK(c >= 1 && c <= kMaxChunks);
+      CHECK_EQ(rows % c, int64_t{0});
+      CHECK(c == 1 || rows / c >= kMinChunkRows);
+      CHECK(c < kMaxChunks || 2.0 * (rows / c) * km * km >= kMinFourChunkBlockFlop);
+    }
   }
 }
 
