@@ -25,16 +25,15 @@ CallTracker::HostCall::~HostCall() {
 }
 
 void CallTracker::ReapLocked() {
-  for (auto it = pending_.begin(); it != pending_.end();) {
-    const cudaError_t e = cudaEventQuery(it->event.get());
-    if (e == cudaErrorNotReady) {
-      ++it;
-    } else if (e == cudaSuccess) {
-      spare_.push_back(std::move(it->event));
-      it = pending_.erase(it);
-    } else {
-      return;
-    }
+  // Calls finish in the order they were enqueued (on one stream; nearly so
+  // on several), so the first one not finished ends the sweep: one query per
+  // call, not one per call in flight, which was a query per queued call
+  // inside every call once the host ran ahead of the GPU.
+  while (!pending_.empty()) {
+    const cudaError_t e = cudaEventQuery(pending_.front().event.get());
+    if (e != cudaSuccess) return;  // not ready yet, or an error that Check reports
+    spare_.push_back(std::move(pending_.front().event));
+    pending_.pop_front();
   }
 }
 

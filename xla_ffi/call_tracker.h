@@ -57,7 +57,8 @@ class CallTracker {
     CudaEvent event;
     Clock::time_point enqueued;
   };
-  // Moves finished events to spare_; stops at the first error, which Check reports.
+  // Moves the finished events at the front to spare_; stops at the first call
+  // not finished, or at an error, which Check reports.
   void ReapLocked();
 
   std::mutex mu_;
