@@ -9,8 +9,10 @@ backend directly; the benchmark's go through the public API) and the timing
 the benchmark: a count calibrated from one synchronised call, about 30 ms a
 batch, rounds alternating in order). This probe times both programs both ways,
 interleaved, in one process driving every GPU, and prints one table per shape.
+`--op rs` does the same for the GEMM+ReduceScatter (GPU run 49 had autotune time
+`pipelined_ce` at 0.251 ms at 8192x4096x4096 and the benchmark at 0.42).
 
-  source .device/setup.sh && python3 benchmarks/timing_probe.py [--shapes 4096x4096x4096,...]
+  source .device/setup.sh && python3 benchmarks/timing_probe.py [--op ag|rs] [--shapes 4096x4096x4096,...]
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ NAMES = ("ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce", "xla"
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--op", choices=("ag", "rs"), default="ag")
   p.add_argument("--shapes", default="16384x8192x8192,4096x4096x4096")
   p.add_argument("--seconds", type=float, default=0.6, help="autotune's seconds_per_problem")
   args = p.parse_args()
@@ -46,10 +49,15 @@ def main() -> int:
   ctx = bench.Ctx(jax, mesh, seed=7)
   for text in args.shapes.split(","):
     n, k, m = (int(v) for v in text.split("x"))
-    problem = auto.Problem(auto.AG, n // size, k, m // size, "bfloat16", False, size)
+    if args.op == "ag":  # x [n, k] gathered over rows, w [k, m] split over columns
+      problem = auto.Problem(auto.AG, n // size, k, m // size, "bfloat16", False, size)
+      build = bench.build_all_gather_matmul
+    else:  # x [n, k] and w [k, m] split over k
+      problem = auto.Problem(auto.RS, n, k // size, m, "bfloat16", False, size)
+      build = bench.build_matmul_reduce_scatter
     tuner = {name: run for name, run in tuning._runnables(mesh, bench.AXIS, problem,
                                                           args.seconds).items() if name in NAMES}
-    fns, fn_args = bench.build_all_gather_matmul(ctx, (n, k, m), list(NAMES) + ["floor"])
+    fns, fn_args = build(ctx, (n, k, m), list(NAMES) + ["floor"])
     for name, (call, _) in tuner.items():
       jax.block_until_ready(call())
     for name in fns:
@@ -73,7 +81,7 @@ def main() -> int:
                 fns, fn_args, floor="floor", warmup_s=2.0).items()},
     }
     counts = {n_: (it, calibrated[n_]["iters"]) for n_, (_, it) in tuner.items()}
-    print(f"== {text} (ms per call; calls per batch autotune/bench: {counts})", flush=True)
+    print(f"== {args.op} {text} (ms per call; calls per batch autotune/bench: {counts})", flush=True)
     print(f"  {'':52s}" + "".join(f"{n_:>20s}" for n_ in NAMES))
     for label, times in rows.items():
       print(f"  {label:52s}" + "".join(f"{times.get(n_, float('nan')) * 1e3:20.3f}"
