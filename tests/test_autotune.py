@@ -122,40 +122,6 @@ def test_time_candidates_skips_what_any_process_failed_to_run(caplog):
   assert "candidate bad failed: cublasMpMatmul failed: not supported" in caplog.text
 
 
-def test_measure_takes_each_candidates_better_pass():
-  """Two passes over the problems: a slowdown in one pass of one problem (GPU
-  run 56: every candidate of two problems 1.8-6.5x slow for some seconds)
-  does not decide; a candidate that failed in either pass stays failed; each
-  (pass, problem) agrees on its failures under keys of its own."""
-  normal = {"xla": 0.50, "pipelined_ce": 0.45, "cublasmp_default": 0.49}
-  glitch = {"xla": 0.90, "pipelined_ce": 2.98, "cublasmp_default": 0.89}
-  calls, agreed = [], []
-
-  def fake_time(runs, *, rounds, warmup_rounds, agree):
-    pass_, index = agree
-    calls.append((pass_, index, rounds, warmup_rounds))
-    times = dict(glitch if (pass_, index) == (0, 0) else normal)
-    if (pass_, index) == (1, 1):
-      times["cublasmp_default"] = math.inf  # failed to run in the second pass
-    if (pass_, index) == (0, 1):
-      times["xla"] = math.inf  # and this one in the first
-    return {name: times[name] for name in runs}
-
-  runs = [dict.fromkeys(normal), dict.fromkeys(normal)]
-  best = autotune.measure(runs, agree=lambda pass_, index: agreed.append((pass_, index)) or
-                          (pass_, index), time=fake_time)
-  assert best[0] == normal
-  assert autotune.decide({n: [t] for n, t in best[0].items()})[0] == "pipelined_ce"
-  assert best[1]["cublasmp_default"] == best[1]["xla"] == math.inf
-  assert best[1]["pipelined_ce"] == normal["pipelined_ce"]
-  # Problem by problem, pass after pass; the timed rounds of one pass as before
-  # split over two (5 + 5), each after its untimed rounds of load.
-  assert [(p, i) for p, i, _, _ in calls] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-  assert {(r, w) for _, _, r, w in calls} == {(autotune.ROUNDS_PER_PASS, autotune.WARMUP_ROUNDS)}
-  assert autotune.PASSES * autotune.ROUNDS_PER_PASS == 10
-  assert agreed == [(0, 0), (0, 1), (1, 0), (1, 1)]
-
-
 def test_union_of_failures_publishes_this_process_and_skips_every_process(monkeypatch):
   """autotune's and autotune_step's `agree`: each process publishes what it
   failed to warm up, under its own key, and all skip the union."""

@@ -6,8 +6,7 @@ program once (``jax.eval_shape`` or ``.lower``) so that the problems it needs
 are known (``REGISTRY.wanted``), and before compiling it for real. Process 0
 leads: it says which problems to measure (those not in its disk cache), every
 process times every candidate on its devices, interleaved (A B C A B C ...,
-medians, so that clock changes under the power cap hit all alike), in two
-passes over the problems (the better pass counts: see `measure`), process 0
+medians, so that clock changes under the power cap hit all alike), process 0
 takes the slowest process's time per candidate, picks the fastest candidate
 and publishes the choices through the key-value store. The choices go to the
 registry and to the disk cache, keyed by GPU model and versions.
@@ -111,35 +110,6 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
 WARMUP_ROUNDS = 3
 
 
-# Passes over all the problems, and timed rounds in each pass (10 in all, as
-# one pass had before).
-PASSES = 2
-ROUNDS_PER_PASS = 5
-
-
-def measure(runs: list[dict], *, agree, passes: int = PASSES,
-            rounds: int = ROUNDS_PER_PASS, time=time_candidates) -> list[dict[str, float]]:
-  """Each problem's candidates (`runs[i]`, as for time_candidates) timed in
-  `passes` passes over every problem; a candidate's time is the smaller of its
-  passes' medians, or inf if it failed in any. A slowdown of a few seconds hits
-  one pass of a problem, not both: in GPU run 56 every candidate of two
-  problems ran 1.8-6.5x slower than in any run before (pipelined_ce 2.98 ms
-  against 0.43-0.47 in runs 44 and 49), the problems measured after them were
-  near their usual times, and auto took cuBLASMp for a step that ran 3.5%
-  slower than XLA's. `agree(pass_, index)` gives time_candidates' agree for
-  that problem in that pass (each one agrees under keys of its own)."""
-  best: list[dict[str, float]] = [{} for _ in runs]
-  for pass_ in range(passes):
-    for index, problem_runs in enumerate(runs):
-      times = time(problem_runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS,
-                   agree=agree(pass_, index))
-      for name, t in times.items():
-        before = best[index].get(name, t)
-        failed = math.isinf(before) or math.isinf(t)
-        best[index][name] = math.inf if failed else min(before, t)
-  return best
-
-
 def union_of_failures(ident: int, attempt: int, *parts, timeout: float):
   """time_candidates' `agree`: every process publishes the candidates it
   failed to warm up (under kv.key(ident, attempt, *parts, process)) and skips
@@ -204,8 +174,7 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
 
 # Raised when the timing method or a candidate's own algorithm changes, so
 # that choices cached on disk before are measured again (2: rounds alternate
-# in order; 3: the GEMM+ReduceScatter's chunks follow each block's work, and
-# two passes over the problems).
+# in order; 3: the GEMM+ReduceScatter's chunks follow each block's work).
 METHOD = 3
 
 
@@ -269,16 +238,14 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
   else:
     plan = json.loads(kv.fetch(kv.key(ident, attempt, "autotune", "plan"), timeout))
   choices = {Problem(**q): tuple(entry) for q, entry in plan["cached"]}
-  to_measure = [Problem(**q) for q, _ in plan["measure"]]
-  if to_measure:
-    log.info("autotune: measuring %d problems, %d passes: %s", len(to_measure), PASSES,
-             "; ".join(p.text() for p in to_measure))
-  times = measure(
-      [_runnables(mesh, axis_name, p, seconds_per_problem) for p in to_measure],
-      agree=lambda pass_, index: union_of_failures(ident, attempt, "autotune", pass_, index,
-                                                   "failed", timeout=timeout))
   measured = {}
-  for index, (p, mine) in enumerate(zip(to_measure, times)):
+  for index, (q, _) in enumerate(plan["measure"]):
+    p = Problem(**q)
+    log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(plan["measure"]))
+    runs = _runnables(mesh, axis_name, p, seconds_per_problem)
+
+    agree = union_of_failures(ident, attempt, "autotune", index, "failed", timeout=timeout)
+    mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree)
     if multi:
       kv.publish(kv.key(ident, attempt, "autotune", index, jax.process_index()),
                  json.dumps(mine))
