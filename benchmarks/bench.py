@@ -679,14 +679,23 @@ class Runner:
       if self.main:
         state["warm"] = harness.gpu_state_async()
 
+    host = HostTimes(partial(host_counters, self.ctx.jcg))
+
+    def tick(phase, variant=None):
+      self.progress(phase, variant)
+      if phase.startswith("round "):  # a timed batch of `variant` starts
+        host.mark(variant)
+
     timings = harness.time_interleaved(
         compiled, args, floor="floor", rounds=self.args.rounds,
         target_ms=spec.target_ms * self.args.target_scale, warmup_s=warm,
-        agree_max=self.agree.max, tick=self.progress, sync_each=self.args.cpu_smoke,
+        agree_max=self.agree.max, tick=tick, sync_each=self.args.cpu_smoke,
         max_iters=20 if self.args.cpu_smoke else 300,
         on_warm=on_warm) if compiled else {}
+    host.mark(None)
     for n, t in timings.items():
       entries[n].update(t)
+      entries[n].update(host.entry(n, batches=self.args.rounds, iters=t["iters"]))
     if self.main:
       rec["gpu_state_warm"] = state["warm"]() if "warm" in state else []
       rec["gpu_state_end"] = harness.gpu_state()
@@ -821,6 +830,45 @@ def progress_path(out: str) -> str:
   return os.path.join("/tmp", f"jcg_bench_progress_{tag}.json")
 
 
+def host_counters(jcg) -> tuple[int, float, int]:
+  """(calls, host seconds, contexts) summed over this process's contexts."""
+  contexts = jcg.REGISTRY.contexts()
+  return (sum(c.get("calls", 0) for c in contexts),
+          sum(c.get("host_seconds", 0.0) for c in contexts), len(contexts))
+
+
+class HostTimes:
+  """The host time of each variant's fused calls in the timed rounds, from the
+  contexts' counters read as each batch starts: a batch's share is the
+  difference to the next read (the one after the last batch is mark(None)).
+  At small GEMMs the host sets the pace (GPU run 53), so the records keep it."""
+
+  def __init__(self, read: Callable[[], tuple[int, float, int]]):
+    self.read = read
+    self.last = None  # (variant, calls, seconds) at the start of its batch
+    self.sums: dict[str, list] = {}  # variant: [calls, seconds]
+    self.contexts = 1
+
+  def mark(self, variant: str | None) -> None:
+    calls, seconds, contexts = self.read()
+    self.contexts = max(self.contexts, contexts)
+    if self.last is not None:
+      name, calls0, seconds0 = self.last
+      total = self.sums.setdefault(name, [0, 0.0])
+      total[0] += calls - calls0
+      total[1] += seconds - seconds0
+    self.last = None if variant is None else (variant, calls, seconds)
+
+  def entry(self, variant: str, *, batches: int, iters: int) -> dict:
+    """host_us_per_fused_call (on one GPU's context) and fused_calls_per_iter
+    (per GPU), or nothing for a variant that made no fused call."""
+    calls, seconds = self.sums.get(variant, (0, 0.0))
+    if calls <= 0:
+      return {}
+    return {"host_us_per_fused_call": round(seconds / calls * 1e6, 1),
+            "fused_calls_per_iter": round(calls / self.contexts / (batches * iters), 2)}
+
+
 def line_for(rec: dict) -> str:
   head = f"{rec['op']} {rec['shape_str']}: "
   if "variants" not in rec:
@@ -832,8 +880,11 @@ def line_for(rec: dict) -> str:
       parts.append(f"{n} {v['median_ms']:.3f}" + (f" ({of:.3f})" if of is not None else ""))
     else:
       parts.append(f"{n} ERR[{str(v.get('error', '?'))[:80]}]")
+  host = "  ".join(f"{n} {v['host_us_per_fused_call']:.0f}x{v['fused_calls_per_iter']:g}"
+                   for n, v in rec["variants"].items() if "host_us_per_fused_call" in v)
   return (head + "median ms (over floor) " + "  ".join(parts)
           + f" | {harness.gpu_state_str(rec.get('gpu_state_warm') or rec.get('gpu_state_end', []))}"
+          + (f" | host us a fused call x calls an iteration: {host}" if host else "")
           + f" | {rec.get('elapsed_s')} s")
 
 

@@ -202,6 +202,9 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
       CallTracker::HostCall host_call(tracker_, start);
       s = CatchExceptions("jax_comm_gemm", [&] { return RunLocked(stream, call, start); });
     }
+    host_ns_ += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    ++calls_;
     switch (s.code()) {
       case Status::Code::kOk:
       case Status::Code::kAborted:  // already aborted; s says why

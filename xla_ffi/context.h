@@ -87,6 +87,11 @@ class Context {
   // The own algorithms' buffers: cuBLASLt workspace, window, partial sums.
   size_t own_buffer_bytes() const { return own_buffer_bytes_.load(); }
   size_t plan_count() const { return plan_count_.load(); }
+  // Calls run, and the host time they took (from taking the context's lock
+  // to the last enqueue), since the context was made: at small GEMMs the
+  // host, not the GPU, sets the pace of back-to-back calls (GPU run 53).
+  uint64_t calls() const { return calls_.load(); }
+  double host_seconds() const { return host_ns_.load() * 1e-9; }
   std::string error() const;  // "" while healthy, else why it was aborted
 
  private:
@@ -145,6 +150,8 @@ class Context {
   std::atomic<size_t> workspace_bytes_{0};
   std::atomic<size_t> own_buffer_bytes_{0};
   std::atomic<size_t> plan_count_{0};
+  std::atomic<uint64_t> calls_{0};
+  std::atomic<uint64_t> host_ns_{0};
   CallTracker tracker_;
 
   // Declared in creation order: members are destroyed in reverse, so the

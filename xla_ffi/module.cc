@@ -79,6 +79,8 @@ nb::list Contexts() {
     d["workspace_bytes"] = c.workspace_bytes;
     d["own_buffer_bytes"] = c.own_buffer_bytes;
     d["plans"] = c.plans;
+    d["calls"] = c.calls;
+    d["host_seconds"] = c.host_seconds;
     d["error"] = c.error;
     out.append(d);
   }
@@ -150,6 +152,8 @@ NB_MODULE(_comm_gemm, m) {
 
   m.def("contexts", &jcg::Contexts,
         "One dict per context: group, device, rank, nranks, workspace_bytes (cuBLASMp's),\n"
-        "own_buffer_bytes (the own algorithms' buffers), plans, and error ('' while\n"
-        "healthy, else why its communicator was aborted).");
+        "own_buffer_bytes (the own algorithms' buffers), plans, calls and host_seconds\n"
+        "(calls run since connect and their host time: the differences between two\n"
+        "reads give the host's cost of a call), and error ('' while healthy, else why\n"
+        "its communicator was aborted).");
 }

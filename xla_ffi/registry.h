@@ -39,6 +39,8 @@ struct ContextInfo {
   int64_t group;
   int device, rank, nranks;
   size_t workspace_bytes, own_buffer_bytes, plans;
+  uint64_t calls;
+  double host_seconds;
   std::string error;  // "" while healthy
 };
 

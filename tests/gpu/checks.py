@@ -514,7 +514,8 @@ def _gpu_memory_used_mib() -> int:
 
 def check_memory_flat(mesh, steps: int = 200):
   """200 training steps cycling through 4 token counts: after the first cycle,
-  neither the workspaces nor the GPU memory grow."""
+  neither the workspaces nor the GPU memory grow; and the contexts count the
+  calls (the same number every step) and their host time."""
   d, f = 512, 1024
   w1 = put(mesh, random(20, d, f, scale=d**-0.5), P(None, "tp"), jnp.bfloat16)
   w2 = put(mesh, random(21, f, d, scale=f**-0.5), P("tp"), jnp.bfloat16)
@@ -536,14 +537,27 @@ def check_memory_flat(mesh, steps: int = 200):
   def buffers():
     return [(c["workspace_bytes"], c["own_buffer_bytes"]) for c in REGISTRY.contexts()]
 
+  def counters():
+    return [(c["calls"], c["host_seconds"]) for c in REGISTRY.contexts()]
+
   before = (_gpu_memory_used_mib(), buffers())
-  for i in range(steps - len(sizes)):
+  counted = counters()
+  timed = steps - len(sizes)
+  for i in range(timed):
     w1, w2 = step(w1, w2, xs[i % len(sizes)])
   jax.block_until_ready(w1)
   after = (_gpu_memory_used_mib(), buffers())
   assert after[1] == before[1], (before, after)
   assert abs(after[0] - before[0]) <= 8, (before, after)
-  return {"memory_used_mib": [before[0], after[0]], "workspace_and_own_bytes": after[1]}
+  # Each of this mesh's contexts here ran the step's fused calls, no others.
+  grew = [(c1 - c0, h1 - h0) for (c0, h0), (c1, h1) in zip(counted, counters()) if c1 > c0]
+  assert len(grew) == len(mesh.local_devices), (counted, counters())
+  per_step = {calls / timed for calls, _ in grew}
+  assert len(per_step) == 1 and min(per_step) >= 2 and min(per_step).is_integer(), per_step
+  assert all(host > 0 for _, host in grew), grew
+  return {"memory_used_mib": [before[0], after[0]], "workspace_and_own_bytes": after[1],
+          "fused_calls_per_step": per_step.pop(),
+          "host_us_per_call": [round(h / c * 1e6, 1) for c, h in grew]}
 
 
 def check_autotune(mesh):
