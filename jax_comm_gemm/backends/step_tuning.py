@@ -16,7 +16,6 @@ times and publishes the decision.
 
 from __future__ import annotations
 
-import json
 import math
 
 import jax
@@ -145,16 +144,11 @@ def _measure(ident, attempt, plans, step, args, iterations, rounds) -> tuple[str
 def _cached(ident, attempt, key: str):
   """[plan, why] from the disk cache, or None: process 0 reads it, every
   process takes its answer."""
-  lead = jax.process_index() == 0
   path = settings.autotune_cache()
+  lead = jax.process_index() == 0
   entry = load_cache(path).get(signature(), {}).get(key) if lead and path else None
-  if kv.multi_process():
-    name = kv.key(ident, attempt, "step", "cached")
-    if lead:
-      kv.publish(name, json.dumps(entry))
-    else:
-      entry = json.loads(kv.fetch(name, settings.connect_timeout_s()))
-  return entry
+  return kv.broadcast(ident, attempt, "step", "cached", value=entry,
+                      timeout_s=settings.connect_timeout_s())
 
 
 def _remember(key: str, plan: str, why: str) -> None:
@@ -167,16 +161,10 @@ def _remember(key: str, plan: str, why: str) -> None:
 
 def _agree(ident, attempt, mine: dict[str, float]) -> tuple[str, str]:
   """Process 0 decides from every process's times; all take its decision."""
-  if not kv.multi_process():
-    return decide_step({plan: [t] for plan, t in mine.items()})
   timeout = settings.connect_timeout_s()
-  me = jax.process_index()
-  kv.publish(kv.key(ident, attempt, "step", me), json.dumps(mine))
-  if me == 0:
-    times = [mine] + [json.loads(kv.fetch(kv.key(ident, attempt, "step", other), timeout))
-                      for other in range(1, jax.process_count())]
-    decision = decide_step({plan: [t[plan] for t in times] for plan in mine})
-    kv.publish(kv.key(ident, attempt, "step", "decision"), json.dumps(decision))
-    return decision
-  plan, why = json.loads(kv.fetch(kv.key(ident, attempt, "step", "decision"), timeout))
+  times = kv.gather(ident, attempt, "step", value=mine, timeout_s=timeout)
+  decision = None if times is None else decide_step(
+      {plan: [t[plan] for t in times] for plan in mine})
+  plan, why = kv.broadcast(ident, attempt, "step", "decision", value=decision,
+                           timeout_s=timeout)
   return plan, why

@@ -115,11 +115,8 @@ def union_of_failures(ident: int, attempt: int, *parts, timeout: float):
   failed to warm up (under kv.key(ident, attempt, *parts, process)) and skips
   the union of them."""
   def agree(failed):
-    if not kv.multi_process():
-      return failed
-    kv.publish(kv.key(ident, attempt, *parts, jax.process_index()), json.dumps(sorted(failed)))
-    return set().union(*(json.loads(kv.fetch(kv.key(ident, attempt, *parts, other), timeout))
-                         for other in range(jax.process_count())))
+    return set().union(*kv.all_gather(ident, attempt, *parts, value=sorted(failed),
+                                      timeout_s=timeout))
   return agree
 
 
@@ -221,51 +218,40 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
   ident = comm_id(mesh, axis_name)
   attempt = REGISTRY.next_attempt(("autotune", ident))
   leader = jax.process_index() == 0
-  multi = kv.multi_process()
   timeout = settings.connect_timeout_s()
   path, section = settings.autotune_cache(), signature()
   cache = load_cache(path) if leader and path else {}
   known = cache.get(section, {})
   # The leader's view rules: which problems, and which the cache answers.
+  plan = None
   if leader:
     wanted = [q for q in [*REGISTRY.wanted(), *problems] if q.axis_size == size]
     plan = {"measure": [], "cached": []}
     for q in dict.fromkeys(wanted):
       entry = known.get(q.text())
       plan["cached" if entry else "measure"].append([vars(q), entry])
-    if multi:
-      kv.publish(kv.key(ident, attempt, "autotune", "plan"), json.dumps(plan))
-  else:
-    plan = json.loads(kv.fetch(kv.key(ident, attempt, "autotune", "plan"), timeout))
+  plan = kv.broadcast(ident, attempt, "autotune", "plan", value=plan, timeout_s=timeout)
   choices = {Problem(**q): tuple(entry) for q, entry in plan["cached"]}
-  measured = {}
+  measured = []  # (problem, every process's times: process 0's list, else None)
   for index, (q, _) in enumerate(plan["measure"]):
     p = Problem(**q)
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(plan["measure"]))
     runs = _runnables(mesh, axis_name, p, seconds_per_problem)
-
     agree = union_of_failures(ident, attempt, "autotune", index, "failed", timeout=timeout)
     mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree)
-    if multi:
-      kv.publish(kv.key(ident, attempt, "autotune", index, jax.process_index()),
-                 json.dumps(mine))
-    measured[p] = (index, mine)
+    measured.append((p, kv.gather(ident, attempt, "autotune", index, value=mine,
+                                  timeout_s=timeout)))
+  decided = None
   if leader:
-    for p, (index, mine) in measured.items():
-      per_process = [mine] + [
-          json.loads(kv.fetch(kv.key(ident, attempt, "autotune", index, other), timeout))
-          for other in range(1, jax.process_count())] if multi else [mine]
-      choices[p] = decide({name: [t[name] for t in per_process] for name in mine})
-      known[p.text()] = list(choices[p])
-    if multi:
-      kv.publish(kv.key(ident, attempt, "autotune", "choices"),
-                 json.dumps([[vars(p), list(c)] for p, c in choices.items()]))
+    decided = [[vars(p), list(decide({name: [t[name] for t in per_process]
+                                      for name in per_process[0]}))]
+               for p, per_process in measured]
     if path and measured:
+      known.update({Problem(**q).text(): choice for q, choice in decided})
       cache[section] = known
       save_cache(path, cache)
-  elif measured or plan["cached"]:
-    choices = {Problem(**q): tuple(c) for q, c in json.loads(
-        kv.fetch(kv.key(ident, attempt, "autotune", "choices"), timeout))}
+  decided = kv.broadcast(ident, attempt, "autotune", "choices", value=decided, timeout_s=timeout)
+  choices.update({Problem(**q): tuple(choice) for q, choice in decided})
   for p, choice in choices.items():
     REGISTRY.record_decision(p, choice)
   return choices

@@ -1,11 +1,17 @@
 """jax.distributed's key-value store: how the processes of a job exchange the
-few bytes that set-up needs (NCCL unique ids, fingerprints).
+few bytes that set-up needs (NCCL unique ids, fingerprints, measured times and
+the choices made from them).
 
 Keys carry the connect attempt, so that a retry after a failed connect never
-meets the values of the attempt before it.
+meets the values of the attempt before it. `gather`, `all_gather` and
+`broadcast` exchange JSON values under keys of their own; in a single process
+they only pass the value through a JSON round trip, so that every process
+sees the same types.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 from jax._src import distributed  # no public key-value API yet
@@ -42,3 +48,39 @@ def fetch(name: str, timeout_s: float) -> str:
 
 def multi_process() -> bool:
   return jax.process_count() > 1
+
+
+def gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list | None:
+  """Every process's `value`, in process order, in process 0; None in the others."""
+  mine = json.loads(json.dumps(value))
+  if not multi_process():
+    return [mine]
+  me = jax.process_index()
+  publish(key(comm_id, attempt, *parts, me), json.dumps(value))
+  if me != 0:
+    return None
+  return [mine] + [json.loads(fetch(key(comm_id, attempt, *parts, other), timeout_s))
+                   for other in range(1, jax.process_count())]
+
+
+def all_gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list:
+  """Every process's `value`, in process order, in every process."""
+  mine = json.loads(json.dumps(value))
+  if not multi_process():
+    return [mine]
+  me = jax.process_index()
+  publish(key(comm_id, attempt, *parts, me), json.dumps(value))
+  return [mine if other == me else json.loads(fetch(key(comm_id, attempt, *parts, other),
+                                                    timeout_s))
+          for other in range(jax.process_count())]
+
+
+def broadcast(comm_id: int, attempt: int, *parts, value, timeout_s: float):
+  """Process 0's `value` in every process (the others' `value` is not read)."""
+  if not multi_process():
+    return json.loads(json.dumps(value))
+  name = key(comm_id, attempt, *parts, "from0")
+  if jax.process_index() == 0:
+    publish(name, json.dumps(value))
+    return json.loads(json.dumps(value))
+  return json.loads(fetch(name, timeout_s))
