@@ -144,8 +144,8 @@ def _measure(ident, attempt, plans, step, args, iterations, rounds) -> tuple[str
 def _cached(ident, attempt, key: str):
   """[plan, why] from the disk cache, or None: process 0 reads it, every
   process takes its answer."""
-  path = settings.autotune_cache()
   lead = jax.process_index() == 0
+  path = settings.autotune_cache()
   entry = load_cache(path).get(signature(), {}).get(key) if lead and path else None
   return kv.broadcast(ident, attempt, "step", "cached", value=entry,
                       timeout_s=settings.connect_timeout_s())

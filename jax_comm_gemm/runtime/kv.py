@@ -50,9 +50,14 @@ def multi_process() -> bool:
   return jax.process_count() > 1
 
 
+def _as_sent(value):
+  """`value` as a peer receives it (tuples become lists, and so on)."""
+  return json.loads(json.dumps(value))
+
+
 def gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list | None:
   """Every process's `value`, in process order, in process 0; None in the others."""
-  mine = json.loads(json.dumps(value))
+  mine = _as_sent(value)
   if not multi_process():
     return [mine]
   me = jax.process_index()
@@ -65,7 +70,7 @@ def gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list 
 
 def all_gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list:
   """Every process's `value`, in process order, in every process."""
-  mine = json.loads(json.dumps(value))
+  mine = _as_sent(value)
   if not multi_process():
     return [mine]
   me = jax.process_index()
@@ -78,9 +83,9 @@ def all_gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> l
 def broadcast(comm_id: int, attempt: int, *parts, value, timeout_s: float):
   """Process 0's `value` in every process (the others' `value` is not read)."""
   if not multi_process():
-    return json.loads(json.dumps(value))
+    return _as_sent(value)
   name = key(comm_id, attempt, *parts, "from0")
   if jax.process_index() == 0:
     publish(name, json.dumps(value))
-    return json.loads(json.dumps(value))
+    return _as_sent(value)
   return json.loads(fetch(name, timeout_s))
