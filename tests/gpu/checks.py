@@ -542,8 +542,8 @@ def check_memory_flat(mesh, steps: int = 200):
 
   before = (_gpu_memory_used_mib(), buffers())
   counted = counters()
-  timed = steps - len(sizes)
-  for i in range(timed):
+  later = steps - len(sizes)
+  for i in range(later):
     w1, w2 = step(w1, w2, xs[i % len(sizes)])
   jax.block_until_ready(w1)
   after = (_gpu_memory_used_mib(), buffers())
@@ -552,7 +552,7 @@ def check_memory_flat(mesh, steps: int = 200):
   # Each of this mesh's contexts here ran the step's fused calls, no others.
   grew = [(c1 - c0, h1 - h0) for (c0, h0), (c1, h1) in zip(counted, counters()) if c1 > c0]
   assert len(grew) == len(mesh.local_devices), (counted, counters())
-  per_step = {calls / timed for calls, _ in grew}
+  per_step = {calls / later for calls, _ in grew}
   assert len(per_step) == 1 and min(per_step) >= 2 and min(per_step).is_integer(), per_step
   assert all(host > 0 for _, host in grew), grew
   return {"memory_used_mib": [before[0], after[0]], "workspace_and_own_bytes": after[1],
