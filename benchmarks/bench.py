@@ -679,7 +679,7 @@ class Runner:
       if self.main:
         state["warm"] = harness.gpu_state_async()
 
-    host = HostTimes(partial(host_counters, self.ctx.jcg))
+    host = HostTimes(self.ctx.jcg.REGISTRY.call_counters)
 
     def tick(phase, variant=None):
       self.progress(phase, variant)
@@ -830,43 +830,35 @@ def progress_path(out: str) -> str:
   return os.path.join("/tmp", f"jcg_bench_progress_{tag}.json")
 
 
-def host_counters(jcg) -> tuple[int, float, int]:
-  """(calls, host seconds, contexts) summed over this process's contexts."""
-  contexts = jcg.REGISTRY.contexts()
-  return (sum(c.get("calls", 0) for c in contexts),
-          sum(c.get("host_seconds", 0.0) for c in contexts), len(contexts))
-
-
 class HostTimes:
   """The host time of each variant's fused calls in the timed rounds, from the
-  contexts' counters read as each batch starts: a batch's share is the
-  difference to the next read (the one after the last batch is mark(None)).
-  At small GEMMs the host sets the pace (GPU run 53), so the records keep it."""
+  contexts' counters (REGISTRY.call_counters) read as each batch starts: a
+  batch's share is the difference to the next read (the one after the last
+  batch is mark(None)). At small GEMMs the host sets the pace (GPU run 53), so
+  the records keep it."""
 
-  def __init__(self, read: Callable[[], tuple[int, float, int]]):
+  def __init__(self, read: Callable):
     self.read = read
-    self.last = None  # (variant, calls, seconds) at the start of its batch
-    self.sums: dict[str, list] = {}  # variant: [calls, seconds]
-    self.contexts = 1
+    self.last = None  # (variant, the counters at the start of its batch)
+    self.sums: dict = {}  # variant: its batches' CallCounters
 
   def mark(self, variant: str | None) -> None:
-    calls, seconds, contexts = self.read()
-    self.contexts = max(self.contexts, contexts)
+    now = self.read()
     if self.last is not None:
-      name, calls0, seconds0 = self.last
-      total = self.sums.setdefault(name, [0, 0.0])
-      total[0] += calls - calls0
-      total[1] += seconds - seconds0
-    self.last = None if variant is None else (variant, calls, seconds)
+      name, then = self.last
+      span = now - then
+      self.sums[name] = self.sums[name] + span if name in self.sums else span
+    self.last = None if variant is None else (variant, now)
 
   def entry(self, variant: str, *, batches: int, iters: int) -> dict:
     """host_us_per_fused_call (on one GPU's context) and fused_calls_per_iter
     (per GPU), or nothing for a variant that made no fused call."""
-    calls, seconds = self.sums.get(variant, (0, 0.0))
-    if calls <= 0:
+    span = self.sums.get(variant)
+    if span is None or span.calls <= 0:
       return {}
-    return {"host_us_per_fused_call": round(seconds / calls * 1e6, 1),
-            "fused_calls_per_iter": round(calls / self.contexts / (batches * iters), 2)}
+    return {"host_us_per_fused_call": round(span.host_us_per_call(), 1),
+            "fused_calls_per_iter": round(span.calls / max(1, span.contexts)
+                                          / (batches * iters), 2)}
 
 
 def line_for(rec: dict) -> str:

@@ -220,8 +220,10 @@ def ab_test(trainer, params, opt_state, steps, config, make_batch, tokens_per_st
   each, auto first in even rounds and xla first in odd ones, so that a drift
   (clocks, heat) touches both alike. The
   batches are on the devices before the clock starts; each phase is timed as a
-  whole, with one wait at its end. `trained_step` (the training run's
-  compiled step) serves its own backend."""
+  whole, with one wait at its end. Where a backend's step makes fused calls,
+  the result also says how many a step makes and the host time each takes
+  (REGISTRY.call_counters over its timed steps). `trained_step` (the training
+  run's compiled step) serves its own backend."""
   backends = ("auto", "xla")
   batches = iter([make_batch(i) for i in range(2 * len(backends) * (1 + rounds * steps))])
   say(f"A/B: {rounds} rounds of {steps} timed steps per backend, after 2 warm-up steps")
@@ -248,22 +250,33 @@ def ab_test(trainer, params, opt_state, steps, config, make_batch, tokens_per_st
         "xla_planned_bytes": planned,
         "cublasmp_workspace_bytes": max((c.get("workspace_bytes", 0)
                                          for c in jcg.REGISTRY.contexts()), default=0)}
+  counted = {backend: None for backend in backends}  # the fused calls of its timed steps
   for r in range(rounds):
     # ABBA: whichever runs first in a round would carry any drift alone (GPU
     # run 19: auto 3% behind xla with the same choices as xla, auto first).
     for backend in (backends if r % 2 == 0 else backends[::-1]):
       timed = [next(batches) for _ in range(steps)]
+      before = jcg.REGISTRY.call_counters()
       start = time.perf_counter()
       for b in timed:
         params, opt_state, loss = programs[backend](params, opt_state, *b)
       jax.block_until_ready((params, loss))
       results[backend]["seconds"] += time.perf_counter() - start
+      span = jcg.REGISTRY.call_counters() - before
+      counted[backend] = span if counted[backend] is None else counted[backend] + span
   for backend in backends:
     r = results[backend]
     r["tokens_per_s"] = tokens_per_step * rounds * steps / r["seconds"]
+    if counted[backend] is not None and counted[backend].calls > 0:  # per GPU
+      r["fused_calls_per_step"] = counted[backend].calls / max(1, counted[backend].contexts) / (
+          rounds * steps)
+      r["host_us_per_fused_call"] = round(counted[backend].host_us_per_call(), 1)
     say(f"  backend={backend!r:<7} ({r['path']}): {r['tokens_per_s']:>10,.0f} tokens/s   "
         f"peak {_gib(r['peak_bytes_in_use'])}   XLA plan {_gib(r['xla_planned_bytes'])}   "
-        f"cuBLASMp workspace {_gib(r['cublasmp_workspace_bytes'])}")
+        f"cuBLASMp workspace {_gib(r['cublasmp_workspace_bytes'])}"
+        + (f"   {r['fused_calls_per_step']:g} fused calls a step, "
+           f"{r['host_us_per_fused_call']:.0f} us of host time each"
+           if "host_us_per_fused_call" in r else ""))
   auto, xla = results["auto"], results["xla"]
   say(f"  auto / xla: {auto['tokens_per_s'] / xla['tokens_per_s']:.3f}x tokens/s; XLA plan "
       f"{(auto['xla_planned_bytes'] - xla['xla_planned_bytes']) / 2**20:+,.0f} MiB")

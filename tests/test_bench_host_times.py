@@ -9,6 +9,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 import bench  # noqa: E402
 
+from jax_comm_gemm.runtime.registry import CallCounters  # noqa: E402
+
 
 def test_each_batch_is_charged_to_the_variant_that_ran_it():
   # Two contexts (one process, two GPUs): a batch of 10 iterations of "fused"
@@ -16,7 +18,7 @@ def test_each_batch_is_charged_to_the_variant_that_ran_it():
   counters = {"calls": 0, "seconds": 0.0}
 
   def read():
-    return counters["calls"], counters["seconds"], 2
+    return CallCounters(counters["calls"], counters["seconds"], 2)
 
   def run(variant, iters=10):
     if variant == "fused":

@@ -353,3 +353,20 @@ def test_connect_starts_the_sentinel_unless_told_to_wait(fake, monkeypatch, on_a
   assert (REGISTRY._sentinel is not None) == watching
   if REGISTRY._sentinel is not None:
     REGISTRY._sentinel.stop()
+
+
+def test_call_counters_sum_the_contexts_and_subtract_to_a_span(fake, monkeypatch):
+  """REGISTRY.call_counters: the contexts' calls and host time summed; two reads
+  subtract to the span between them (the benchmark and the example's A/B report
+  the host time of a fused call that way)."""
+  assert REGISTRY.call_counters().calls == 0 and REGISTRY.call_counters().host_us_per_call() is None
+  rows = [{"calls": 10, "host_seconds": 0.001}, {"calls": 10, "host_seconds": 0.002}]
+  monkeypatch.setattr(fake, "contexts", lambda: rows)
+  before = REGISTRY.call_counters()
+  assert (before.calls, before.contexts) == (20, 2)
+  rows[0] = {"calls": 14, "host_seconds": 0.0014}
+  rows[1] = {"calls": 14, "host_seconds": 0.0026}
+  span = REGISTRY.call_counters() - before
+  assert span.calls == 8 and span.contexts == 2
+  assert span.host_us_per_call() == pytest.approx(125.0)
+  assert (span + span).calls == 16

@@ -18,6 +18,7 @@ read. Everything collective happens in ``communicators.connect``.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import threading
 import warnings
 from types import ModuleType
@@ -35,6 +36,28 @@ def axis_key(mesh, axis_name: str) -> tuple:
   """What trace time can see of a mesh axis (the abstract mesh inside
   shard_map has names and sizes, not devices)."""
   return (axis_name, tuple(mesh.axis_names), tuple(int(s) for s in mesh.shape.values()))
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCounters:
+  """The fused calls this process's contexts ran, and the host time they took
+  (each context counts its own: two GPUs in one process count a call twice).
+  Subtract an earlier read for a span: at small GEMMs the host, not the GPU,
+  sets the pace of back-to-back calls (GPU run 53)."""
+  calls: int = 0
+  host_seconds: float = 0.0
+  contexts: int = 0
+
+  def __sub__(self, earlier: "CallCounters") -> "CallCounters":
+    return CallCounters(self.calls - earlier.calls, self.host_seconds - earlier.host_seconds,
+                        max(self.contexts, earlier.contexts))
+
+  def __add__(self, other: "CallCounters") -> "CallCounters":
+    return CallCounters(self.calls + other.calls, self.host_seconds + other.host_seconds,
+                        max(self.contexts, other.contexts))
+
+  def host_us_per_call(self) -> float | None:
+    return self.host_seconds / self.calls * 1e6 if self.calls > 0 else None
 
 
 class Registry:
@@ -158,6 +181,12 @@ class Registry:
   def contexts(self) -> list[dict]:
     """One dict per context on this process (device, rank, workspace bytes...)."""
     return self._native.contexts() if self._native is not None else []
+
+  def call_counters(self) -> CallCounters:
+    """The fused calls of this process's contexts since connect, and their host time."""
+    contexts = self.contexts()
+    return CallCounters(sum(c.get("calls", 0) for c in contexts),
+                        sum(c.get("host_seconds", 0.0) for c in contexts), len(contexts))
 
   def shutdown(self, timeout_s: float = 60.0) -> None:
     """Destroys all contexts (at exit); collective, so all processes do it."""
