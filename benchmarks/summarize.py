@@ -124,7 +124,8 @@ def build_rows(parts):
         row = {"op": op, "shape": shape, "variant": v, "part": name,
                "median_ms": e.get("median_ms"), "over_floor": e.get("over_floor"),
                "floor_ms": floor_ms, "sm_mhz": clk["end_sm_mhz"], "power_w": clk["end_power_w"]}
-        for key in ("rel_err", "iters", "temp_mib", "compile_s", "hlo"):
+        for key in ("rel_err", "iters", "temp_mib", "compile_s", "hlo",
+                    "host_us_per_fused_call", "fused_calls_per_iter"):
           if key in e:
             row[key] = e[key]
         if "error" in e:
@@ -321,6 +322,23 @@ def markdown(summary):
     for (op, shape, variant, choice, twin, a, b), gap in zip(pairs, gaps):
       out.append(f"| {op} | {shape} | {variant} ({choice}) | {a:.3f} | {twin} {b:.3f} | "
                  f"{gap:.1f}% |")
+    out.append("")
+  host = [r for r in rows if r.get("host_us_per_fused_call") is not None]
+  if host:
+    out += ["## Host time per fused call", "",
+            "µs of host time a fused call took on one GPU's context (from taking the "
+            "context's lock to its last enqueue, over the timed rounds), and the fused calls "
+            "an iteration made. Where it is near a call's GPU time, back-to-back calls are "
+            "bound by the host (GPU run 53).", "",
+            "| op | shape | variant: µs a call (calls an iteration) |", "| --- | --- | --- |"]
+    cell = {(r["op"], r["shape"], r["variant"]): r for r in host}
+    for op in dict.fromkeys(r["op"] for r in host):
+      shapes, variants = ordered(host, op)
+      for shape in shapes:
+        cells = [f"{v}: {cell[op, shape, v]['host_us_per_fused_call']:.0f} "
+                 f"({cell[op, shape, v]['fused_calls_per_iter']:g})"
+                 for v in variants if (op, shape, v) in cell]
+        out.append(f"| {op} | {shape} | " + ", ".join(cells) + " |")
     out.append("")
   failed = [r for r in rows if r["op"] == "*"]
   if failed:

@@ -94,3 +94,23 @@ def test_profile_lines_say_the_idle_inside_the_work_when_known(tmp_path):
   assert ("- new GPU0: busy 900 of 1000 us, ≥2 streams 50 us, idle 100 us (30 between its "
           "first and last work), 2 streams") in table
   assert "- old GPU0: busy 900 of 1000 us, ≥2 streams 50 us, idle 100 us, 2 streams" in table
+
+
+def test_host_time_per_fused_call_has_its_own_table(tmp_path):
+  """The records' host time per fused call reaches summary.json and a table of
+  its own, variants in the table's order; variants without fused calls are left out."""
+  record = {
+      "op": "all_gather_matmul", "shape_str": "4096x4096x4096",
+      "variants": {
+          "pipelined_ce": timed(2.07, host_us_per_fused_call=96.4, fused_calls_per_iter=1.0),
+          "auto": timed(2.04, host_us_per_fused_call=85.6, fused_calls_per_iter=1.0),
+          "xla": timed(2.05), "floor": timed(1.0)}}
+  (tmp_path / "project.json").write_text(json.dumps(
+      {"part": "project", "schema": 1, "records": [record], "finished": True}))
+  summary = summarize.summarize([str(tmp_path)])
+  by_variant = {r["variant"]: r for r in summary["rows"]}
+  assert by_variant["auto"]["host_us_per_fused_call"] == 85.6
+  assert "host_us_per_fused_call" not in by_variant["xla"]
+  table = summarize.markdown(summary)
+  assert "## Host time per fused call" in table
+  assert "| all_gather_matmul | 4096x4096x4096 | auto: 86 (1), pipelined_ce: 96 (1) |" in table
