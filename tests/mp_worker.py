@@ -128,7 +128,7 @@ class _StandIn:
   def nccl_unique_id(self):
     return os.urandom(128)
 
-  def connect(self, groups, fence, connect_timeout_s, call_timeout_s):
+  def connect(self, groups, fence, connect_timeout_s, call_timeout_s, time_gemms):
     self.unique_ids += [unique_id for _, unique_id, _, _ in groups]
 
   def bind(self, ident, device_groups):

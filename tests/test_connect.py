@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm.backends.auto import AG, RS, Problem
+from jax_comm_gemm.backends.select import choose_backend
 from jax_comm_gemm.collective_matmul import gathered_route
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
@@ -41,9 +42,10 @@ class FakeNative:
   def nccl_unique_id(self):
     return bytes(128)
 
-  def connect(self, groups, fence, connect_timeout_s, call_timeout_s):
+  def connect(self, groups, fence, connect_timeout_s, call_timeout_s, time_gemms):
     self.connected.append({"groups": [(key, n, members) for key, _, n, members in groups],
-                           "fence": fence, "timeouts": (connect_timeout_s, call_timeout_s)})
+                           "fence": fence, "timeouts": (connect_timeout_s, call_timeout_s),
+                           "time_gemms": time_gemms})
 
   def bind(self, ident, device_groups):
     self.bound.append((ident, device_groups))
@@ -84,9 +86,32 @@ def test_connect_makes_one_group_per_row_in_rank_order(fake):
       (4, [(int(d.local_hardware_id), r) for r, d in enumerate(row)])
       for row in np.asarray(mesh.devices)]
   assert call["fence"] == "isolated" and call["timeouts"] == (300.0, 300.0)
+  assert call["time_gemms"] is True  # the own GEMMs' algorithms are timed by default
   (ident, device_groups), = fake.bound
   assert ident == comm_id(mesh, "tp") == REGISTRY.comm_id(mesh, "tp")
   assert sorted(d for d, _ in device_groups) == list(range(8))
+
+
+@pytest.mark.parametrize("autotune, timed", [("off", False), ("OFF ", False), ("on", True),
+                                             ("xla", True)])
+def test_measuring_off_leaves_the_own_gemms_on_cublaslts_first_choice(fake, monkeypatch,
+                                                                     autotune, timed):
+  """JAX_COMM_GEMM_AUTOTUNE=off times nothing: neither the implementations
+  nor the algorithm of each own GEMM (cuBLASLt's first heuristic choice)."""
+  monkeypatch.setenv(settings.AUTOTUNE, autotune)
+  assert jcg.connect(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)), "tp").ok
+  assert fake.connected[0]["time_gemms"] is timed
+
+
+def test_an_axis_of_size_one_runs_xla_without_a_word(fake, recwarn):
+  """Nothing to communicate: every backend request, 'cublasmp' included,
+  runs XLA there, and no warning says to connect (connect has nothing to do)."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]).reshape(2, 1), ("dp", "tp"))
+  assert jcg.connect(mesh, "tp").ok and fake.connected == []
+  for backend in ("auto", "cublasmp"):
+    choice = choose_backend(jcg.CommGemmConfig(backend=backend), "tp", mesh)
+    assert choice.backend.name == "xla" and "has size 1" in choice.reason
+  assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 def test_connect_is_idempotent_and_shares_groups(fake):
@@ -195,6 +220,8 @@ def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
     ({"JAX_COMM_GEMM_FENCE": "own_stream"},
      r"'own_stream' orders nothing across ranks.*set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
     ({"JAX_COMM_GEMM_TIMEOUT": "soon"}, r"JAX_COMM_GEMM_TIMEOUT='soon' must be a positive"),
+    ({"JAX_COMM_GEMM_TIMEOUT": "0"}, r"JAX_COMM_GEMM_TIMEOUT='0' must be a positive"),
+    ({"JAX_COMM_GEMM_TIMEOUT": "nan"}, r"JAX_COMM_GEMM_TIMEOUT='nan' must be a positive"),
     ({"JAX_COMM_GEMM_CONNECT_TIMEOUT": "-3"}, r"JAX_COMM_GEMM_CONNECT_TIMEOUT='-3' must"),
 ])
 def test_bad_settings_fail_before_any_collective(fake, monkeypatch, env, match):
@@ -309,6 +336,29 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
   assert other[0] == "xla" and len(compiled) == 1 and len(timed) == 1
   with pytest.raises(ValueError, match="implementations has 'nccl'"):  # before any work
     jcg.autotune_step(mesh, "tp", None, implementations=("nccl",))
+
+
+def test_a_cached_step_plan_that_is_no_plan_is_measured_anew(fake, monkeypatch, tmp_path):
+  """A cache entry whose plan is not among the step's plans (a file edited by
+  hand, or by another version) is not taken: the step is measured again."""
+  path = tmp_path / "autotune.json"
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", str(path))
+  mesh, step, (x, w1, w2) = _connected_mlp_step()
+  monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
+  monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
+      {n: (1e-3 if n == "pipelined_ce" else 2e-3) for n in runs}))
+  assert jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)[0] == \
+      "pipelined_ce"
+  cache = tuning.load_cache(str(path))
+  for section in cache.values():
+    for key, entry in section.items():
+      if key.startswith("autotune_step"):
+        entry[0] = "a_plan_no_more"
+  tuning.save_cache(str(path), cache)
+  measured = []
+  monkeypatch.setattr(step_tuning, "_measure", lambda *a: measured.append(a) or ("xla", "?"))
+  assert jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)[0] == "xla"
+  assert len(measured) == 1
 
 
 def test_step_plans_time_a_uniform_per_op_choice_once():

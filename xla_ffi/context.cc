@@ -284,7 +284,7 @@ Status Context::EnsureLtWorkspace() {
   return Status();
 }
 
-Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
+Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream, cudaStream_t run,
                             Clock::time_point deadline, Plan* plan) {
   if (c.dw != nullptr) {  // local, and fails alike on every rank: first
     JCG_RETURN_IF_ERROR(EnsureLtWorkspace());
@@ -296,9 +296,20 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream,
     return WithComm([&] { return MakePlan(target, c, plan); });
   }
   JCG_RETURN_IF_ERROR(EnsureLtWorkspace());
-  // Local, and fails alike on every rank: before the collectives below.
-  JCG_RETURN_IF_ERROR(
-      MakePipelinedPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes, &plan->pipelined));
+  // Local, and fails alike on every rank: before the collectives below. The
+  // timed candidates run where the call will, after XLA's work that makes the
+  // operands and this context's calls before (they share the workspace); the
+  // host waits for them, so none is left running beside the call.
+  GemmTrial trial;
+  if (options_.time_gemms) {
+    if (run != stream) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
+    trial.workspace = lt_workspace_.get();
+    trial.stream = run;
+    trial.wait = [&] { return WaitForStream(run, deadline, "cuBLASLt's candidate GEMMs ran"); };
+  }
+  JCG_RETURN_IF_ERROR(MakePipelinedPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes,
+                                        options_.time_gemms ? &trial : nullptr,
+                                        &plan->pipelined));
   if (c.algorithm == kPipelinedCeAlgorithm) {
     return EnsureWindow(WindowBytes(plan->pipelined, options_.nranks), stream, deadline);
   }
@@ -365,6 +376,15 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
   const Clock::time_point deadline = start + call_timeout_;
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(options_.device));
+  // Under kIsolated and kOwnStream, the call runs on stream_,
+  // after everything XLA enqueued before it and before anything XLA enqueues
+  // after it. The own algorithms need no cross-rank fence, but they stay on
+  // stream_ too: XLA may hand two calls different compute streams, and the
+  // calls of one context share its scratch (cuBLASLt workspace, window,
+  // partial sums, events), which one stream keeps in order.
+  const Fence fence = options_.fence;
+  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
+  cudaStream_t run = own ? stream_.get() : stream;
   const PlanKey key = c.key();
   auto it = plans_.find(key);
   if (it == plans_.end()) {
@@ -373,7 +393,7 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     // rank's cache is the same and all start over at the same call.
     if (plans_.size() >= kMaxPlans) plans_.clear();
     Plan plan;
-    JCG_RETURN_IF_ERROR(MakePlanFor(c, stream, deadline, &plan));
+    JCG_RETURN_IF_ERROR(MakePlanFor(c, stream, run, deadline, &plan));
     it = plans_.emplace(key, std::move(plan)).first;
     plan_count_ = plans_.size();
   }
@@ -388,15 +408,6 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
     if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   }
-  // Under kIsolated and kOwnStream, the call runs on stream_,
-  // after everything XLA enqueued before it and before anything XLA enqueues
-  // after it. The own algorithms need no cross-rank fence, but they stay on
-  // stream_ too: XLA may hand two calls different compute streams, and the
-  // calls of one context share its scratch (cuBLASLt workspace, window,
-  // partial sums, events), which one stream keeps in order.
-  const Fence fence = options_.fence;
-  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
-  cudaStream_t run = own ? stream_.get() : stream;
   JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
     if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
     return Enqueue(c, plan, gathered_offset, run);

@@ -46,6 +46,9 @@ struct ContextOptions {
   int device = 0, nranks = 1, rank = 0;
   Fence fence = Fence::kIsolated;
   double call_timeout_s = 300;  // JAX_COMM_GEMM_TIMEOUT
+  // The own algorithms' block GEMMs take the fastest of cuBLASLt's candidates,
+  // timed at their plan's first call; else its first choice (JAX_COMM_GEMM_AUTOTUNE=off).
+  bool time_gemms = true;
 };
 
 class Context {
@@ -103,8 +106,9 @@ class Context {
   Status EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
   Status WaitForStream(cudaStream_t stream, Clock::time_point deadline, const char* what);
   Status Barrier(cudaStream_t stream);
-  Status MakePlanFor(const MatmulCall& call, cudaStream_t stream, Clock::time_point deadline,
-                     Plan* plan);
+  // `stream` is XLA's, `run` the one the call's work goes on (RunLocked).
+  Status MakePlanFor(const MatmulCall& call, cudaStream_t stream, cudaStream_t run,
+                     Clock::time_point deadline, Plan* plan);
   Status ConnectPeers(Clock::time_point deadline);  // pipelined: NCCL send/recv pairs
   Status EnsureWindow(size_t bytes, cudaStream_t stream,
                       Clock::time_point deadline);  // pipelined_ce

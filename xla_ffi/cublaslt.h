@@ -1,19 +1,22 @@
 // The cuBLASLt pieces the project's own GEMMs share (pipelined.cc,
 // weight_gradient.cc): matrix layouts, descriptor attributes, and an algorithm
-// picked once per plan by cuBLASLt's heuristic.
+// picked once per plan, by cuBLASLt's heuristic or by timing its candidates.
 #ifndef JAX_COMM_GEMM_CUBLASLT_H_
 #define JAX_COMM_GEMM_CUBLASLT_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include <cublasLt.h>
+#include <cuda_runtime_api.h>
 #include <library_types.h>
 
 #include "handles.h"
 #include "library_status.h"
 #include "status.h"
+#include "timed_pick.h"
 
 namespace jax_comm_gemm {
 
@@ -26,11 +29,26 @@ Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, Lt
 // CUBLAS_COMPUTE_32F) and the given operations on A and B.
 Status CreateMatmulDesc(cublasOperation_t trans_a, cublasOperation_t trans_b, LtMatmulDesc* out);
 
-// cuBLASLt's first choice for D = op(A) op(B) (C = D) within `workspace_bytes`;
-// `what` names the GEMM in the error when it has none.
+// Where to time cuBLASLt's candidates: the operands of one real call, ready
+// on `stream` (any values do; the call's own GEMM overwrites D after), the
+// workspace, and a host wait for `stream` that gives up at the call's deadline.
+struct GemmTrial {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* d = nullptr;
+  void* workspace = nullptr;
+  cudaStream_t stream = nullptr;
+  std::function<Status()> wait;
+};
+
+// An algorithm for D = op(A) op(B) (C = D) within `workspace_bytes`: cuBLASLt's
+// first heuristic choice, or with `trial` the fastest of its first
+// kTimedCandidates, timed on trial's operands (as XLA autotunes its GEMMs).
+// `what` names the GEMM in the error when there is none.
 Status PickAlgorithm(cublasLtHandle_t lt, const LtMatmulDesc& desc, const LtLayout& a,
                      const LtLayout& b, const LtLayout& d, size_t workspace_bytes,
-                     const std::string& what, cublasLtMatmulAlgo_t* algo, size_t* needs);
+                     const std::string& what, const GemmTrial* trial,
+                     cublasLtMatmulAlgo_t* algo, size_t* needs);
 
 }  // namespace jax_comm_gemm
 

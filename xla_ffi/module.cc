@@ -54,7 +54,7 @@ std::vector<GroupSpec> ToSpecs(const std::vector<GroupTuple>& groups) {
 }
 
 void Connect(const std::vector<GroupTuple>& groups, const std::string& fence_name,
-             double timeout_s, double call_timeout_s) {
+             double timeout_s, double call_timeout_s, bool time_gemms) {
   const std::optional<Fence> fence = FenceByName(fence_name);
   if (!fence) {
     throw std::runtime_error("'" + fence_name + "' is not a fence; use one of " + FenceList());
@@ -65,7 +65,8 @@ void Connect(const std::vector<GroupTuple>& groups, const std::string& fence_nam
   }
   std::vector<GroupSpec> specs = ToSpecs(groups);
   nb::gil_scoped_release release;  // XLA threads may need the GIL meanwhile
-  ThrowIfError(Registry::Instance().Connect(specs, *fence, timeout_s, call_timeout_s));
+  ThrowIfError(
+      Registry::Instance().Connect(specs, *fence, timeout_s, call_timeout_s, time_gemms));
 }
 
 nb::list Contexts() {
@@ -122,11 +123,13 @@ NB_MODULE(_comm_gemm, m) {
   }, "A new ncclUniqueId (its process hosts the bootstrap root).");
 
   m.def("connect", &jcg::Connect, nb::arg("groups"), nb::arg("fence"), nb::arg("timeout_s"),
-        nb::arg("call_timeout_s"),
+        nb::arg("call_timeout_s"), nb::arg("time_gemms"),
         "Creates the contexts of (group key, unique id, nranks, [(device, rank)]) groups,\n"
         "which order their calls by `fence` (one of fences()). Set-up must finish within\n"
         "`timeout_s`; afterwards a call that does not complete within `call_timeout_s`\n"
-        "(JAX_COMM_GEMM_TIMEOUT) aborts its context's communicator.");
+        "(JAX_COMM_GEMM_TIMEOUT) aborts its context's communicator. With `time_gemms`\n"
+        "the own algorithms' block GEMMs take the fastest of cuBLASLt's candidates, timed\n"
+        "at their plan's first call.");
 
   m.def("fences", [] {
     std::vector<std::string> names;

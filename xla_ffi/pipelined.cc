@@ -238,7 +238,7 @@ Status SendReceive(const void* send, void* receive, size_t bytes, int to, int fr
 // cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the block's
 // y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.
 Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
-                         size_t workspace_bytes, PipelinedPlan* plan) {
+                         size_t workspace_bytes, const GemmTrial* trial, PipelinedPlan* plan) {
   const cudaDataType_t t = c.dtype;
   const int64_t k = c.x_cols;
   const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
@@ -266,10 +266,13 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   }
   JCG_RETURN_IF_ERROR(CreateLayout(t, k, r, k, &plan->b));
   JCG_RETURN_IF_ERROR(CreateLayout(t, m, r, m, &plan->d));
+  // One block: x's first rows (a whole shard for an AllGather) into y's first.
+  GemmTrial block;
+  if (trial != nullptr) block = *trial, block.a = c.w, block.b = c.x, block.d = c.y;
   JCG_RETURN_IF_ERROR(PickAlgorithm(
       lt, plan->matmul, plan->a, plan->b, plan->d, workspace_bytes,
       "a " + std::to_string(r) + " x " + std::to_string(k) + " x " + std::to_string(m) + " shard",
-      &plan->algo, &plan->workspace_bytes));
+      trial != nullptr ? &block : nullptr, &plan->algo, &plan->workspace_bytes));
   plan->x_row_bytes = static_cast<size_t>(k) * ElementBytes(t);
   plan->y_row_bytes = static_cast<size_t>(m) * ElementBytes(t);
   plan->x_shard_bytes = static_cast<size_t>(r) * plan->x_row_bytes;

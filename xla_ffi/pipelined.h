@@ -43,6 +43,7 @@
 #include <nccl.h>
 
 #include "chunks.h"
+#include "cublaslt.h"
 #include "handles.h"
 #include "status.h"
 
@@ -98,10 +99,12 @@ Status SendReceive(const void* send, void* receive, size_t bytes, int to, int fr
 // The window bytes pipelined_ce needs for `plan`.
 size_t WindowBytes(const PipelinedPlan& plan, int nranks);
 
-// Picks the block GEMM's algorithm for `call` on a group of `nranks` with
-// cuBLASLt's heuristic, within `workspace_bytes` of workspace.
+// Picks the block GEMM's algorithm for `call` on a group of `nranks`, within
+// `workspace_bytes` of workspace: cuBLASLt's first choice, or with `trial` the
+// fastest of its candidates, timed on one block of the call's own operands
+// (trial's a, b and d are set here).
 Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& call, int nranks,
-                         size_t workspace_bytes, PipelinedPlan* plan);
+                         size_t workspace_bytes, const GemmTrial* trial, PipelinedPlan* plan);
 
 // Enqueues `call` on `run` (and target.comm_stream, joined back to `run`).
 // Collective: every rank of the group enqueues the same call.

@@ -22,7 +22,7 @@ Registry& Registry::Instance() {
 }
 
 Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s,
-                         double call_timeout_s) {
+                         double call_timeout_s, bool time_gemms) {
   std::vector<ContextRequest> requests;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -32,7 +32,7 @@ Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, doub
         if (contexts_.count({g.key, device})) continue;
         ContextOptions o;
         o.group = g.key, o.device = device, o.nranks = g.nranks, o.rank = rank;
-        o.fence = fence, o.call_timeout_s = call_timeout_s;
+        o.fence = fence, o.call_timeout_s = call_timeout_s, o.time_gemms = time_gemms;
         requests.push_back({o, g.id});
       }
     }

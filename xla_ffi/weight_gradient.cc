@@ -28,7 +28,7 @@ Status MakeWeightGradientPlan(cublasLtHandle_t lt, const MatmulCall& c, int nran
   return PickAlgorithm(lt, plan->matmul, plan->a, plan->b, plan->d, workspace_bytes,
                        "the weight gradient over " + std::to_string(n) + " tokens (" +
                            std::to_string(k) + " x " + std::to_string(f) + ")",
-                       &plan->algo, &plan->workspace_bytes);
+                       /*trial=*/nullptr, &plan->algo, &plan->workspace_bytes);
 }
 
 Status EnqueueWeightGradient(cublasLtHandle_t lt, const WeightGradientPlan& plan,

@@ -100,6 +100,7 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
     native = registry.native()
     fence = settings.fence()  # bad values fail here, before any collective
     connect_s, call_s = settings.connect_timeout_s(), settings.call_timeout_s()
+    time_gemms = settings.measuring()
     on_abort, grace_s = settings.on_abort(), settings.abort_grace_s()
     attempt = registry.next_attempt(ident)
     me = jax.process_index()
@@ -121,7 +122,7 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
                                connect_s)
         new_groups.append((key, unique_id, len(group), local))
     if new_groups:
-      native.connect(new_groups, fence, connect_s, call_s)
+      native.connect(new_groups, fence, connect_s, call_s, time_gemms)
     native.bind(ident, device_groups)
     layout = registry.default_layout()
     verdicts = {}

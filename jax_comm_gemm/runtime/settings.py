@@ -100,6 +100,14 @@ def autotune(implementations) -> str:
   return value
 
 
+def measuring() -> bool:
+  """Whether anything is timed: autotune's choices, and the algorithm of each
+  own GEMM (the fastest of cuBLASLt's candidates, at its plan's first call).
+  Only $JAX_COMM_GEMM_AUTOTUNE=off turns both off; a forced implementation
+  still has its GEMMs timed."""
+  return os.environ.get(AUTOTUNE, "").strip().lower() != "off"
+
+
 def autotune_cache() -> str:
   """Where measured choices are kept between runs ("" keeps them in memory)."""
   default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),

@@ -448,7 +448,7 @@ def check_fences(mesh):
   names = list(native.fences())
   assert tuple(names) == FENCES, names
   try:
-    native.connect([], "bogus", 1.0, 1.0)
+    native.connect([], "bogus", 1.0, 1.0, True)
   except RuntimeError as e:
     assert "'bogus' is not a fence; use one of isolated, own_stream" in str(e), str(e)
   else:
