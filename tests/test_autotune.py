@@ -92,6 +92,26 @@ def test_time_candidates_leave_the_warm_up_rounds_out():
   assert times["a"] == (2 * 4 + 1) / 2 and times["b"] == (2 * 2 + 1) / 2
 
 
+def test_time_candidates_takes_the_median_not_the_fastest_round():
+  """One fast round (a clock swing, or a round that ran before the power cap
+  bit) does not decide: the median of the rounds does."""
+  clock = itertools.count()
+  costs = {"a": iter([1, 9, 2, 9, 9]), "b": iter([1, 5, 5, 5, 5])}
+
+  def runner(name):
+    def call():
+      for _ in range(next(costs[name]) - 1):
+        next(clock)
+    return call
+
+  times = autotune.time_candidates({"a": (runner("a"), 1), "b": (runner("b"), 1)}, rounds=4,
+                                   timer=lambda: float(next(clock)), wait=lambda out: None)
+  # Timed rounds cost a: 9 2 9 9 and b: 5 5 5 5 ticks (plus the timer's own):
+  # a's fastest round beats b's, its median does not.
+  assert times["b"] < times["a"]
+  assert times == {"a": 9.0, "b": 5.0}
+
+
 def test_time_candidates_skips_what_any_process_failed_to_run(caplog):
   """A candidate that failed to warm up in another process is skipped here
   too (the processes agree on the failed set before timing): running a
@@ -299,6 +319,52 @@ def test_a_call_that_returns_the_gathered_operand_is_its_own_problem(empty_decis
   y, g = program(True)(x, w)
   np.testing.assert_allclose(y, np.asarray(x) @ np.asarray(w), rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(np.asarray(g)[:16], np.asarray(x))
+
+
+def test_the_fused_weight_gradient_takes_the_gathered_problems_choice(empty_decisions,
+                                                                    monkeypatch):
+  """The row-parallel backward's one call (dgrad AllGather+GEMM and wgrad)
+  reads the gathered operand, so it runs the choice of the problem with the
+  operand out, as weight_gradient_fusion asked it; the plain problem's choice
+  (here XLA, which has no such call) is not consulted."""
+  mesh = cpu_mesh(2)
+  REGISTRY.record_decision(Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True),
+                           ("cublasmp_default", "test"))
+  REGISTRY.record_decision(Problem(AG, 8, 8, 6, "float32", False, 2), ("xla", "test"))
+  ran = []
+
+  def fused(self, x, w, h, axis_name, *, transpose_w, precision=None):
+    ran.append(self.all_gather_algorithm)
+    return jnp.zeros((16, 6), x.dtype), jnp.zeros(w.shape, w.dtype)
+
+  monkeypatch.setattr(CublasMpBackend, "all_gather_matmul_weight_gradient", fused)
+  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+
+  def local(x, w, h):
+    return backend.all_gather_matmul_weight_gradient(x, w, h, "tp", transpose_w=False)
+
+  x, w, h = jnp.ones((16, 8)), jnp.ones((8, 12)), jnp.ones((32, 12))
+  jax.make_jaxpr(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp"),
+                                                              P(None, "tp")),
+                               out_specs=(P(None, "tp"), P(None, "tp"))))(x, w, h)
+  assert ran == ["default"]
+
+
+def test_the_disk_cache_section_names_every_candidate(monkeypatch):
+  """A choice measured before an implementation was added is stale: the
+  cache's section for it changes with the candidates (and the method)."""
+  class Native:
+    def cublasmp_version(self):
+      return 1000
+
+    def nccl_version(self):
+      return 23203
+
+  monkeypatch.setattr(REGISTRY, "_native", Native())
+  before = autotune.signature()
+  assert f"timing {autotune.METHOD}|" in before
+  monkeypatch.setitem(auto.CANDIDATES, AG, auto.CANDIDATES[AG] + ("new_one",))
+  assert autotune.signature() != before
 
 
 def test_autotune_times_the_gathered_problem_with_its_operand_out():
