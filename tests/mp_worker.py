@@ -158,8 +158,7 @@ def _connect_with_stand_in(mesh, process_id, checks) -> bytes:
     checks.append("lowered alone")
   fingerprint = {"fence": "isolated" if process_id == 0 else "own_stream"}
   try:
-    agreement.check(fingerprint, comm_id=1, attempt=1, me=process_id, processes=[0, 1],
-                    timeout_s=60)
+    agreement.check(fingerprint, comm_id=1, attempt=1, processes=[0, 1], timeout_s=60)
   except agreement.DisagreementError as e:
     assert "fence differs (process 0: 'isolated'; process 1: 'own_stream')" in str(e), e
     checks.append("disagreement raised")

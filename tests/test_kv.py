@@ -1,6 +1,6 @@
 """runtime/kv.py's exchanges between processes (gather, all_gather,
-broadcast), and autotune_step's agreement built on them, with several
-processes simulated by threads over one key-value store."""
+broadcast), and connect's and autotune_step's agreements built on them, with
+several processes simulated by threads over one key-value store."""
 
 import math
 import threading
@@ -9,6 +9,7 @@ import jax
 import pytest
 
 import jax_comm_gemm.runtime.kv as kv
+from jax_comm_gemm.runtime import agreement
 from jax_comm_gemm.backends import step_tuning
 
 
@@ -73,6 +74,34 @@ def test_gather_gives_process_0_every_value_in_order(job):
 def test_all_gather_gives_every_process_every_value(job):
   got = job.run(lambda p: kv.all_gather(5, 1, "failed", value=[f"c{p}"], timeout_s=5))
   assert got == [[["c0"], ["c1"], ["c2"]]] * 3
+
+
+def test_all_gather_among_some_processes_leaves_the_others_out(job):
+  """A tensor-parallel group's processes exchange among themselves, in the
+  order given; a process outside the group takes no part (connect's
+  agreement runs per group)."""
+  group = [2, 0]
+  got = job.run(lambda p: kv.all_gather(5, 1, "fp", value=p, timeout_s=5, processes=group)
+                if p in group else None)
+  assert got == [[2, 0], None, [2, 0]]
+  assert not any(name.endswith("/1") for name in job.store)
+
+
+def test_the_agreement_check_raises_in_every_member_of_the_group(job):
+  fingerprints = {0: {"fence": "isolated"}, 1: {"fence": "none"}, 2: {"fence": "host"}}
+
+  def body(p):
+    if p == 1:
+      return None
+    try:
+      agreement.check(fingerprints[p], comm_id=5, attempt=1, processes=[0, 2], timeout_s=5)
+    except agreement.DisagreementError as e:
+      return str(e)
+    return "agreed"
+
+  got = job.run(body)
+  assert got[0] == got[2] and got[1] is None
+  assert "fence differs (process 0: 'isolated'; process 2: 'host')" in got[0]
 
 
 def test_broadcast_gives_every_process_process_0s_value(job):

@@ -11,8 +11,6 @@ collective runs. (Per-call shapes are checked once per plan on the C++ side.)
 
 from __future__ import annotations
 
-import json
-
 import jax_comm_gemm.runtime.kv as kv
 
 
@@ -39,19 +37,15 @@ def compare(fingerprints: dict[int, dict[str, str]]) -> str | None:
           + "; ".join(problems) + ". Every process must run with the same settings.")
 
 
-def check(fingerprint: dict[str, str], *, comm_id: int, attempt: int, me: int,
+def check(fingerprint: dict[str, str], *, comm_id: int, attempt: int,
           processes: list[int], timeout_s: float) -> None:
-  """Exchanges fingerprints among `processes` (this one is `me`) and raises
+  """Exchanges fingerprints among `processes` (this one among them) and raises
   DisagreementError on any difference. Every process sees every fingerprint,
   so all of them raise, each with the same message."""
   if len(processes) < 2:
     return
-  kv.publish(kv.key(comm_id, attempt, "fingerprint", me), json.dumps(fingerprint))
-  seen = {me: fingerprint}
-  for process in processes:
-    if process != me:
-      seen[process] = json.loads(kv.fetch(kv.key(comm_id, attempt, "fingerprint", process),
-                                          timeout_s))
-  message = compare(seen)
+  seen = kv.all_gather(comm_id, attempt, "fingerprint", value=fingerprint, timeout_s=timeout_s,
+                       processes=processes)
+  message = compare(dict(zip(processes, seen)))
   if message:
     raise DisagreementError(message)

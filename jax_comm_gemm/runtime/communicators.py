@@ -106,7 +106,7 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
     me = jax.process_index()
     groups = axis_groups(mesh, axis_name)
     processes = sorted({d.process_index for d in groups.flat})
-    agreement.check(_fingerprint(native, fence), comm_id=ident, attempt=attempt, me=me,
+    agreement.check(_fingerprint(native, fence), comm_id=ident, attempt=attempt,
                     processes=processes, timeout_s=connect_s)
     known = registry.known_groups()
     new_groups, device_groups = [], []

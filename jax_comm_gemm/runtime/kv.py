@@ -68,8 +68,10 @@ def gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list 
                    for other in range(1, jax.process_count())]
 
 
-def all_gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> list:
-  """Every process's `value`, in process order, in every process."""
+def all_gather(comm_id: int, attempt: int, *parts, value, timeout_s: float,
+               processes: list[int] | None = None) -> list:
+  """Every process's `value`, in process order, in every process; or, among
+  `processes` (this one included), theirs in that order."""
   mine = _as_sent(value)
   if not multi_process():
     return [mine]
@@ -77,7 +79,7 @@ def all_gather(comm_id: int, attempt: int, *parts, value, timeout_s: float) -> l
   publish(key(comm_id, attempt, *parts, me), json.dumps(value))
   return [mine if other == me else json.loads(fetch(key(comm_id, attempt, *parts, other),
                                                     timeout_s))
-          for other in range(jax.process_count())]
+          for other in (range(jax.process_count()) if processes is None else processes)]
 
 
 def broadcast(comm_id: int, attempt: int, *parts, value, timeout_s: float):
