@@ -114,6 +114,29 @@ def test_an_axis_of_size_one_runs_xla_without_a_word(fake, recwarn):
   assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
+def test_a_leading_tensor_parallel_axis_groups_the_columns(fake):
+  """("tp", "dp") = (4, 2): each group is a column of the device grid (the
+  devices that differ in "tp" alone), in "tp" order, whichever axis comes first."""
+  devices = np.asarray(jax.devices("cpu")[:8]).reshape(4, 2)
+  mesh = Mesh(devices, ("tp", "dp"))
+  groups = connect_module.axis_groups(mesh, "tp")
+  assert [[d.id for d in g] for g in groups] == [[d.id for d in devices[:, j]] for j in range(2)]
+  assert jcg.connect(mesh, "tp").ok
+  (call,) = fake.connected
+  assert [(n, members) for _, n, members in call["groups"]] == [
+      (4, [(int(d.local_hardware_id), r) for r, d in enumerate(devices[:, j])]) for j in range(2)]
+
+
+def test_a_mesh_of_other_sizes_is_not_connected(fake):
+  """The registry knows an axis by its names and sizes (all that trace time
+  sees): connecting ("dp", "tp") = (2, 4) does not connect (4, 2)."""
+  devices = np.asarray(jax.devices("cpu")[:8])
+  connected = Mesh(devices.reshape(2, 4), ("dp", "tp"))
+  assert jcg.connect(connected, "tp").ok
+  assert REGISTRY.comm_id(connected, "tp") is not None
+  assert REGISTRY.comm_id(Mesh(devices.reshape(4, 2), ("dp", "tp")), "tp") is None
+
+
 def test_connect_is_idempotent_and_shares_groups(fake):
   devices = np.asarray(jax.devices("cpu")[:4])
   a = Mesh(devices, ("tp",))

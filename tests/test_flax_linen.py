@@ -232,3 +232,18 @@ def test_local_mode_bfloat16():
 def test_config_errors(module, x_width, match):
   with pytest.raises(ValueError, match=match):
     module(cpu_mesh(4)).init(jax.random.key(0), jnp.zeros((N, x_width)))
+
+
+def test_global_tokens_that_do_not_split_over_the_shards():
+  """On global arrays the module checks the tokens itself, before shard_map
+  would fail with its own words."""
+  with pytest.raises(ValueError, match=r"ColumnParallelDense: `inputs` has 6 tokens \(first "
+                                       r"dimension\), which is not divisible by the size 4"):
+    L.ColumnParallelDense(F, mesh=cpu_mesh(4)).init(jax.random.key(0), jnp.zeros((6, K)))
+
+
+def test_odd_features_on_two_shards():
+  """TP 2, the size most runs use, checks like any other."""
+  with pytest.raises(ValueError, match=r"ColumnParallelDense\.features=7 is not divisible by "
+                                       r"the size 2 "):
+    L.ColumnParallelDense(7, mesh=cpu_mesh(2)).init(jax.random.key(0), jnp.zeros((N, K)))
