@@ -285,3 +285,26 @@ def test_own_reduce_scatter_mlp(all_gather_algorithm, reduce_scatter):
   assert sorted(c.params["transpose_w"] for c in calls) == [False, True]
   assert all(c.params["algorithm"] == jcg.ALGORITHMS[reduce_scatter] for c in calls)
   assert not [e for e in equations if e.primitive.name == "reduce_scatter"]
+
+
+def test_the_cublasmp_backend_on_a_group_of_one_runs_xla():
+  """A CublasMpBackend given as the backend, on an axis of size 1: both ops
+  run XLA's (a group of one has no communicator to call), the gathered
+  operand included."""
+  mesh = cpu_mesh(1)
+  config = jcg.CommGemmConfig(backend=CublasMpBackend())
+  x = jax.random.normal(jax.random.key(0), (8, 16), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (16, 4), jnp.float32)
+
+  def local(x, w):
+    y, g = jcg.all_gather_matmul(x, w, "tp", return_gathered=True, config=config)
+    return y, g, jcg.matmul_reduce_scatter(y, w.T, "tp", config=config)
+
+  program = jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                          out_specs=(P(None, "tp"), P("tp"), P("tp")))
+  text = str(jax.make_jaxpr(program)(x, w))
+  assert not any(target in text for target in TARGETS.values()), text
+  y, g, z = jax.jit(program)(x, w)
+  np.testing.assert_allclose(y, x @ w, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(g, x)
+  np.testing.assert_allclose(z, (x @ w) @ w.T, rtol=1e-4, atol=1e-4)
