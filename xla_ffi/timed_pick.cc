@@ -13,7 +13,9 @@ int FastestByMedian(const std::vector<std::vector<float>>& samples) {
     const size_t mid = v.size() / 2;
     std::nth_element(v.begin(), v.begin() + mid, v.end());
     float median = v[mid];
-    if (v.size() % 2 == 0) median = 0.5f * (median + *std::max_element(v.begin(), v.begin() + mid));
+    if (v.size() % 2 == 0) {  // the mean of the two middle samples
+      median = 0.5f * (median + *std::max_element(v.begin(), v.begin() + mid));
+    }
     // cuBLASLt's own choice is the prior: another must beat it by the margin.
     if (i == 0) median *= 1.0f - kTimedMargin;
     if (fastest < 0 || median < best) fastest = i, best = median;

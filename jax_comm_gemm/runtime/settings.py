@@ -92,7 +92,7 @@ def autotune(implementations) -> str:
   """$JAX_COMM_GEMM_AUTOTUNE: "on" (measure, the default), "off" (no
   measuring: the rule of thumb decides) or one of `implementations`, which
   backend="auto" then takes for every op that can run it."""
-  value = os.environ.get(AUTOTUNE, "").strip().lower() or "on"
+  value = _autotune_value()
   allowed = ("on", "off", *implementations)
   if value not in allowed:
     raise ValueError(f"environment variable {AUTOTUNE}={value!r}: allowed values are "
@@ -105,7 +105,11 @@ def measuring() -> bool:
   own GEMM (the fastest of cuBLASLt's candidates, at its plan's first call).
   Only $JAX_COMM_GEMM_AUTOTUNE=off turns both off; a forced implementation
   still has its GEMMs timed."""
-  return os.environ.get(AUTOTUNE, "").strip().lower() != "off"
+  return _autotune_value() != "off"
+
+
+def _autotune_value() -> str:
+  return os.environ.get(AUTOTUNE, "").strip().lower() or "on"
 
 
 def autotune_cache() -> str:
