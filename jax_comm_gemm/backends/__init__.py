@@ -3,6 +3,7 @@
 * ``base``: the interface. ``xla``: XLA's collectives, and the rings of
   per-shard GEMMs and ppermutes (``RingBackend``); both run everywhere.
 * ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
+* ``pallas``: jax's Pallas Mosaic GPU AllGather+GEMM kernel, where it can run.
 * ``auto``: per problem, the implementation that measured fastest; ``tuning``
   measures it (``autotune``), ``step_tuning`` times the whole step under each
   plan, the per-op choices or every op on one implementation (``autotune_step``).
@@ -16,13 +17,14 @@ from jax_comm_gemm.backends.step_tuning import autotune_step
 from jax_comm_gemm.backends.tuning import autotune
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.pallas import PallasBackend
 from jax_comm_gemm.backends.select import Choice, choose_backend, resolve_backend
 from jax_comm_gemm.backends.xla import (RingBackend, XlaBackend, all_gather_tokens,
                                         gathered_matmul_t, local_matmul, ring_all_gather_matmul,
                                         ring_matmul_reduce_scatter)
 from jax_comm_gemm.runtime.capability import Capability
 
-__all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "RingBackend",
-           "XlaBackend", "all_gather_tokens", "autotune", "autotune_step", "choose_backend",
-           "gathered_matmul_t", "local_matmul", "resolve_backend", "ring_all_gather_matmul",
-           "ring_matmul_reduce_scatter"]
+__all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "PallasBackend",
+           "RingBackend", "XlaBackend", "all_gather_tokens", "autotune", "autotune_step",
+           "choose_backend", "gathered_matmul_t", "local_matmul", "resolve_backend",
+           "ring_all_gather_matmul", "ring_matmul_reduce_scatter"]

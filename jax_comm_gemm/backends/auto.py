@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_comm_gemm.backends.base import Backend
+import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.runtime import REGISTRY, settings
@@ -31,12 +32,14 @@ from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # What autotune measures, per op. "cublasmp_<algorithm>" runs cuBLASMp's fused
-# op; the project's own algorithms (OWN_ALGORITHMS) run by their names. The
-# own "pipelined" GEMM+ReduceScatter is left out: slower than XLA and than
-# "pipelined_ce" at every shape measured (GPU runs 30 and 32, results README).
+# op; the project's own algorithms (OWN_ALGORITHMS) run by their names;
+# "pallas_mgpu" is jax's Mosaic GPU kernel (pallas.py), measured only where it
+# can run (runnable()). The own "pipelined" GEMM+ReduceScatter is left out:
+# slower than XLA and than "pipelined_ce" at every shape measured (GPU runs 30
+# and 32, results README).
 CANDIDATES = {
     AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
-         "pipelined_ce"),
+         "pipelined_ce", pallas.NAME),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
 }
 IMPLEMENTATIONS = tuple(sorted(set(CANDIDATES[AG]) | set(CANDIDATES[RS])))
@@ -77,11 +80,22 @@ def problem(op: str, x, w, transpose_w: bool, axis_name: str, gathered: bool = F
                  bool(transpose_w), int(lax.axis_size(axis_name)), bool(gathered))
 
 
+def runnable(name: str, p: Problem) -> Capability:
+  """Whether implementation `name` can run `p` as itself. Only the Pallas
+  kernel has limits; where it cannot, its backend runs XLA's ops."""
+  if name == pallas.NAME:
+    return pallas.supports(p.rows, p.k, p.m, p.dtype, p.transpose_w, p.gathered,
+                           p.axis_size)
+  return Capability(True, f"{name} runs every problem")
+
+
 def choose(p: Problem, default: str) -> tuple[str, str]:
   """(implementation, why) for `p`; `default` is the configured fused one."""
   mode = settings.autotune(IMPLEMENTATIONS)
   if mode in CANDIDATES[p.op]:
-    return mode, f"forced by {settings.AUTOTUNE}={mode}"
+    verdict = runnable(mode, p)
+    return mode, f"forced by {settings.AUTOTUNE}={mode}" + (
+        "" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}")
   decided = REGISTRY.decision(p) if mode == "on" else None
   if decided is not None:
     return decided
@@ -95,6 +109,8 @@ def implementation(name: str, template: CublasMpBackend) -> Backend:
   """The backend that runs implementation `name`."""
   if name in PLAIN_BACKENDS:
     return PLAIN_BACKENDS[name]()
+  if name == pallas.NAME:
+    return pallas.PallasBackend()
   algorithm = name.removeprefix("cublasmp_")
   return dataclasses.replace(template, all_gather_algorithm=algorithm,
                              reduce_scatter=algorithm)

@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm.runtime.kv as kv
-from jax_comm_gemm.backends.auto import AG, CANDIDATES, IMPLEMENTATIONS, Problem, implementation
+from jax_comm_gemm.backends.auto import (AG, CANDIDATES, IMPLEMENTATIONS, Problem, implementation,
+                                         runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
 
@@ -53,8 +54,9 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   that the times are those at the power-capped clocks of steady state, not
   of a GPU left idle by the compiles before.
 
-  Each value of `runs` is ``(call, iterations)``: ``call()`` enqueues one run
-  and returns its result; a timed batch enqueues `iterations` of them and
+  Each value of `runs` is ``(call, iterations)``, or None for a candidate this
+  process knows it cannot run (it counts as failed, without a warning):
+  ``call()`` enqueues one run and returns its result; a timed batch enqueues `iterations` of them and
   waits once at the end, so the time is the throughput of back-to-back calls,
   as in a training step (waiting after every call would add the host's launch
   latency to each, which made the fused op look faster than XLA at 4096^3 on
@@ -72,19 +74,23 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   clock depends on the batch before it, and XLA's has its AllGather exposed."""
   samples = {name: [] for name in runs}
   failed = set()
-  for name, (call, _) in runs.items():  # compile and warm up, untimed
+  for name, run in runs.items():  # compile and warm up, untimed
+    if run is None:
+      failed.add(name)
+      continue
     log.debug("autotune: warming up %s", name)
     try:
-      wait(call())
+      wait(run[0]())
     except Exception as e:  # noqa: BLE001  (a candidate this machine cannot run)
       log.warning("autotune: candidate %s failed: %s", name, str(e).splitlines()[0][:300])
       failed.add(name)
   failed = set(agree(failed))
   for index in range(warmup_rounds + rounds):
     order = list(runs.items()) if index % 2 == 0 else list(runs.items())[::-1]
-    for name, (call, iterations) in order:
+    for name, run in order:
       if name in failed:
         continue
+      call, iterations = run
       log.debug("autotune: timing %s", name)
       try:
         start = timer()
@@ -154,8 +160,15 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   # A layer's magnitudes (weights ~ k^-1/2, as initialisers give): a GEMM's
   # power, so its clock under the cap, depends on the data it multiplies.
   w = _random(mesh, w_shape, w_spec, p.dtype, 2, scale=p.k ** -0.5)
+  # Every candidate has an entry, in the same order in every process: one
+  # that cannot run here is None, which time_candidates' agreement turns into
+  # a candidate every process skips (a program run by some processes alone
+  # would hang).
   runs = {}
   for name in CANDIDATES[p.op]:
+    if not runnable(name, p).ok:
+      runs[name] = None
+      continue
     backend = implementation(name, CublasMpBackend())
 
     def local(x, w, backend=backend):

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
-from jax_comm_gemm.backends import primitives
+from jax_comm_gemm.backends import pallas, primitives
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
@@ -237,7 +237,8 @@ MLP_IN_SPECS = (P("tp"), P(None, "tp"), P("tp"), P("tp"))    # x, w1, w2, g
 MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
 
 
-def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str = "cublasmp",
+def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
+             backend: str | backends.Backend = "cublasmp",
              all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None,
              fuse_weight_gradient: bool = False):
   """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
@@ -259,7 +260,8 @@ def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla", backend: str
 
 
 def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
-              backend: str = "cublasmp", all_gather_algorithm: str = "split_p2p",
+              backend: str | backends.Backend = "cublasmp",
+              all_gather_algorithm: str = "split_p2p",
               fuse_weight_gradient: bool = False):
   """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
   n, d, f = 1024, 512, 1024
@@ -275,6 +277,45 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
   for name, err in errs.items():
     assert err < TOLERANCE[dtype] * 2, f"{name}: rel err {err} ({errs})"
   return errs
+
+
+def check_pallas(mesh, dtype: str):
+  """jax's Pallas Mosaic GPU kernel (``pallas_mgpu``, which auto may choose):
+  with one process per GPU it must run (an H200, the axis over every GPU),
+  its AllGather+GEMM per row against float64, and the MLP's forward and
+  gradients with the kernel in the column-parallel forward. In one process
+  for all GPUs it cannot (pallas.supports), and the backend runs XLA's ops."""
+  size = mesh.size
+  n, k, m = 256 * size, 512, 512 * size  # the rank's rows, k and columns divide the tiles
+  dt = DTYPES[dtype]
+  verdict = pallas.supports(n // size, k, m // size, dt, False, False, size)
+  one_per_gpu = jax.process_count() == size
+  assert verdict.ok == one_per_gpu, verdict.reason
+  x64, w64 = random(11, n, k), random(12, k, m, scale=k**-0.5)
+  x, w = put(mesh, x64, P("tp"), dt), put(mesh, w64, P(None, "tp"), dt)
+  ref = np.asarray(x64.astype(dt), np.float64) @ np.asarray(w64.astype(dt), np.float64)
+  backend = pallas.PallasBackend()
+
+  def run(x, w):
+    return backend.all_gather_matmul(x, w, "tp", transpose_w=False, return_gathered=False)
+
+  program = smap(mesh, run, (P("tp"), P(None, "tp")), P(None, "tp"))
+  ran = KERNEL in program.lower(x, w).as_text()
+  assert ran == verdict.ok, f"kernel ran: {ran}; {verdict.reason}"
+  err = rel_err(program(x, w), ref)
+  assert err < TOLERANCE[dtype], f"worst row error {err}"
+  step_args = [put(mesh, random(20 + i, *shape), spec, dt) for i, (shape, spec) in
+               enumerate(zip(((1024, 512), (512, 1024), (1024, 512), (1024, 512)),
+                             MLP_IN_SPECS))]
+  fc1 = pallas.supports(1024 // size, 512, 1024 // size, dt, False, False, size)
+  ran = KERNEL in mlp_step(mesh, backend=backend).lower(*step_args).as_text()
+  assert ran == fc1.ok, f"the MLP's column-parallel forward: kernel ran {ran}; {fc1.reason}"
+  return {"kernel": verdict.reason, "all_gather_matmul": f"ok row_err={err:.2e}",
+          "mlp": check_mlp(mesh, dtype, backend=backend)}
+
+
+# The custom call of a Mosaic GPU kernel in the lowered program.
+KERNEL = "mosaic_gpu"
 
 
 def check_mlp_repeated(mesh, rounds: int = 4):
@@ -736,6 +777,8 @@ CHECKS["autotune"] = check_autotune
 CHECKS["vmap"] = check_vmap
 CHECKS["autotune_step"] = check_autotune_step
 CHECKS["mesh_2d"] = check_mesh_2d
+for _dt in ("bf16", "f16"):
+  CHECKS[f"pallas_{_dt}"] = lambda mesh, dt=_dt: check_pallas(mesh, dt)
 
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
@@ -743,4 +786,4 @@ SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_s
                          "mlp_bf16_pipelined_ce", "mlp_bf16_rs_pipelined", "mlp_bf16_rs_pipelined_ce",
                          "rs_pipelined_chunks", "weight_gradient_bf16_nn",
                          "weight_gradient_f32_tn", "mlp_repeated", "routing", "layout_self_test",
-                         "autotune", "vmap", "mesh_2d")
+                         "autotune", "vmap", "mesh_2d", "pallas_bf16")

@@ -1,0 +1,109 @@
+"""jax's own Pallas Mosaic GPU AllGather+GEMM (``all_gather_lhs_matmul``) as
+one more implementation ``auto`` may choose.
+
+It is one kernel: while it multiplies a shard it sends that shard on to the
+next rank from shared memory, so a call launches nothing else and pays no
+host time per transfer. That is where the project's handler loses at small
+GEMMs: on 2xH200 at 4096^3 this kernel ran at 1.535 of the GEMM-only floor,
+XLA at 1.93 and the handler's best at 2.05 (GPU run 55, where it ran as a
+peer). Everything else about a call, the other op and the weight gradient,
+stays XLA's.
+
+Where the kernel cannot run (:func:`supports` says why) the backend runs
+XLA's all_gather and dot instead, as the cuBLASMp backend does on a group of
+one; ``auto`` measures it only where it can run: with one process per GPU,
+the axis over all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_comm_gemm.backends.xla import XlaBackend
+from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm import vma
+
+NAME = "pallas_mgpu"
+DTYPES = ("bfloat16", "float16")
+# The tile configuration: the best of the four the benchmark's peer tried at
+# nine of its twelve shapes (GPU run 55). Its tiles set what a shape must divide:
+# a CTA computes 128 rows by 2 x 128 columns (two warpgroups along the
+# columns), stepping 64 along k.
+TILE_M, TILE_N, TILE_K = 128, 128, 64
+ROWS_DIVIDE, COLUMNS_DIVIDE = TILE_M, 2 * TILE_N
+
+
+def _kernel():
+  """(jax's kernel function, its tile configuration), or (None, why not)."""
+  try:
+    from jax.experimental.pallas.ops.gpu import collective_matmul_mgpu as collective
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as matmul
+    config = matmul.TuningConfig(
+        tile_m=TILE_M, tile_n=TILE_N, tile_k=TILE_K, max_concurrent_steps=4,
+        grid_minor_dim=matmul.MatmulDimension.M, grid_tile_width=8,
+        wg_dimension=matmul.MatmulDimension.N)
+    return collective.all_gather_lhs_matmul, config
+  except Exception as e:  # noqa: BLE001  (experimental modules: absent, moved or changed)
+    return None, f"jax's kernel is not there ({type(e).__name__}: {e})"
+
+
+def supports(rows: int, k: int, m: int, dtype, transpose_w: bool, gathered: bool,
+             axis_size: int) -> Capability:
+  """Whether the kernel can run an AllGather+GEMM of a rank's x [rows, k] with
+  w [k, m] (m: the rank's output columns) over an axis of `axis_size`."""
+  if transpose_w:
+    return Capability(False, "the kernel takes w as [k, m]; w is transposed")
+  if gathered:
+    return Capability(False, "the kernel does not hand out the gathered operand")
+  if jnp.dtype(dtype).name not in DTYPES:
+    return Capability(False, f"the kernel runs {' and '.join(DTYPES)}, not "
+                             f"{jnp.dtype(dtype).name}")
+  bad = [f"{what} {size} by {by}" for what, size, by in
+         (("rows", rows, ROWS_DIVIDE), ("columns", m, COLUMNS_DIVIDE), ("k", k, TILE_K))
+         if size % by]
+  if bad:
+    return Capability(False, f"its tiles need {', '.join(bad)} to divide")
+  devices = jax.devices()
+  capability = getattr(devices[0], "compute_capability", "")
+  if devices[0].platform != "gpu" or not str(capability).startswith("9."):
+    return Capability(False, f"it runs on Hopper GPUs (compute capability 9.x), not on "
+                             f"{devices[0].device_kind}")
+  if axis_size == 1:
+    return Capability(False, "a group of one gathers nothing")
+  # The kernel signals peers by their index on its axis, as device ids.
+  if axis_size != jax.device_count():
+    return Capability(False, f"its axis must span all {jax.device_count()} devices "
+                             f"(it has {axis_size})")
+  # In one process the kernel's signals need NVSHMEM, which XLA lacks ("NVSHMEM
+  # is not supported in XLA" on an H200 with jax 0.11.2, GPU run 61).
+  if jax.process_count() != jax.device_count():
+    return Capability(False, "it needs one process per GPU")
+  kernel, why = _kernel()
+  if kernel is None:
+    return Capability(False, why)
+  return Capability(True, "jax's Mosaic GPU kernel runs it")
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasBackend(XlaBackend):
+  """The AllGather+GEMM by jax's Pallas Mosaic GPU kernel where it can run;
+  everything else by XLA."""
+
+  name = NAME
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    m = w.shape[0] if transpose_w else w.shape[1]
+    verdict = supports(x.shape[0], x.shape[1], m, x.dtype, transpose_w, return_gathered,
+                       jax.lax.axis_size(axis_name))
+    if not verdict.ok:
+      return super().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
+                                       return_gathered=return_gathered, precision=precision)
+    kernel, config = _kernel()
+    # bf16/f16 with float32 accumulation: `precision` is moot here.
+    x, w = vma.match(x, w)
+    y = kernel(x, w, axis_name, config=config, dtype=x.dtype)
+    return vma.pvary(y, vma.varying_axes(x))

@@ -1,0 +1,137 @@
+"""jax's Pallas Mosaic GPU kernel as an implementation of ``auto``: where it
+can run (each limit names itself), what its backend runs where it cannot,
+and how autotune leaves it out there. The kernel itself runs only on Hopper
+GPUs: tests/gpu/checks.py::check_pallas."""
+
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_comm_gemm.backends.pallas as pallas
+import jax_comm_gemm.backends.tuning as autotune
+from conftest import cpu_mesh
+from jax_comm_gemm.backends import auto
+from jax_comm_gemm.backends.auto import AG, RS, Problem
+from jax_comm_gemm.runtime import settings
+
+H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
+A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+  """Pretends to be a job of `devices` GPUs of `kind` over `processes` processes."""
+  def pretend(kind=H200, devices=2, processes=2):
+    monkeypatch.setattr(jax, "devices", lambda *a: [kind] * devices)
+    monkeypatch.setattr(jax, "device_count", lambda *a: devices)
+    monkeypatch.setattr(jax, "process_count", lambda *a: processes)
+  return pretend
+
+
+def supports(rows=2048, k=4096, m=2048, dtype="bfloat16", transpose_w=False, gathered=False,
+             axis_size=2):
+  return pallas.supports(rows, k, m, dtype, transpose_w, gathered, axis_size)
+
+
+def test_supported_on_hopper_with_one_process_per_gpu_over_every_gpu(gpus):
+  gpus(processes=2)
+  assert supports().ok and supports(dtype="float16").ok
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(transpose_w=True), "w is transposed"),
+    (dict(gathered=True), "does not hand out the gathered operand"),
+    (dict(dtype="float32"), "runs bfloat16 and float16, not float32"),
+    (dict(rows=2048 + 64), "rows 2112 by 128"),
+    (dict(m=2048 + 128), "columns 2176 by 256"),
+    (dict(k=4096 + 32), "k 4128 by 64"),
+    (dict(axis_size=4), "must span all 2 devices (it has 4)"),
+    (dict(axis_size=1), "a group of one gathers nothing"),
+])
+def test_each_limit_names_itself(gpus, kw, says):
+  gpus()
+  verdict = supports(**kw)
+  assert not verdict.ok and says in verdict.reason
+
+
+def test_not_on_other_gpus_nor_odd_process_layouts(gpus):
+  gpus(kind=A100)
+  assert "Hopper GPUs (compute capability 9.x), not on NVIDIA A100" in supports().reason
+  for processes in (1, 4):
+    gpus(devices=8, processes=processes)
+    assert supports(axis_size=8).reason == "it needs one process per GPU"
+
+
+def test_a_jax_without_the_kernel_is_a_reason_not_an_error(gpus, monkeypatch):
+  gpus()
+  monkeypatch.setattr(pallas, "_kernel", lambda: (None, "jax's kernel is not there (gone)"))
+  assert supports().reason == "jax's kernel is not there (gone)"
+
+
+def test_this_jax_has_the_kernel_with_the_configuration_it_takes():
+  kernel, config = pallas._kernel()
+  assert callable(kernel), config
+  assert (config.tile_m, config.tile_n, config.tile_k) == (pallas.TILE_M, pallas.TILE_N,
+                                                           pallas.TILE_K)
+
+
+def test_where_it_cannot_run_the_backend_runs_xlas_ops():
+  """On CPU: no kernel in the program, and AG(x) @ w (and the gathered x)."""
+  mesh = cpu_mesh(2)
+  x = jax.random.normal(jax.random.key(0), (512, 128), jnp.float32)
+  w = jax.random.normal(jax.random.key(1), (128, 512), jnp.float32)
+
+  def local(x, w):
+    return pallas.PallasBackend().all_gather_matmul(x, w, "tp", transpose_w=False,
+                                                    return_gathered=True)
+
+  program = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                  out_specs=(P(None, "tp"), P("tp"))))
+  assert "mosaic_gpu" not in program.lower(x, w).as_text()  # the kernel's custom call
+  y, g = program(x, w)
+  np.testing.assert_allclose(y, np.asarray(x, np.float64) @ np.asarray(w, np.float64),
+                             rtol=2e-5, atol=2e-5)
+  np.testing.assert_array_equal(g, np.concatenate([x, x]))  # each rank gathered all of x
+
+
+def test_auto_knows_it_only_for_the_all_gather():
+  assert pallas.NAME in auto.CANDIDATES[AG] and pallas.NAME not in auto.CANDIDATES[RS]
+  assert isinstance(auto.implementation(pallas.NAME, None), pallas.PallasBackend)
+
+
+def test_forcing_it_where_it_cannot_run_says_so(monkeypatch):
+  monkeypatch.setenv(settings.AUTOTUNE, pallas.NAME)
+  name, why = auto.choose(Problem(AG, 2048, 4096, 2048, "bfloat16", True, 2), "xla")
+  assert name == pallas.NAME
+  assert why == (f"forced by {settings.AUTOTUNE}={pallas.NAME}, which runs XLA's ops here: "
+                 "the kernel takes w as [k, m]; w is transposed")
+
+
+def test_autotune_keeps_a_place_for_it_where_it_cannot_run():
+  """Every process lists every candidate, in one order; one this process
+  cannot run is None (so that the processes agree to skip it)."""
+  mesh = cpu_mesh(2)
+  p = Problem(AG, 256, 128, 256, "float32", False, 2)
+  runs = autotune._runnables(mesh, "tp", p, seconds=0.01)
+  assert tuple(runs) == auto.CANDIDATES[AG]
+  assert runs[pallas.NAME] is None
+  assert all(run is not None for name, run in runs.items() if name != pallas.NAME)
+
+
+def test_a_candidate_that_cannot_run_here_is_skipped_everywhere_without_a_warning(caplog):
+  agreed = []
+
+  def agree(failed):
+    agreed.append(set(failed))
+    return failed
+
+  times = autotune.time_candidates({"a": (lambda: 0, 1), "absent": None}, rounds=2,
+                                   wait=lambda out: None, agree=agree)
+  assert agreed == [{"absent"}]
+  assert times["absent"] == math.inf and math.isfinite(times["a"])
+  assert "absent" not in caplog.text
