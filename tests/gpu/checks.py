@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import subprocess
 
 import jax
@@ -24,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
-from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation
+from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation, runnable
 from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
 from jax_comm_gemm.runtime.constants import FENCES, OWN_ALGORITHMS, TARGETS
@@ -619,6 +620,11 @@ def check_autotune(mesh):
   assert set(choices) == set(problems), choices
   for p, (name, why) in choices.items():
     assert name in CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
+    # Timed: every candidate that can run the problem here (the Pallas kernel
+    # with one process per GPU, at the first two), none that cannot.
+    for candidate in CANDIDATES[p.op]:
+      timed = re.search(rf"\b{candidate} [0-9.]+ ms", why) is not None
+      assert timed == runnable(candidate, p).ok, (p, candidate, why)
   errs = check_mlp(mesh, "bf16", backend="auto")
   return {"choices": {p.text(): list(c) for p, c in sorted(choices.items(),
                                                            key=lambda i: i[0].text())},
