@@ -22,8 +22,8 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from jax_comm_gemm.backends.base import Backend
 import jax_comm_gemm.backends.pallas as pallas
+from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.runtime import REGISTRY, settings

@@ -22,9 +22,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jax_comm_gemm import vma
 from jax_comm_gemm.backends.xla import XlaBackend
 from jax_comm_gemm.runtime.capability import Capability
-from jax_comm_gemm import vma
 
 NAME = "pallas_mgpu"
 DTYPES = ("bfloat16", "float16")

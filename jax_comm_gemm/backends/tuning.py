@@ -55,9 +55,9 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   of a GPU left idle by the compiles before.
 
   Each value of `runs` is ``(call, iterations)``, or None for a candidate this
-  process knows it cannot run (it counts as failed, without a warning):
-  ``call()`` enqueues one run and returns its result; a timed batch enqueues `iterations` of them and
-  waits once at the end, so the time is the throughput of back-to-back calls,
+  process knows it cannot run (it counts as failed, without a warning).
+  ``call()`` enqueues one run and returns its result; a timed batch enqueues
+  `iterations` of them and waits once at the end, so the time is the throughput of back-to-back calls,
   as in a training step (waiting after every call would add the host's launch
   latency to each, which made the fused op look faster than XLA at 4096^3 on
   2xH200 while it was slower back to back: GPU run 16). A runnable that raises
