@@ -57,10 +57,11 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   Each value of `runs` is ``(call, iterations)``, or None for a candidate this
   process knows it cannot run (it counts as failed, without a warning).
   ``call()`` enqueues one run and returns its result; a timed batch enqueues
-  `iterations` of them and waits once at the end, so the time is the throughput of back-to-back calls,
-  as in a training step (waiting after every call would add the host's launch
-  latency to each, which made the fused op look faster than XLA at 4096^3 on
-  2xH200 while it was slower back to back: GPU run 16). A runnable that raises
+  `iterations` of them and waits once at the end, so the time is the
+  throughput of back-to-back calls, as in a training step (waiting after
+  every call would add the host's launch latency to each, which made the
+  fused op look faster than XLA at 4096^3 on 2xH200 while it was slower back
+  to back: GPU run 16). A runnable that raises
   gets ``inf`` (caught once per candidate at tuning time, never per call of a
   program). `agree` turns this process's set of candidates that failed to warm
   up into the set every process skips (a collective candidate that one
