@@ -28,10 +28,12 @@ from jax_comm_gemm.runtime.capability import Capability
 
 NAME = "pallas_mgpu"
 DTYPES = ("bfloat16", "float16")
-# The tile configuration: the best of the four the benchmark's peer tried at
-# nine of its twelve shapes (GPU run 55). Its tiles set what a shape must divide:
-# a CTA computes 128 rows by 2 x 128 columns (two warpgroups along the
-# columns), stepping 64 along k.
+# The tile configuration: of the four the benchmark's peer tried, the two
+# with 256-row tiles need 288 KiB of shared memory, where an H200 has 227, and
+# of the other two this one (the grid's minor dimension along M) was as fast
+# or within a few percent at the shapes of GPU runs 39, 44 and 49 (single
+# timings). Its tiles set what a shape must divide: a CTA computes 128 rows
+# by 2 x 128 columns (two warpgroups along the columns), stepping 64 along k.
 TILE_M, TILE_N, TILE_K = 128, 128, 64
 ROWS_DIVIDE, COLUMNS_DIVIDE = TILE_M, 2 * TILE_N
 
