@@ -19,6 +19,7 @@ import jax_comm_gemm as jcg
 from conftest import cpu_mesh
 from jax_comm_gemm import dense
 import jax_comm_gemm.backends.tuning as autotune
+import jax_comm_gemm.backends.verify as verify
 from jax_comm_gemm.backends import auto
 from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
@@ -380,3 +381,63 @@ def test_autotune_times_the_gathered_problem_with_its_operand_out():
     assert got[0].shape == (16, 12)
     if gathered:
       assert got[1].shape == (32, 8)  # every device's [16, 8], stacked by the out spec
+
+
+def test_a_candidate_with_a_wrong_result_is_left_out_everywhere(caplog):
+  """Each warm-up result goes to `verify`; a wrong one fails its candidate
+  (in the set the processes agree on) with the reason in the log. One that
+  raised is not verified."""
+  seen, agreed = [], []
+
+  def judge(name, out):
+    seen.append((name, out))
+    return "differs from XLA's by 2" if name == "wrong" else None
+
+  def broken():
+    raise RuntimeError("cublasMpMatmul failed")
+
+  times = autotune.time_candidates(
+      {"xla": (lambda: "x", 1), "wrong": (lambda: "w", 1), "broken": (broken, 1)},
+      rounds=2, wait=lambda out: None, verify=judge,
+      agree=lambda failed: agreed.append(set(failed)) or failed)
+  assert seen == [("xla", "x"), ("wrong", "w")]
+  assert agreed == [{"wrong", "broken"}]
+  assert times["wrong"] == times["broken"] == math.inf and math.isfinite(times["xla"])
+  assert "candidate wrong gave a wrong result: differs from XLA's by 2" in caplog.text
+
+
+def _sharded(mesh, host):
+  return jax.device_put(host, jax.sharding.NamedSharding(mesh, P("tp")))
+
+
+def test_mismatch_compares_each_shard_with_xlas():
+  mesh = cpu_mesh(2)
+  y = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+  close = y + 1e-3 * np.abs(y).max()
+  assert verify.mismatch(_sharded(mesh, close), _sharded(mesh, y)) is None
+  assert verify.mismatch((_sharded(mesh, y), _sharded(mesh, y)),
+                           (_sharded(mesh, y), _sharded(mesh, y))) is None
+  stale = y.copy()
+  stale[5] = 0.0  # a row of the second shard never written
+  why = verify.mismatch(_sharded(mesh, stale), _sharded(mesh, y))
+  assert why.startswith("differs from XLA's by") and "on device 1" in why
+  nan = y.copy()
+  nan[0, 0] = np.nan
+  assert "on device 0" in verify.mismatch(_sharded(mesh, nan), _sharded(mesh, y))
+  assert verify.mismatch(_sharded(mesh, y[:4]), _sharded(mesh, y)) == \
+      "shape (4, 4), XLA's (8, 4)"
+
+
+def test_against_xla_takes_xlas_result_as_the_reference(monkeypatch):
+  compared = []
+  monkeypatch.setattr(verify, "mismatch", lambda out, ref: compared.append((out, ref)))
+  check = verify.against_xla()
+  assert check("ring", "r0") is None and compared == []  # XLA has not run (it failed)
+  check("xla", "x")
+  check("ring", "r")
+  assert compared == [("r", "x")]
+
+
+def test_xla_is_every_ops_first_candidate():
+  """against_xla needs XLA's result before the others'."""
+  assert all(names[0] == "xla" for names in auto.CANDIDATES.values())

@@ -318,11 +318,13 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     return ("ring", "fake") if len(decided) == 3 else ("cublasmp_split_p2p", "fake")
   decided = []
   monkeypatch.setattr(tuning, "decide", lambda times: decided.append(1) or per_op(times))
-  timed = []
+  timed, firsts, verifiers = [], [], []
   for faster in ("tuned", "xla", "pipelined_ce", "cublasmp_split_p2p"):
     decided.clear()
     monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, f=faster, **kw: (
-        timed.append(sorted(runs)) or {name: (1e-3 if name == f else 2e-3) for name in runs}
+        timed.append(sorted(runs)) or firsts.append(next(iter(runs)))
+        or verifiers.append(kw["verify"])
+        or {name: (1e-3 if name == f else 2e-3) for name in runs}
         if kw["agree"]({"ring"}) == {"ring"} and kw["warmup_rounds"] > 0 else None))
     plan, why = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
     assert plan == faster and why.startswith("step measured"), why
@@ -330,9 +332,16 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
     taken = {REGISTRY.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
-  # Every plan was timed: the AG-only "pipelined" cannot run the step's RS.
+  # Every plan was timed: the AG-only "pipelined" and "pallas_mgpu" cannot run
+  # the step's RS.
   assert timed[0] == sorted(["tuned", "xla", "ring", "cublasmp_default", "cublasmp_split_p2p",
                              "pipelined_ce"])
+  # XLA's step first, and the others' results checked against its.
+  assert set(firsts) == {"xla"}
+  grads = step(x, w1, w2)
+  verify = verifiers[0]
+  assert verify("xla", grads) is None and verify("tuned", grads) is None
+  assert "differs from XLA's" in verify("ring", jax.tree.map(lambda g: 2 * g, grads))
 
 
 def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):

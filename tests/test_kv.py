@@ -166,7 +166,7 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
                         {"xla": 1.0, "pipelined_ce": 1.3}],
            fused_wins: [{"xla": 1.0, "pipelined_ce": 0.7}] * 3}
 
-  def fake_time(p, *, rounds, warmup_rounds, agree):
+  def fake_time(p, *, rounds, warmup_rounds, agree, verify):
     assert agree(set()) == set()  # the failures are agreed on too
     return times[p][jax.process_index()]
 

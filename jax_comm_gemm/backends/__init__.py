@@ -6,7 +6,8 @@
 * ``pallas``: jax's Pallas Mosaic GPU AllGather+GEMM kernel, where it can run.
 * ``auto``: per problem, the implementation that measured fastest; ``tuning``
   measures it (``autotune``), ``step_tuning`` times the whole step under each
-  plan, the per-op choices or every op on one implementation (``autotune_step``).
+  plan, the per-op choices or every op on one implementation (``autotune_step``);
+  ``verify`` leaves out a candidate whose result differs from XLA's.
 * ``select``: which one a layer takes (``choose_backend``), and why.
 
 A new backend is one module here implementing ``base.Backend``.

@@ -36,7 +36,8 @@ AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # "pallas_mgpu" is jax's Mosaic GPU kernel (pallas.py), measured only where it
 # can run (runnable()). The own "pipelined" GEMM+ReduceScatter is left out:
 # slower than XLA and than "pipelined_ce" at every shape measured (GPU runs 30
-# and 32, results README).
+# and 32, results README). XLA comes first: autotune checks the others'
+# results against its (tuning.against_xla).
 CANDIDATES = {
     AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
          "pipelined_ce", pallas.NAME),

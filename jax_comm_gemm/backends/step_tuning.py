@@ -24,6 +24,7 @@ import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
 from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, autotune, load_cache, save_cache,
                                            signature, time_candidates, union_of_failures)
+from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
 
 
@@ -125,7 +126,8 @@ def _measure(ident, attempt, plans, step, args, iterations, rounds) -> tuple[str
   """Compiles the step under each plan, times them all interleaved, and
   returns process 0's decision."""
   runs = {}
-  for plan, decisions in plans.items():
+  # XLA's step first: the others' results are checked against its (against_xla).
+  for plan, decisions in sorted(plans.items(), key=lambda item: item[0] != XLA):
     for p, decision in decisions.items():
       REGISTRY.record_decision(p, decision)
     jax.clear_caches()
@@ -137,7 +139,8 @@ def _measure(ident, attempt, plans, step, args, iterations, rounds) -> tuple[str
   # that one process skipped would leave the others waiting in it).
   agree = union_of_failures(ident, attempt, "step", "failed",
                             timeout=settings.connect_timeout_s())
-  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree)
+  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
+                         verify=against_xla())
   return _agree(ident, attempt, mine)
 
 

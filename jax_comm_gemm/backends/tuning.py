@@ -9,7 +9,9 @@ process times every candidate on its devices, interleaved (A B C A B C ...,
 medians, so that clock changes under the power cap hit all alike), process 0
 takes the slowest process's time per candidate, picks the fastest candidate
 and publishes the choices through the key-value store. The choices go to the
-registry and to the disk cache, keyed by GPU model and versions.
+registry and to the disk cache, keyed by GPU model and versions. A candidate
+that fails to run, or whose result differs from XLA's on the same inputs, is
+left out in every process.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import (AG, CANDIDATES, IMPLEMENTATIONS, Problem, implementation,
                                          runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
 
 log = logging.getLogger("jax_comm_gemm.autotune")
@@ -48,7 +51,8 @@ def decide(times: dict[str, list[float]]) -> tuple[str, str]:
 
 def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
                     timer=time.perf_counter, wait=jax.block_until_ready,
-                    agree=lambda failed: failed) -> dict[str, float]:
+                    agree=lambda failed: failed,
+                    verify=lambda name, out: None) -> dict[str, float]:
   """Median seconds per call of each runnable, interleaved over `rounds`,
   after `warmup_rounds` alike untimed: load first, as the benchmark does, so
   that the times are those at the power-capped clocks of steady state, not
@@ -56,6 +60,8 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
 
   Each value of `runs` is ``(call, iterations)``, or None for a candidate this
   process knows it cannot run (it counts as failed, without a warning).
+  `verify(name, out)` sees each candidate's warm-up result and says what is
+  wrong with it, or None; a wrong one counts as failed (against_xla()).
   ``call()`` enqueues one run and returns its result; a timed batch enqueues
   `iterations` of them and waits once at the end, so the time is the
   throughput of back-to-back calls, as in a training step (waiting after
@@ -81,9 +87,15 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
       continue
     log.debug("autotune: warming up %s", name)
     try:
-      wait(run[0]())
+      out = run[0]()
+      wait(out)
     except Exception as e:  # noqa: BLE001  (a candidate this machine cannot run)
       log.warning("autotune: candidate %s failed: %s", name, str(e).splitlines()[0][:300])
+      failed.add(name)
+      continue
+    wrong = verify(name, out)
+    if wrong is not None:
+      log.warning("autotune: candidate %s gave a wrong result: %s", name, wrong)
       failed.add(name)
   failed = set(agree(failed))
   for index in range(warmup_rounds + rounds):
@@ -252,7 +264,8 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(plan["measure"]))
     runs = _runnables(mesh, axis_name, p, seconds_per_problem)
     agree = union_of_failures(ident, attempt, "autotune", index, "failed", timeout=timeout)
-    mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree)
+    mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree,
+                           verify=against_xla())
     measured.append((p, kv.gather(ident, attempt, "autotune", index, value=mine,
                                   timeout_s=timeout)))
   decided = None
