@@ -11,8 +11,8 @@ stays XLA's.
 
 Where the kernel cannot run (:func:`supports` says why) the backend runs
 XLA's all_gather and dot instead, as the cuBLASMp backend does on a group of
-one; ``auto`` measures it only where it can run: with one process per GPU,
-the axis over all of them.
+one; ``auto`` measures it only where it can run (the axis over every GPU of
+the job, among other limits).
 """
 
 from __future__ import annotations
@@ -73,16 +73,18 @@ def supports(rows: int, k: int, m: int, dtype, transpose_w: bool, gathered: bool
   if devices[0].platform != "gpu" or not str(capability).startswith("9."):
     return Capability(False, f"it runs on Hopper GPUs (compute capability 9.x), not on "
                              f"{devices[0].device_kind}")
+  # On a mesh of one the kernel has no peer addresses and asks for NVSHMEM,
+  # which XLA lacks ("NVSHMEM is not supported in XLA": GPU run 61).
   if axis_size == 1:
     return Capability(False, "a group of one gathers nothing")
   # The kernel signals peers by their index on its axis, as device ids.
   if axis_size != jax.device_count():
     return Capability(False, f"its axis must span all {jax.device_count()} devices "
                              f"(it has {axis_size})")
-  # In one process the kernel's signals need NVSHMEM, which XLA lacks ("NVSHMEM
-  # is not supported in XLA" on an H200 with jax 0.11.2, GPU run 61).
-  if jax.process_count() != jax.device_count():
-    return Capability(False, "it needs one process per GPU")
+  # Its peers' addresses come from XLA ("collective metadata") with one
+  # process per GPU or one for all; other layouts the kernel refuses.
+  if jax.process_count() not in (1, jax.device_count()):
+    return Capability(False, "it needs one process per GPU or one process for all")
   kernel, why = _kernel()
   if kernel is None:
     return Capability(False, why)

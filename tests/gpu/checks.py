@@ -282,16 +282,15 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
 
 def check_pallas(mesh, dtype: str):
   """jax's Pallas Mosaic GPU kernel (``pallas_mgpu``, which auto may choose):
-  with one process per GPU it must run (an H200, the axis over every GPU),
+  it must run here (an H200, the axis over every GPU, either process mode),
   its AllGather+GEMM per row against float64, and the MLP's forward and
-  gradients with the kernel in the column-parallel forward. In one process
-  for all GPUs it cannot (pallas.supports), and the backend runs XLA's ops."""
+  gradients with the kernel in the column-parallel forward where its tiles
+  divide the MLP's shapes."""
   size = mesh.size
   n, k, m = 256 * size, 512, 512 * size  # the rank's rows, k and columns divide the tiles
   dt = DTYPES[dtype]
   verdict = pallas.supports(n // size, k, m // size, dt, False, False, size)
-  one_per_gpu = jax.process_count() == size
-  assert verdict.ok == one_per_gpu, verdict.reason
+  assert verdict.ok, verdict.reason
   x64, w64 = random(11, n, k), random(12, k, m, scale=k**-0.5)
   x, w = put(mesh, x64, P("tp"), dt), put(mesh, w64, P(None, "tp"), dt)
   ref = np.asarray(x64.astype(dt), np.float64) @ np.asarray(w64.astype(dt), np.float64)
@@ -301,8 +300,7 @@ def check_pallas(mesh, dtype: str):
     return backend.all_gather_matmul(x, w, "tp", transpose_w=False, return_gathered=False)
 
   program = smap(mesh, run, (P("tp"), P(None, "tp")), P(None, "tp"))
-  ran = KERNEL in program.lower(x, w).as_text()
-  assert ran == verdict.ok, f"kernel ran: {ran}; {verdict.reason}"
+  assert KERNEL in program.lower(x, w).as_text(), "the kernel is not in the program"
   err = rel_err(program(x, w), ref)
   assert err < TOLERANCE[dtype], f"worst row error {err}"
   step_args = [put(mesh, random(20 + i, *shape), spec, dt) for i, (shape, spec) in
@@ -621,7 +619,7 @@ def check_autotune(mesh):
   for p, (name, why) in choices.items():
     assert name in CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
     # Timed: every candidate that can run the problem here (the Pallas kernel
-    # with one process per GPU, at the first two), none that cannot.
+    # at the first two), none that cannot.
     for candidate in CANDIDATES[p.op]:
       timed = re.search(rf"\b{candidate} [0-9.]+ ms", why) is not None
       assert timed == runnable(candidate, p).ok, (p, candidate, why)
