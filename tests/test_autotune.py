@@ -415,6 +415,8 @@ def test_mismatch_compares_each_shard_with_xlas():
   y = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
   close = y + 1e-3 * np.abs(y).max()
   assert verify.mismatch(_sharded(mesh, close), _sharded(mesh, y)) is None
+  # Relative to the values' size: large sums rounded alike agree too.
+  assert verify.mismatch(_sharded(mesh, 1e4 * close), _sharded(mesh, 1e4 * y)) is None
   assert verify.mismatch((_sharded(mesh, y), _sharded(mesh, y)),
                            (_sharded(mesh, y), _sharded(mesh, y))) is None
   stale = y.copy()
