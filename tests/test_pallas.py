@@ -136,3 +136,15 @@ def test_a_candidate_that_cannot_run_here_is_skipped_everywhere_without_a_warnin
   assert agreed == [{"absent"}]
   assert times["absent"] == math.inf and math.isfinite(times["a"])
   assert "absent" not in caplog.text
+
+
+def test_auto_asks_it_about_the_problem_as_the_kernel_sees_it(gpus):
+  """A problem's rows, k and m (the rank's output columns) reach supports()
+  in their places."""
+  gpus()
+  assert auto.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)).ok
+  verdict = auto.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2176, "bfloat16", False, 2))
+  assert "columns 2176 by 256" in verdict.reason
+  assert "rows 2112" in auto.runnable(
+      pallas.NAME, Problem(AG, 2112, 4096, 2048, "bfloat16", False, 2)).reason
+  assert auto.runnable("ring", Problem(AG, 2112, 4096, 2048, "float32", True, 2, True)).ok
