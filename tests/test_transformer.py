@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import linen as L
+from jax_comm_gemm.layers import transformer
 
 SEQ, BATCH, D, HEADS, F = 16, 2, 32, 8, 64  # 8 heads: whole heads on up to 8 shards
 MESHES = {"tp2": lambda: cpu_mesh(2), "tp4": lambda: cpu_mesh(4),
@@ -34,6 +35,7 @@ TOLERANCE = {jnp.dtype(jnp.float32): 2e-5, jnp.dtype(jnp.bfloat16): 4e-2}
 
 class _RefAttention(nn.Module):
   num_heads: int
+  causal: bool = True
 
   @nn.compact
   def __call__(self, x):
@@ -41,29 +43,35 @@ class _RefAttention(nn.Module):
     qkv = nn.Dense(3 * d, name="qkv")(x).reshape(seq, batch, self.num_heads, 3, -1)
     q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
     logits = jnp.einsum("sbhd,tbhd->bhst", q, k) / np.sqrt(q.shape[-1])
-    causal = np.tril(np.ones((seq, seq), bool))
-    weights = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
+    mask = np.tril(np.ones((seq, seq), bool)) if self.causal else np.ones((seq, seq), bool)
+    weights = jax.nn.softmax(jnp.where(mask, logits, -1e30), axis=-1)
     out = jnp.einsum("bhst,tbhd->sbhd", weights, v).reshape(seq, batch, d)
     return nn.Dense(d, name="out")(out)
 
 
 class _RefMLP(nn.Module):
   hidden: int
+  activation: object = nn.gelu
 
   @nn.compact
   def __call__(self, x):
-    return nn.Dense(x.shape[-1], name="fc2")(nn.gelu(nn.Dense(self.hidden, name="fc1")(x)))
+    h = self.activation(nn.Dense(self.hidden, name="fc1")(x))
+    return nn.Dense(x.shape[-1], name="fc2")(h)
 
 
 class ReferenceBlock(nn.Module):
   """The block, unsharded, in plain Flax: the parameter tree of the SP block."""
   num_heads: int = HEADS
   hidden: int = F
+  causal: bool = True
+  activation: object = nn.gelu
+  epsilon: float = 1e-6
 
   @nn.compact
   def __call__(self, x):
-    x = x + _RefAttention(self.num_heads, name="attention")(nn.LayerNorm(name="ln_1")(x))
-    return x + _RefMLP(self.hidden, name="mlp")(nn.LayerNorm(name="ln_2")(x))
+    norm = lambda name: nn.LayerNorm(epsilon=self.epsilon, name=name)  # noqa: E731
+    x = x + _RefAttention(self.num_heads, self.causal, name="attention")(norm("ln_1")(x))
+    return x + _RefMLP(self.hidden, self.activation, name="mlp")(norm("ln_2")(x))
 
 
 def x64():
@@ -73,17 +81,18 @@ def x64():
   return enable_x64()
 
 
-def reference(params, x, ct, layers=None):
+def reference(params, x, ct, layers=None, **options):
   """(y, d params, dx) of sum(block(x) * ct) in float64; `params` is the block's
-  parameter dict, or with `layers` a stack of them along a leading axis."""
+  parameter dict, or with `layers` a stack of them along a leading axis;
+  `options` are ReferenceBlock's (causal, activation, epsilon)."""
   params = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
   x, ct = np.asarray(x, np.float64), np.asarray(ct, np.float64)
 
   def apply(p, x):
     if layers is None:
-      return ReferenceBlock().apply({"params": p}, x)
+      return ReferenceBlock(**options).apply({"params": p}, x)
     for i in range(layers):
-      x = ReferenceBlock().apply({"params": jax.tree.map(lambda a: a[i], p)}, x)
+      x = ReferenceBlock(**options).apply({"params": jax.tree.map(lambda a: a[i], p)}, x)
     return x
 
   def loss(p, x):
@@ -186,6 +195,28 @@ def test_global_mode_matches_reference(mesh_name, routing):
   y, grads = run(model.apply, params, x, ct)
   assert y.sharding.is_equivalent_to(NamedSharding(mesh, tokens_spec(mesh)), 3)
   assert_all_close(y, grads, reference(params["params"], x, ct), jnp.float32)
+
+
+def test_block_options_reach_the_block():
+  """Not causal, another activation and an epsilon that matters (the inputs'
+  variance is of its order), against the reference with the same options."""
+  mesh = cpu_mesh(2)
+  options = dict(causal=False, activation=nn.relu, epsilon=0.5)
+  model = block(mesh, config=ROUTINGS["fused_expose"], **options)
+  params, x, ct, specs = setup(model, mesh)
+  y, grads = run(model.apply, params, x, ct)
+  assert_all_close(y, grads, reference(params["params"], x, ct, **options), jnp.float32)
+
+
+@pytest.mark.parametrize("axes, says", [
+    (("tp",), r"data_axes=\('tp',\) must not contain the tensor-parallel axis 'tp'"),
+    (("dq",), r"data_axes=\('dq',\) names 'dq', which is not an axis of the mesh"),
+])
+def test_data_axes_are_checked_first(axes, says):
+  options = transformer.BlockOptions(num_heads=HEADS)
+  with pytest.raises(ValueError, match=says):
+    transformer.sharded_transformer_block(jnp.zeros((SEQ, BATCH, D)), {}, mesh=dp_tp_mesh(),
+                                          data_axes=axes, options=options)
 
 
 @pytest.mark.parametrize("routing", ["xla", "fused_expose"])

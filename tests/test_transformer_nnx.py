@@ -67,6 +67,18 @@ def test_global_mode_matches_reference(mesh_name, routing):
   assert_all_close(y, grads, reference(nnx.to_pure_dict(state), x, ct), jnp.float32)
 
 
+def test_block_options_reach_the_block():
+  """Not causal, another activation and an epsilon that matters, as the
+  linen block's test_block_options_reach_the_block."""
+  mesh = cpu_mesh(2)
+  options = dict(causal=False, activation=jax.nn.relu, epsilon=0.5)
+  graphdef, state, x, ct, _ = setup(build(mesh, config=ROUTINGS["fused_expose"], **options),
+                                    mesh)
+  y, grads = run(lambda s, x: nnx.merge(graphdef, s)(x), state, x, ct)
+  assert_all_close(y, grads, reference(nnx.to_pure_dict(state), x, ct, **options),
+                   jnp.float32)
+
+
 def test_bfloat16_under_nnx_remat():
   mesh = dp_tp_mesh()
   model = build(mesh, dtype=jnp.bfloat16, keep_gathered_input=True,
