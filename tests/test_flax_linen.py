@@ -15,9 +15,12 @@ from conftest import cpu_mesh
 from flax_helpers import (F, K, MESHES, dense_ref, features_spec, mlp_ref, tokens_spec,
                           data_axes, dp_tp_mesh)
 from flax_helpers import TOKENS as N
+from fused_emulation import SCOPE, EmulatedFusedBackend
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_comm_gemm import CommGemmConfig, hlo
 from jax_comm_gemm import linen as L
 
 # name: (module factory, input width, input spec, output spec, reference)
@@ -194,6 +197,50 @@ def test_local_mode_inside_shard_map(case, mesh_name):
   assert_close(dx, dx_ref, jnp.float32)
   jax.tree.map(lambda g, r: assert_close(g, r, jnp.float32),
                nn.unbox(dparams)["params"], dparams_ref)
+
+
+# --- the options reach the layers -----------------------------------------------
+
+def _step(case, local, **kw):
+  """The jitted gradient of the module with `kw` (global mode, or local mode
+  inside the test's shard_map) on a ('tp',) mesh of 2, and its arguments."""
+  mesh = cpu_mesh(2)
+  model, params, x, ct, _, in_spec, out_spec = setup(case, mesh, **kw)
+  apply = model.apply
+  if local:
+    apply = jax.shard_map(CASES[case][0](**kw).apply, mesh=mesh,
+                          in_specs=(nn.get_partition_spec(params), in_spec(mesh)),
+                          out_specs=out_spec(mesh))
+  return jax.jit(jax.grad(loss(apply), argnums=(0, 1))), (params, x, ct)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("case", CASES)
+def test_precision_and_config_reach_every_gemm(case, local):
+  """Forward and backward: every dot at the module's precision, and both ops
+  on the configured backend (the ring's ppermutes), in both modes."""
+  step, args = _step(case, local, precision=lax.Precision.HIGHEST,
+                     config=CommGemmConfig(backend="ring"))
+  jaxpr = str(jax.make_jaxpr(step)(*args))
+  assert "HIGHEST" in jaxpr and "precision=None" not in jaxpr
+  assert "ppermute" in jaxpr
+
+
+@pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("case", ["column", "mlp"])
+def test_keep_gathered_input_reaches_the_column_layer(case, local):
+  """With the fused op handing out its gathered operand, keeping the input
+  leaves the backward pass no all-gather of its own (README's table)."""
+  config = CommGemmConfig(backend=EmulatedFusedBackend(expose=True))
+
+  def standalone_all_gathers(keep):
+    step, args = _step(case, local, keep_gathered_input=keep, config=config)
+    text = step.lower(*args).compile().as_text()
+    return (hlo.count_collectives(text).all_gather
+            - hlo.count_collectives(text, SCOPE).all_gather)
+
+  assert standalone_all_gathers(False) == 1 and standalone_all_gathers(True) == 0
 
 
 def test_local_mode_bfloat16():

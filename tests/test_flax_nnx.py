@@ -15,9 +15,12 @@ from flax_helpers import (F, K, MESHES, dense_ref, features_spec, mlp_ref, token
                           data_axes, dp_tp_mesh)
 from flax_helpers import TOKENS as T
 from flax import nnx
+from fused_emulation import SCOPE, EmulatedFusedBackend
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_comm_gemm import CommGemmConfig, hlo
 from jax_comm_gemm import nnx as N
 
 # name: (module factory, input width, input spec, output spec, reference)
@@ -204,6 +207,48 @@ def test_local_mode_inside_shard_map(case, mesh_name):
   assert_close(y, y_ref, jnp.float32)
   assert_close(dx, dx_ref, jnp.float32)
   assert_grads_close(grads, grads_ref, jnp.float32)
+
+
+# --- the options reach the layers -----------------------------------------------
+
+def _step(case, local, **kw):
+  """The jitted gradient of the module with `kw` (global mode, or local mode
+  inside the test's shard_map) on a ('tp',) mesh of 2, and its arguments."""
+  mesh = cpu_mesh(2)
+  graphdef, state, x, ct, _, in_spec, out_spec = setup(case, mesh, **kw)
+  apply = lambda s, x: nnx.merge(graphdef, s)(x)  # noqa: E731
+  if local:
+    apply = jax.shard_map(apply, mesh=mesh,
+                          in_specs=(nnx.get_partition_spec(state), in_spec(mesh)),
+                          out_specs=out_spec(mesh))
+  return jax.jit(jax.grad(loss(apply), argnums=(0, 1))), (state, x, ct)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("case", CASES)
+def test_precision_and_config_reach_every_gemm(case, local):
+  """As the linen modules' test of the same name."""
+  step, args = _step(case, local, precision=lax.Precision.HIGHEST,
+                     config=CommGemmConfig(backend="ring"))
+  jaxpr = str(jax.make_jaxpr(step)(*args))
+  assert "HIGHEST" in jaxpr and "precision=None" not in jaxpr
+  assert "ppermute" in jaxpr
+
+
+@pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
+@pytest.mark.parametrize("local", [False, True], ids=["global", "local"])
+@pytest.mark.parametrize("case", ["column", "mlp"])
+def test_keep_gathered_input_reaches_the_column_layer(case, local):
+  """As the linen modules' test of the same name."""
+  config = CommGemmConfig(backend=EmulatedFusedBackend(expose=True))
+
+  def standalone_all_gathers(keep):
+    step, args = _step(case, local, keep_gathered_input=keep, config=config)
+    text = step.lower(*args).compile().as_text()
+    return (hlo.count_collectives(text).all_gather
+            - hlo.count_collectives(text, SCOPE).all_gather)
+
+  assert standalone_all_gathers(False) == 1 and standalone_all_gathers(True) == 0
 
 
 def test_local_mode_bfloat16():
