@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 from conftest import cpu_mesh
 from flax_helpers import dp_tp_mesh
-from fused_emulation import ROUTINGS, relative_error
+from fused_emulation import ROUTINGS, SCOPE, relative_error
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_comm_gemm import CommGemmConfig, hlo
 from jax_comm_gemm import linen as L
 from jax_comm_gemm.layers import transformer
 
@@ -206,6 +207,55 @@ def test_block_options_reach_the_block():
   params, x, ct, specs = setup(model, mesh)
   y, grads = run(model.apply, params, x, ct)
   assert_all_close(y, grads, reference(params["params"], x, ct, **options), jnp.float32)
+
+
+def test_precision_reaches_every_dense_gemm():
+  """Forward and backward, the four dense layers' twelve GEMMs run at the
+  block's precision (attention's own products at jax's default)."""
+  mesh = cpu_mesh(2)
+  options = transformer.BlockOptions(num_heads=HEADS, precision=jax.lax.Precision.HIGHEST,
+                                     config=ROUTINGS["xla"])
+  params = jax.tree.map(lambda s: jnp.ones(s.shape), transformer.param_layout(D, F, "tp"),
+                        is_leaf=lambda v: isinstance(v, transformer.ParamSpec))
+  loss = lambda p, x: jnp.sum(transformer.sharded_transformer_block(  # noqa: E731
+      x, p, mesh=mesh, options=options))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, jnp.ones((SEQ, BATCH, D))))
+  assert jaxpr.count("Precision.HIGHEST") == 2 * 12  # (lhs, rhs) per dot
+
+
+def standalone_all_gathers(step, args) -> int:
+  """All-gathers in the compiled `step` outside the emulated fused ops."""
+  text = step.lower(*args).compile().as_text()
+  return hlo.count_collectives(text).all_gather - hlo.count_collectives(text, SCOPE).all_gather
+
+
+@pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
+def test_module_options_reach_the_block():
+  """The module's precision (every dense GEMM), config (the ring's ppermutes)
+  and keep_gathered_input (no all-gather left in the backward pass, with a
+  fused op that hands out its operand) reach the block."""
+  mesh = cpu_mesh(2)
+
+  def step(**kw):
+    model = block(mesh, **kw)
+    params, x, ct, _ = setup(model, mesh)
+    grad = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) * ct), argnums=(0, 1))
+    return jax.jit(grad), (params, x)
+
+  ring, args = step(precision=jax.lax.Precision.HIGHEST, config=CommGemmConfig(backend="ring"))
+  jaxpr = str(jax.make_jaxpr(ring)(*args))
+  assert "Precision.HIGHEST" in jaxpr and "ppermute" in jaxpr
+  fused = ROUTINGS["fused_expose"]
+  assert standalone_all_gathers(*step(config=fused)) == 2
+  assert standalone_all_gathers(*step(config=fused, keep_gathered_input=True)) == 0
+
+
+def test_attention_implementation_reaches_jax():
+  """jax is asked for the implementation named: cuDNN's, on a CPU, fails."""
+  mesh = cpu_mesh(2)
+  params, x, _, _ = setup(block(mesh), mesh)
+  with pytest.raises(RuntimeError, match="cuDNN"):
+    jax.jit(block(mesh, attention_implementation="cudnn").apply)(params, x)
 
 
 @pytest.mark.parametrize("axes, says", [

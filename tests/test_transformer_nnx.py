@@ -14,8 +14,9 @@ from fused_emulation import ROUTINGS
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_transformer import (BATCH, D, F, HEADS, MESHES, SEQ, assert_all_close, data_axes,
-                              random_params, reference, tokens_spec)
+                              random_params, reference, standalone_all_gathers, tokens_spec)
 
+from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm import nnx as N
 
 
@@ -77,6 +78,24 @@ def test_block_options_reach_the_block():
   y, grads = run(lambda s, x: nnx.merge(graphdef, s)(x), state, x, ct)
   assert_all_close(y, grads, reference(nnx.to_pure_dict(state), x, ct, **options),
                    jnp.float32)
+
+
+@pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
+def test_module_options_reach_the_block():
+  """As the linen block's test of the same name."""
+  mesh = cpu_mesh(2)
+
+  def step(**kw):
+    graphdef, state, x, ct, _ = setup(build(mesh, **kw), mesh)
+    grad = jax.grad(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) * ct), argnums=(0, 1))
+    return jax.jit(grad), (state, x)
+
+  ring, args = step(precision=jax.lax.Precision.HIGHEST, config=CommGemmConfig(backend="ring"))
+  jaxpr = str(jax.make_jaxpr(ring)(*args))
+  assert "Precision.HIGHEST" in jaxpr and "ppermute" in jaxpr
+  fused = ROUTINGS["fused_expose"]
+  assert standalone_all_gathers(*step(config=fused)) == 2
+  assert standalone_all_gathers(*step(config=fused, keep_gathered_input=True)) == 0
 
 
 def test_bfloat16_under_nnx_remat():
