@@ -4,8 +4,11 @@ import jax
 import numpy as np
 import pytest
 from conftest import cpu_mesh
+from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+
+from jax_comm_gemm import CommGemmConfig
 
 TOKENS, K, F = 16, 16, 32  # tokens, model width, hidden width (8 devices at most)
 
@@ -40,3 +43,17 @@ def dense_ref(p, x):
 
 def mlp_ref(p, x):
   return dense_ref(p["fc2"], jax.nn.gelu(dense_ref(p["fc1"], x)))
+
+
+# What the modules' option tests set: each shows in the gradient program.
+OPTIONS = dict(precision=lax.Precision.HIGHEST, config=CommGemmConfig(backend="ring"))
+
+
+def assert_options_show(step, args, every_dot: bool = True) -> None:
+  """`step` (jitted, on `args`) runs its ops on the ring (ppermutes) and its
+  dots at HIGHEST: every dot, or (``every_dot=False``, where attention's own
+  products keep jax's default) some."""
+  jaxpr = str(jax.make_jaxpr(step)(*args))
+  assert "ppermute" in jaxpr
+  dots, highest = jaxpr.count("dot_general["), jaxpr.count("precision=(Precision.HIGHEST")
+  assert highest > 0 and (highest == dots or not every_dot), (dots, highest)

@@ -34,6 +34,7 @@ from jax import lax
 from jax_comm_gemm.backends import (Capability, XlaBackend, all_gather_tokens,
                                     local_matmul)
 from jax_comm_gemm.config import CommGemmConfig
+from jax_comm_gemm.diagnostics import hlo
 
 SCOPE = "fused_emulation"
 
@@ -166,3 +167,10 @@ def check_against_reference(fn, reference, args, out_shapes, dtype, seed: int,
   for name, grad, ref in zip(names, grads, ref_grads):
     assert_close(f"gradient w.r.t. {name}", grad, ref, dtype)
   return plain, grads
+
+
+def standalone_all_gathers(step, args) -> int:
+  """All-gathers in the compiled `step` (jitted, on `args`) outside the
+  emulated fused ops: those the routing emitted."""
+  text = step.lower(*args).compile().as_text()
+  return hlo.count_collectives(text).all_gather - hlo.count_collectives(text, SCOPE).all_gather

@@ -11,16 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_mesh
-from flax_helpers import (F, K, MESHES, dense_ref, features_spec, mlp_ref, tokens_spec,
-                          data_axes, dp_tp_mesh)
+from flax_helpers import (F, K, MESHES, OPTIONS, assert_options_show, dense_ref, features_spec,
+                          mlp_ref, tokens_spec, data_axes, dp_tp_mesh)
 from flax_helpers import TOKENS as T
 from flax import nnx
-from fused_emulation import SCOPE, EmulatedFusedBackend
-from jax import lax
+from fused_emulation import ROUTINGS, standalone_all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_comm_gemm import CommGemmConfig, hlo
 from jax_comm_gemm import nnx as N
 
 # name: (module factory, input width, input spec, output spec, reference)
@@ -228,11 +226,7 @@ def _step(case, local, **kw):
 @pytest.mark.parametrize("case", CASES)
 def test_precision_and_config_reach_every_gemm(case, local):
   """As the linen modules' test of the same name."""
-  step, args = _step(case, local, precision=lax.Precision.HIGHEST,
-                     config=CommGemmConfig(backend="ring"))
-  jaxpr = str(jax.make_jaxpr(step)(*args))
-  assert "HIGHEST" in jaxpr and "precision=None" not in jaxpr
-  assert "ppermute" in jaxpr
+  assert_options_show(*_step(case, local, **OPTIONS))
 
 
 @pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
@@ -240,15 +234,10 @@ def test_precision_and_config_reach_every_gemm(case, local):
 @pytest.mark.parametrize("case", ["column", "mlp"])
 def test_keep_gathered_input_reaches_the_column_layer(case, local):
   """As the linen modules' test of the same name."""
-  config = CommGemmConfig(backend=EmulatedFusedBackend(expose=True))
+  config = ROUTINGS["fused_expose"]
 
-  def standalone_all_gathers(keep):
-    step, args = _step(case, local, keep_gathered_input=keep, config=config)
-    text = step.lower(*args).compile().as_text()
-    return (hlo.count_collectives(text).all_gather
-            - hlo.count_collectives(text, SCOPE).all_gather)
-
-  assert standalone_all_gathers(False) == 1 and standalone_all_gathers(True) == 0
+  assert [standalone_all_gathers(*_step(case, local, keep_gathered_input=keep, config=config))
+          for keep in (False, True)] == [1, 0]
 
 
 def test_local_mode_bfloat16():

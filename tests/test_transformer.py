@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_mesh
-from flax_helpers import dp_tp_mesh
-from fused_emulation import ROUTINGS, SCOPE, relative_error
+from flax_helpers import OPTIONS, assert_options_show, dp_tp_mesh
+from fused_emulation import ROUTINGS, relative_error, standalone_all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_comm_gemm import CommGemmConfig, hlo
 from jax_comm_gemm import linen as L
 from jax_comm_gemm.layers import transformer
 
@@ -223,12 +222,6 @@ def test_precision_reaches_every_dense_gemm():
   assert jaxpr.count("Precision.HIGHEST") == 2 * 12  # (lhs, rhs) per dot
 
 
-def standalone_all_gathers(step, args) -> int:
-  """All-gathers in the compiled `step` outside the emulated fused ops."""
-  text = step.lower(*args).compile().as_text()
-  return hlo.count_collectives(text).all_gather - hlo.count_collectives(text, SCOPE).all_gather
-
-
 @pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
 def test_module_options_reach_the_block():
   """The module's precision (every dense GEMM), config (the ring's ppermutes)
@@ -242,9 +235,7 @@ def test_module_options_reach_the_block():
     grad = jax.grad(lambda p, x: jnp.sum(model.apply(p, x) * ct), argnums=(0, 1))
     return jax.jit(grad), (params, x)
 
-  ring, args = step(precision=jax.lax.Precision.HIGHEST, config=CommGemmConfig(backend="ring"))
-  jaxpr = str(jax.make_jaxpr(ring)(*args))
-  assert "Precision.HIGHEST" in jaxpr and "ppermute" in jaxpr
+  assert_options_show(*step(**OPTIONS), every_dot=False)
   fused = ROUTINGS["fused_expose"]
   assert standalone_all_gathers(*step(config=fused)) == 2
   assert standalone_all_gathers(*step(config=fused, keep_gathered_input=True)) == 0

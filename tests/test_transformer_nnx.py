@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 from conftest import cpu_mesh
 from flax import nnx
-from flax_helpers import dp_tp_mesh
-from fused_emulation import ROUTINGS
+from flax_helpers import OPTIONS, assert_options_show, dp_tp_mesh
+from fused_emulation import ROUTINGS, standalone_all_gathers
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_transformer import (BATCH, D, F, HEADS, MESHES, SEQ, assert_all_close, data_axes,
-                              random_params, reference, standalone_all_gathers, tokens_spec)
+                              random_params, reference, tokens_spec)
 
-from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm import nnx as N
 
 
@@ -90,9 +89,7 @@ def test_module_options_reach_the_block():
     grad = jax.grad(lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x) * ct), argnums=(0, 1))
     return jax.jit(grad), (state, x)
 
-  ring, args = step(precision=jax.lax.Precision.HIGHEST, config=CommGemmConfig(backend="ring"))
-  jaxpr = str(jax.make_jaxpr(ring)(*args))
-  assert "Precision.HIGHEST" in jaxpr and "ppermute" in jaxpr
+  assert_options_show(*step(**OPTIONS), every_dot=False)
   fused = ROUTINGS["fused_expose"]
   assert standalone_all_gathers(*step(config=fused)) == 2
   assert standalone_all_gathers(*step(config=fused, keep_gathered_input=True)) == 0
