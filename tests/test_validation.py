@@ -274,9 +274,11 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
                                 r"where the capability check passes\) or False, got True"),
     (dict(gathered_layout="middle"), r"CommGemmConfig.gathered_layout must be None or "
                                      r"one of \('front', 'tail'\), got 'middle'"),
+    (dict(fuse_weight_gradient="yes"), r"CommGemmConfig.fuse_weight_gradient must be True "
+                                       r"or False, got 'yes'"),
 ], ids=["backend", "backend_object", "algorithm", "reduce_scatter",
         "multicast_ag",
-        "multicast_rs", "reuse_true", "layout"])
+        "multicast_rs", "reuse_true", "layout", "fuse_weight_gradient"])
 def test_bad_config(kwargs, match):
   """CommGemmConfig refuses bad values when it is built."""
   with pytest.raises(ValueError, match=match):
