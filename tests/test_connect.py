@@ -240,6 +240,9 @@ def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
     ({"JAX_COMM_GEMM_FENCE": "fast"}, r"JAX_COMM_GEMM_FENCE='fast' is not a fence; use one "
                                       r"of isolated, own_stream, barrier, host, none"),
     ({"JAX_COMM_GEMM_FENCE": "none"}, r"set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
+    # Only "1" opts in: "0" says no.
+    ({"JAX_COMM_GEMM_FENCE": "none", "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE": "0"},
+     r"set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
     ({"JAX_COMM_GEMM_FENCE": "own_stream"},
      r"'own_stream' orders nothing across ranks.*set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
     ({"JAX_COMM_GEMM_TIMEOUT": "soon"}, r"JAX_COMM_GEMM_TIMEOUT='soon' must be a positive"),
