@@ -148,3 +148,43 @@ def test_auto_asks_it_about_the_problem_as_the_kernel_sees_it(gpus):
   assert "rows 2112" in auto.runnable(
       pallas.NAME, Problem(AG, 2112, 4096, 2048, "bfloat16", False, 2)).reason
   assert auto.runnable("ring", Problem(AG, 2112, 4096, 2048, "float32", True, 2, True)).ok
+
+
+def test_the_report_names_the_kernel_where_a_layer_can_run_it(gpus):
+  """A PallasBackend given as the layers' backend: the column-parallel layer's
+  AllGather+GEMM is the kernel's; a kept input, the row-parallel layer's
+  transposed kernel and another GPU are XLA's ops, each with its reason."""
+  from jax_comm_gemm.config import CommGemmConfig
+  from jax_comm_gemm.diagnostics import report
+
+  mesh = cpu_mesh(2)
+  config = CommGemmConfig(backend=pallas.PallasBackend())
+  path = lambda **kw: report.layer_path(config, mesh, "tp", jnp.bfloat16, **kw)
+  gpus()
+  assert path().path == report.PALLAS_KERNEL
+  assert "where its tiles divide the shape" in path().reason
+  for kw, why in ((dict(keep_gathered_input=True), "does not hand out the gathered operand"),
+                  (dict(reduce_scatter_layer=True), "w is transposed")):
+    assert path(**kw).path == report.XLA_FALLBACK and why in path(**kw).reason
+  # Its weight gradients gather again, as XLA's do: the fallback's counts.
+  counts = report.expected_all_gathers(config, mesh, "tp", jnp.bfloat16)
+  assert (counts.standalone_all_gathers, counts.fused_all_gather_matmuls) == (2, 0)
+  gpus(kind=A100)
+  assert path().path == report.XLA_FALLBACK
+  assert path().reason == ("a Backend instance was given; the Pallas kernel cannot run it: "
+                           "it runs on Hopper GPUs (compute capability 9.x), not on NVIDIA A100")
+
+
+def test_compiled_counts_tell_mosaic_kernels_from_the_fused_calls():
+  from jax_comm_gemm.diagnostics import hlo
+  from jax_comm_gemm.runtime.constants import TARGETS
+
+  def call(target):
+    return (f"  %c = bf16[256,512]{{1,0}} custom-call(bf16[128,512]{{1,0}} %x, "
+            f"bf16[512,256]{{1,0}} %w), custom_call_target=\"{target}\"")
+
+  text = "\n".join([call("mosaic_gpu_v2"), call("mosaic_gpu_v2"),
+                    call(TARGETS["all_gather_matmul"]), call("not_mosaic_gpu")])
+  counts = hlo.count_collectives(text)
+  assert (counts.mosaic_gpu_kernels, counts.fused_all_gather_matmul) == (2, 1)
+  assert counts.all_gather == 0

@@ -56,6 +56,20 @@ def supports(rows: int, k: int, m: int, dtype, transpose_w: bool, gathered: bool
              axis_size: int) -> Capability:
   """Whether the kernel can run an AllGather+GEMM of a rank's x [rows, k] with
   w [k, m] (m: the rank's output columns) over an axis of `axis_size`."""
+  verdict = supports_layer(dtype, transpose_w, gathered, axis_size)
+  if not verdict.ok:
+    return verdict
+  bad = [f"{what} {size} by {by}" for what, size, by in
+         (("rows", rows, ROWS_DIVIDE), ("columns", m, COLUMNS_DIVIDE), ("k", k, TILE_K))
+         if size % by]
+  if bad:
+    return Capability(False, f"its tiles need {', '.join(bad)} to divide")
+  return verdict
+
+
+def supports_layer(dtype, transpose_w: bool, gathered: bool, axis_size: int) -> Capability:
+  """:func:`supports` but for the shape: whether the kernel can run a layer's
+  AllGather+GEMM where its tiles divide the shape (the per-layer report)."""
   if transpose_w:
     return Capability(False, "the kernel takes w as [k, m]; w is transposed")
   if gathered:
@@ -63,11 +77,6 @@ def supports(rows: int, k: int, m: int, dtype, transpose_w: bool, gathered: bool
   if jnp.dtype(dtype).name not in DTYPES:
     return Capability(False, f"the kernel runs {' and '.join(DTYPES)}, not "
                              f"{jnp.dtype(dtype).name}")
-  bad = [f"{what} {size} by {by}" for what, size, by in
-         (("rows", rows, ROWS_DIVIDE), ("columns", m, COLUMNS_DIVIDE), ("k", k, TILE_K))
-         if size % by]
-  if bad:
-    return Capability(False, f"its tiles need {', '.join(bad)} to divide")
   devices = jax.devices()
   capability = getattr(devices[0], "compute_capability", "")
   if devices[0].platform != "gpu" or not str(capability).startswith("9."):

@@ -4,7 +4,9 @@ XLA may emit a collective synchronously (``all-gather``) or as an async pair
 (``all-gather-start`` / ``all-gather-done``), and its combiner passes merge
 independent collectives into one instruction with several operands: each
 operand counts as one collective. The fused cuBLASMp ops are custom calls to
-the FFI targets named in ``runtime.constants``.
+the FFI targets named in ``runtime.constants``; jax's Pallas AllGather+GEMM
+(``backends.pallas``) is a Mosaic GPU custom call, counted apart since any
+Mosaic GPU kernel has that target.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import re
 
 from jax_comm_gemm.runtime.constants import TARGETS
 
+# Mosaic GPU's custom-call targets start so ("mosaic_gpu_v2" in jax 0.11.2).
+MOSAIC_GPU_TARGET = "mosaic_gpu"
 # One HLO instruction per line: "  name = type opcode(operands), attrs".
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", re.M)
 
@@ -26,6 +30,7 @@ class CollectiveCounts:
   fused_all_gather_matmul: int  # those computing the weight gradient too included
   fused_matmul_reduce_scatter: int
   fused_weight_gradient: int = 0  # AllGather+GEMMs that compute the weight gradient
+  mosaic_gpu_kernels: int = 0  # Pallas Mosaic GPU kernels, the AllGather+GEMM's among them
 
 
 def _opcodes(hlo_text: str) -> list[tuple[str, str]]:
@@ -47,9 +52,9 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
   def n(*names):
     return sum(_operand_count(line, op) for op, line in ops if op in names)
 
-  def calls(target):
-    return sum(op == "custom-call" and f'custom_call_target="{target}"' in line
-               for op, line in ops)
+  def calls(target, prefix=False):
+    quoted = f'custom_call_target="{target}' + ("" if prefix else '"')
+    return sum(op == "custom-call" and quoted in line for op, line in ops)
 
   return CollectiveCounts(
       all_gather=n("all-gather", "all-gather-start"),
@@ -58,7 +63,8 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
       fused_all_gather_matmul=(calls(TARGETS["all_gather_matmul"])
                                + calls(TARGETS["all_gather_matmul_weight_gradient"])),
       fused_matmul_reduce_scatter=calls(TARGETS["matmul_reduce_scatter"]),
-      fused_weight_gradient=calls(TARGETS["all_gather_matmul_weight_gradient"]))
+      fused_weight_gradient=calls(TARGETS["all_gather_matmul_weight_gradient"]),
+      mosaic_gpu_kernels=calls(MOSAIC_GPU_TARGET, prefix=True))
 
 
 def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend
+from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
 from jax_comm_gemm.collective_matmul import gathered_route
 from jax_comm_gemm.config import CommGemmConfig
 
 FUSED_WITH_REUSE = "fused with reuse"
 FUSED_WITH_ALL_GATHER = "fused with all_gather"
 XLA_FALLBACK = "xla fallback"
+PALLAS_KERNEL = "pallas kernel"
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerPath:
-  """How a layer runs (one of the three names above) and why."""
+  """How a layer runs (one of the four names above) and why."""
   path: str
   reason: str
 
@@ -44,6 +45,16 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   """
   choice = choose_backend(config, axis_name, mesh)
   size = int(mesh.shape[axis_name])
+  if isinstance(choice.backend, pallas.PallasBackend):
+    # Its weight gradients gather again (the kernel hands out no gathered
+    # operand), as XLA's do: the counts are the fallback's either way.
+    verdict = pallas.supports_layer(dtype, reduce_scatter_layer,
+                                    keep_gathered_input or reduce_scatter_layer, size)
+    if verdict.ok:
+      return LayerPath(PALLAS_KERNEL, "jax's Mosaic GPU kernel runs the AllGather+GEMM "
+                                      "where its tiles divide the shape, else XLA's ops")
+    return LayerPath(XLA_FALLBACK, f"{choice.reason}; the Pallas kernel cannot run it: "
+                                   f"{verdict.reason}")
   if not isinstance(choice.backend, (CublasMpBackend, AutoBackend)) or size == 1:
     return LayerPath(XLA_FALLBACK, choice.reason)
   # With "auto" each AllGather+GEMM runs fused or on XLA as measured for its

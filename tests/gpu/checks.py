@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
+from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.backends import pallas, primitives
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation, runnable
 from jax_comm_gemm.runtime import REGISTRY, settings
@@ -307,8 +308,14 @@ def check_pallas(mesh, dtype: str):
                enumerate(zip(((1024, 512), (512, 1024), (1024, 512), (1024, 512)),
                              MLP_IN_SPECS))]
   fc1 = pallas.supports(1024 // size, 512, 1024 // size, dt, False, False, size)
-  ran = KERNEL in mlp_step(mesh, backend=backend).lower(*step_args).as_text()
-  assert ran == fc1.ok, f"the MLP's column-parallel forward: kernel ran {ran}; {fc1.reason}"
+  counts = hlo.compiled_collectives(mlp_step(mesh, backend=backend), *step_args)
+  assert counts.mosaic_gpu_kernels == int(fc1.ok), (
+      f"the MLP's column-parallel forward: {counts}; {fc1.reason}")
+  # Its weight gradients gather again, as XLA's do (diagnostics.report).
+  expected = report.expected_all_gathers(jcg.CommGemmConfig(backend=backend), mesh, "tp", dt)
+  assert counts.all_gather == expected.standalone_all_gathers, (counts, expected)
+  assert report.layer_path(jcg.CommGemmConfig(backend=backend), mesh, "tp",
+                           dt).path == report.PALLAS_KERNEL
   return {"kernel": verdict.reason, "all_gather_matmul": f"ok row_err={err:.2e}",
           "mlp": check_mlp(mesh, dtype, backend=backend)}
 
