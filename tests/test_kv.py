@@ -168,6 +168,10 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
 
   def fake_time(p, *, rounds, warmup_rounds, agree, verify):
     assert agree(set()) == set()  # the failures are agreed on too
+    # Each problem's candidates are checked against XLA's result.
+    y = jax.numpy.ones((4, 4))
+    assert verify("xla", y) is None and verify("ring", y) is None
+    assert "differs from XLA's" in verify("pipelined_ce", 2 * y)
     return times[p][jax.process_index()]
 
   monkeypatch.setattr(tuning, "time_candidates", fake_time)
