@@ -17,7 +17,10 @@ import jax_comm_gemm.backends.tuning as autotune
 from conftest import cpu_mesh
 from jax_comm_gemm.backends import auto
 from jax_comm_gemm.backends.auto import AG, RS, Problem
+from jax_comm_gemm.config import CommGemmConfig
+from jax_comm_gemm.diagnostics import hlo, report
 from jax_comm_gemm.runtime import settings
+from jax_comm_gemm.runtime.constants import TARGETS
 
 H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
 A100 = types.SimpleNamespace(platform="gpu", compute_capability="8.0", device_kind="NVIDIA A100")
@@ -154,9 +157,6 @@ def test_the_report_names_the_kernel_where_a_layer_can_run_it(gpus):
   """A PallasBackend given as the layers' backend: the column-parallel layer's
   AllGather+GEMM is the kernel's; a kept input, the row-parallel layer's
   transposed kernel and another GPU are XLA's ops, each with its reason."""
-  from jax_comm_gemm.config import CommGemmConfig
-  from jax_comm_gemm.diagnostics import report
-
   mesh = cpu_mesh(2)
   config = CommGemmConfig(backend=pallas.PallasBackend())
   path = lambda **kw: report.layer_path(config, mesh, "tp", jnp.bfloat16, **kw)
@@ -176,9 +176,6 @@ def test_the_report_names_the_kernel_where_a_layer_can_run_it(gpus):
 
 
 def test_compiled_counts_tell_mosaic_kernels_from_the_fused_calls():
-  from jax_comm_gemm.diagnostics import hlo
-  from jax_comm_gemm.runtime.constants import TARGETS
-
   def call(target):
     return (f"  %c = bf16[256,512]{{1,0}} custom-call(bf16[128,512]{{1,0}} %x, "
             f"bf16[512,256]{{1,0}} %w), custom_call_target=\"{target}\"")
