@@ -353,6 +353,13 @@ def pure_jax_mlp(lax, jax, x, w1, w2):
   return lax.psum_scatter(jax.nn.gelu(h) @ w2, AXIS, scatter_dimension=0, tiled=True)
 
 
+def floor_mlp(jax, x, w1, w2):
+  """The MLP floor's layer: the same block on tokens already gathered, so the
+  step has the block's GEMMs and element-wise work and nothing to communicate
+  (floor_probe.py sets it beside its GEMMs alone)."""
+  return jax.nn.gelu(x @ w1) @ w2
+
+
 @op("mlp_fwd_bwd", shapes=MLP_SHAPES, quick=((8192, 8192, 7168), (4096, 4096, 16384)),
     smoke=((256, 128, 256),), variants=MLP_VARIANTS, weight=26, compile_s=1.5,
     target_ms=80.0, aliases=("mlp",))
@@ -368,7 +375,7 @@ def build_mlp(ctx: Ctx, shape, names):
   for name in names:
     if name == "floor":  # the same six GEMMs on pre-gathered tokens
       xg, ct_full = ctx.rand((n, d), P()), ctx.rand((n, d), P())
-      fns[name] = ctx.smap(vjp_step(jax, lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2),
+      fns[name] = ctx.smap(vjp_step(jax, partial(floor_mlp, jax)),
                            (P(), P(None, AXIS), P(AXIS, None), P()), out_specs, False)
       args[name] = (xg, w1, w2, ct_full)
       continue

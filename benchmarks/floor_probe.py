@@ -24,10 +24,12 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import bench  # noqa: E402
 import harness  # noqa: E402
 import trace_summary  # noqa: E402
 
@@ -35,21 +37,15 @@ MLP_SHAPES = "8192x8192x28672,16384x4096x16384,8192x8192x7168,4096x4096x16384"
 TP = 2
 
 
-def programs(jax, jnp):
+def programs(jax):
   """name -> (x, w1, w2, ct) -> outputs, each jitted."""
-  def step(layer):
-    def run(x, w1, w2, ct):
-      y, pullback = jax.vjp(layer, x, w1, w2)
-      return (y, *pullback(ct))
-    return jax.jit(run)
-
   def gemms(x, w1, w2, ct):
     h = x @ w1
     dh = ct @ w2.T
     return h @ w2, dh @ w1.T, x.T @ dh, h.T @ ct
 
-  return {"floor": step(lambda x, w1, w2: jax.nn.gelu(x @ w1) @ w2),
-          "identity": step(lambda x, w1, w2: (x @ w1) @ w2),
+  return {"floor": jax.jit(bench.vjp_step(jax, partial(bench.floor_mlp, jax))),
+          "identity": jax.jit(bench.vjp_step(jax, lambda x, w1, w2: (x @ w1) @ w2)),
           "gemms": jax.jit(gemms)}
 
 
@@ -68,7 +64,7 @@ def main() -> int:
   facts = {**harness.machine_facts(), "jax": jax.__version__,
            "device": jax.devices()[0].device_kind}
   harness.say(json.dumps(facts))
-  fns = programs(jax, jnp)
+  fns = programs(jax)
   rows, first = [], None
   for i, text in enumerate(args.shapes.split(",")):
     n, d, f = harness.parse_shape(text)
