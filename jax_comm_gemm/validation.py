@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_comm_gemm.config import CommGemmConfig
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                     jnp.dtype(jnp.float32))
 _DTYPE_NAMES = "bfloat16, float16, float32"
@@ -124,3 +126,39 @@ def check_bias(names: Names, bias, features: int) -> None:
     raise ValueError(
         f"{names.op}: `{names.bias}` must have shape ({features},) to match the kernel's "
         f"output features, got {np.shape(bias)}")
+
+
+def check_config(where: str, config) -> None:
+  """Raises TypeError naming `config` unless it is a CommGemmConfig.
+
+  >>> check_config("f", CommGemmConfig())
+  >>> check_config("f", "xla")
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `config` must be a jax_comm_gemm.CommGemmConfig, got 'xla' (str); e.g. config=CommGemmConfig(backend='xla')
+  """
+  if not isinstance(config, CommGemmConfig):
+    hint = (f"config=CommGemmConfig(backend={config!r})"
+            if isinstance(config, str) else "config=CommGemmConfig()")
+    raise TypeError(
+        f"{where}: `config` must be a jax_comm_gemm.CommGemmConfig, got "
+        f"{config!r} ({type(config).__name__}); e.g. {hint}")
+
+
+def check_flag(where: str, name: str, value) -> bool:
+  """Returns `value` as a Python bool if it is a bool or a numpy bool, else
+  raises TypeError naming the argument (``0``, ``"no"`` and ``None`` are
+  refused: a truthy string would switch the option on).
+
+  >>> check_flag("f", "keep_gathered_input", np.True_)
+  True
+  >>> check_flag("f", "keep_gathered_input", "no")
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `keep_gathered_input` must be True or False, got 'no' (str)
+  """
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise TypeError(
+      f"{where}: `{name}` must be True or False, got {value!r} "
+      f"({type(value).__name__})")

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
 from jax_comm_gemm import (CommGemmConfig, all_gather_matmul, dense, matmul_reduce_scatter,
-                           resolve_backend, sharded)
+                           resolve_backend, sharded, validation)
 
 F32 = jnp.float32
 
@@ -313,3 +313,28 @@ def test_valid_arguments_trace():
                                                    data_axes=("dp",)),
                        _spec((16, 16)), _spec((16, 32)), _spec((32, 16)))
   assert out.shape == (16, 16)
+
+
+# --- The shared config and flag checks -------------------------------------------
+
+@pytest.mark.parametrize("config", ["xla", None, 1, {"backend": "xla"}])
+def test_check_config_names_config(config):
+  with pytest.raises(TypeError, match=r"where: `config` must be a jax_comm_gemm\.CommGemmConfig"):
+    validation.check_config("where", config)
+
+
+def test_check_config_accepts_a_config():
+  validation.check_config("where", CommGemmConfig(backend="xla"))
+
+
+@pytest.mark.parametrize("value", [0, 1, None, "no", np.int64(1), np.array([True])])
+def test_check_flag_refuses_non_bools(value):
+  with pytest.raises(TypeError, match=r"where: `keep_gathered_input` must be True or False"):
+    validation.check_flag("where", "keep_gathered_input", value)
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False),
+                                             (np.True_, True), (np.False_, False)])
+def test_check_flag_returns_a_python_bool(value, expected):
+  out = validation.check_flag("where", "flag", value)
+  assert out is expected
