@@ -1,4 +1,4 @@
-"""One-off (session 14): the compiled HLO's custom-call target of a Mosaic GPU
+"""One-off (run 62): the compiled HLO's custom-call target of a Mosaic GPU
 kernel on this GPU, and what diagnostics.hlo counts of it."""
 import re
 import jax

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, device call 1: experiments (uncommitted env switches in pipelined.cc).
+# Runs 52–56, device call 1: experiments (uncommitted env switches in pipelined.cc).
 set -u
 cd "$(dirname "$0")/.."
 start=$SECONDS

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, device call 2: host time per phase of a call (uncommitted instrumentation).
+# Runs 52–56, device call 2: host time per phase of a call (uncommitted instrumentation).
 set -u
 cd "$(dirname "$0")/.."
 start=$SECONDS

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11, device call 3: the whole GPU suite on the new chunk rule, then
+# Runs 52–56, device call 3: the whole GPU suite on the new chunk rule, then
 # the GEMM+RS cells it changes.
 set -u
 cd "$(dirname "$0")/.."
