@@ -1,0 +1,30 @@
+"""FP8 (E4M3 forward, E5M2 gradients) collective matmuls on XLA's collectives.
+
+A self-contained layer below ``collective_matmul`` and the dense layers: it
+imports only jax, numpy and ``jax_comm_gemm.vma``.
+
+* ``recipe``: :class:`Fp8Recipe`, what to quantize with.
+* ``quantize``: amax, scale, saturating cast; per tensor, row, column.
+* ``gemm``: the FP8 GEMM in the TN form XLA runs as one cuBLASLt FP8 call,
+  and the weight's two FP8 copies.
+* ``matmul``: :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`,
+  the differentiable ops, FP8 bytes on the wire. docs/fp8.md has the picture.
+
+>>> Fp8Recipe().scaling
+'tensor'
+"""
+
+from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
+from jax_comm_gemm.fp8.matmul import (FUSED_SCOPE, STANDALONE_SCOPE, fp8_all_gather_matmul,
+                                      fp8_matmul_reduce_scatter, xla_gather)
+from jax_comm_gemm.fp8.quantize import (agree, amax, dequantize, fp8_max, inverse,
+                                        quantize_columns_transposed, quantize_rows,
+                                        quantize_tensor, saturating_cast, scale_from_amax)
+from jax_comm_gemm.fp8.recipe import Fp8Recipe
+
+__all__ = [
+    "FUSED_SCOPE", "Fp8Recipe", "STANDALONE_SCOPE", "agree", "amax", "dequantize",
+    "fp8_all_gather_matmul", "fp8_gemm_tn", "fp8_matmul_reduce_scatter", "fp8_max",
+    "inverse", "quantize_columns_transposed", "quantize_rows", "quantize_tensor",
+    "saturating_cast", "scale_from_amax", "weight_copies", "xla_gather",
+]

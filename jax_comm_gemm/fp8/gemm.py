@@ -1,0 +1,90 @@
+"""The FP8 GEMM in the form XLA's GPU compiler runs as one cuBLASLt FP8 call.
+
+Hopper's FP8 GEMMs take one layout: both operands contract on their LAST axis
+("TN"). Written so, ``lax.dot_general(a8, b8, (((1,), (1,)), ((), ())),
+preferred_element_type=...)`` compiles to one ``__cublas$lt$matmul$f8`` with no
+transpose feeding it; a weight stored ``[k, n]`` instead adds an FP8 transpose
+per call, 1.3-1.6x slower on one H200 (../shared/reference/fp8.md). So the
+weight's FP8 copies are made by the cast, in the layout each GEMM wants
+(:func:`weight_copies`), once per call of the layer.
+
+Two forms, switchable for the GPU benchmark (``Fp8Recipe.gemm_form``):
+
+* ``"direct"`` (default): the dot of the FP8 operands, accumulated into the
+  output dtype (bf16; float32 for any other), times ``scale_inv_a * scale_inv_b``.
+  This is the fastest form measured (bf16 out; at the four large shapes level
+  with ``torch._scaled_mm``). Per-row scales factor out of the contraction the
+  same way (``y[i, j] * inv_a[i] * inv_b[j]``): the only form for them.
+* ``"dequant_f32"``: ``(a8.f32 * inv_a) . (b8.f32 * inv_b)`` in float32, then
+  the output dtype; XLA rewrites it into the FP8 GEMM with the scales as its
+  operands (1.02-1.30x torch on one H200). Per-tensor scales only.
+
+>>> import jax.numpy as jnp
+>>> from jax_comm_gemm.fp8.quantize import quantize_tensor
+>>> a8, ia = quantize_tensor(jnp.ones((4, 8)), jnp.float8_e4m3fn)
+>>> b8, ib = quantize_tensor(jnp.full((2, 8), 0.5), jnp.float8_e4m3fn)
+>>> fp8_gemm_tn(a8, b8, ia, ib, jnp.float32).round(4).tolist()
+[[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jax_comm_gemm.fp8.quantize import (amax, inverse, quantize_columns_transposed,
+                                        quantize_rows, saturating_cast, scale_from_amax)
+
+F32 = jnp.float32
+TN = (((1,), (1,)), ((), ()))
+
+
+def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "direct"):
+  """``(a8 @ b8.T) * scale_inv_a * scale_inv_b`` in `out_dtype`, a8 ``[m, k]``
+  and b8 ``[n, k]`` FP8 (both contract on their last axis).
+
+  Scales are scalars (per tensor) or vectors: ``scale_inv_a`` ``[m]`` (per
+  row of a), ``scale_inv_b`` ``[n]`` (per row of b, a column of the output).
+  """
+  out_dtype = jnp.dtype(out_dtype)
+  ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
+  if form == "dequant_f32":
+    if ia.ndim or ib.ndim:
+      raise ValueError("fp8_gemm_tn: form='dequant_f32' takes per-tensor (scalar) "
+                       "scales only")
+    return lax.dot_general(a8.astype(F32) * ia, b8.astype(F32) * ib, TN,
+                           preferred_element_type=F32).astype(out_dtype)
+  if form != "direct":
+    raise ValueError(f"fp8_gemm_tn: form must be 'direct' or 'dequant_f32', got {form!r}")
+  acc = out_dtype if out_dtype == jnp.dtype(jnp.bfloat16) else jnp.dtype(F32)
+  y = lax.dot_general(a8, b8, TN, preferred_element_type=acc)
+  if ia.ndim == 0 and ib.ndim == 0:
+    return (y * (ia * ib).astype(acc)).astype(out_dtype)
+  ia = ia[:, None] if ia.ndim else ia
+  return (y.astype(F32) * ia * ib).astype(out_dtype)
+
+
+def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
+                  axis_name: str | None = None, amax_w=None):
+  """The weight's two FP8 copies, made by one cast: ``(fwd8, fwd_inv, bwd8,
+  bwd_inv)``.
+
+  For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`):
+  ``fwd8`` is ``[n, k]``, the forward GEMM's TN operand, and ``bwd8`` is
+  ``[k, n]``, the input gradient's (``dx = dy @ w.T``). ``"tensor"``: one
+  scale for both (its amax agreed over `axis_name`, or `amax_w` if the caller
+  agreed it already); ``"row"``: per row of each copy, i.e. per output column
+  of the GEMM it feeds.
+  """
+  w_kn = w.T if transpose_w else w
+  if scaling == "tensor":
+    if amax_w is None:
+      amax_w = amax(w_kn, axis_name=axis_name)
+    scale = scale_from_amax(amax_w, dtype, margin)
+    inv = inverse(scale)
+    # Two casts from the high-precision weight: no FP8 transpose.
+    return (saturating_cast(w_kn.T, scale, dtype), inv,
+            saturating_cast(w_kn, scale, dtype), inv)
+  fwd8, fwd_inv = quantize_columns_transposed(w_kn, dtype, margin=margin)
+  bwd8, bwd_inv = quantize_rows(w_kn, dtype, margin=margin)
+  return fwd8, fwd_inv, bwd8, bwd_inv

@@ -1,0 +1,97 @@
+"""Current-scaling FP8 quantization: amax, scale, saturating cast.
+
+Conventions: ``scale`` multiplies a value into the FP8 range
+(``q = sat(x * scale)``); ``scale_inv = 1 / scale`` multiplies it back
+(``x ~ q * scale_inv``). The helpers return ``scale_inv``, the factor the GEMM
+applies to its output. Everything is traceable (jit, shard_map, vmap).
+
+>>> import jax.numpy as jnp
+>>> q, inv = quantize_tensor(jnp.array([[1.0, -2.0], [0.5, 4.0]]), jnp.float8_e4m3fn)
+>>> round(float(inv) * 448.0, 5)
+4.0
+>>> q.astype(jnp.float32).tolist()
+[[112.0, -224.0], [56.0, 448.0]]
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+F32 = jnp.float32
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def fp8_max(dtype) -> float:
+  """The largest finite value of an FP8 `dtype` (448 for E4M3, 57344 for E5M2)."""
+  return float(jnp.finfo(dtype).max)
+
+
+def amax(x, axis=None, keepdims: bool = False, axis_name: str | None = None):
+  """``max(|x|)`` in float32, over `axis` (all by default), then (``axis_name``)
+  over the mesh axis with ``lax.pmax``. NaN propagates; inf gives inf."""
+  a = jnp.max(jnp.abs(x.astype(F32)), axis=axis, keepdims=keepdims)
+  return agree(a, axis_name)
+
+
+def agree(amaxes, axis_name: str | None):
+  """`amaxes` (an array or a tuple of them) maxed over `axis_name` in ONE
+  ``lax.pmax`` (one all-reduce); unchanged for None or a group of one. NaN is
+  mapped to inf first, so that the agreed amax is non-finite wherever a rank's
+  is, whatever the all-reduce does with NaN."""
+  if axis_name is None or lax.axis_size(axis_name) == 1:
+    return amaxes
+  nan_to_inf = lambda a: jnp.where(jnp.isnan(a), jnp.inf, a)
+  if isinstance(amaxes, tuple):
+    return lax.pmax(tuple(nan_to_inf(a) for a in amaxes), axis_name)
+  return lax.pmax(nan_to_inf(amaxes), axis_name)
+
+
+def scale_from_amax(a, dtype, margin: int = 0):
+  """``fp8_max / amax / 2**margin`` (float32); 1 where ``amax == 0``; at most
+  float32's max. A NaN amax gives NaN, an inf amax 0."""
+  a = jnp.asarray(a, F32)
+  scale = jnp.float32(fp8_max(dtype) / 2.0 ** margin) / jnp.where(a == 0, 1.0, a)
+  scale = jnp.where(a == 0, jnp.float32(1.0), scale)
+  return jnp.where(jnp.isnan(scale), scale, jnp.minimum(scale, _F32_MAX))
+
+
+def saturating_cast(x, scale, dtype):
+  """``x * scale`` clipped to ``+-fp8_max(dtype)`` and rounded (to nearest
+  even) to `dtype`. NaN stays NaN; +-inf becomes +-max (only reachable with a
+  finite scale that was not computed from this x)."""
+  limit = fp8_max(dtype)
+  return jnp.clip(x.astype(F32) * scale, -limit, limit).astype(dtype)
+
+
+def inverse(scale):
+  """``1 / scale`` (float32): the dequantization factor."""
+  return jnp.float32(1.0) / scale
+
+
+def quantize_tensor(x, dtype, *, margin: int = 0, axis_name: str | None = None):
+  """One scale for all of `x` (agreed over `axis_name` if given):
+  ``(q, scale_inv)`` with a scalar ``scale_inv``."""
+  scale = scale_from_amax(amax(x, axis_name=axis_name), dtype, margin)
+  return saturating_cast(x, scale, dtype), inverse(scale)
+
+
+def quantize_rows(x, dtype, *, margin: int = 0):
+  """One scale per row of a 2-D `x`: ``(q [r, c], scale_inv [r])``."""
+  scale = scale_from_amax(amax(x, axis=1, keepdims=True), dtype, margin)
+  return saturating_cast(x, scale, dtype), inverse(scale)[:, 0]
+
+
+def quantize_columns_transposed(x, dtype, *, margin: int = 0):
+  """One scale per column of a 2-D `x`, written transposed (the TN operand of
+  a GEMM that contracts over x's rows): ``(q [c, r], scale_inv [c])``."""
+  return quantize_rows(x.T, dtype, margin=margin)
+
+
+def dequantize(q, scale_inv, dtype=F32):
+  """``q * scale_inv`` in `dtype`; a vector `scale_inv` scales q's rows."""
+  inv = jnp.asarray(scale_inv, F32)
+  if inv.ndim == 1:
+    inv = inv[:, None]
+  return (q.astype(F32) * inv).astype(dtype)

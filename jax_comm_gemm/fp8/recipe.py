@@ -1,0 +1,88 @@
+"""What an FP8 layer quantizes with: :class:`Fp8Recipe`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+SCALINGS = ("tensor", "row")
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+GEMM_FORMS = ("direct", "dequant_f32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+  """How the FP8 collective matmuls quantize: current scaling, E4M3 forward,
+  E5M2 gradients.
+
+  Only the GEMM operands are FP8, made by a cast at each call; the master
+  weights stay in the caller's float32/bfloat16, and every output and gradient
+  comes back in its primal's dtype.
+
+  Fields:
+    scaling: ``"tensor"``: one scale per tensor. The amax of the local shard is
+      reduced with ``lax.pmax`` over the tensor-parallel axis, so every rank
+      quantizes with ONE scale and the gathered bytes are those of the whole
+      tensor quantized at once. ``"row"``: one scale per token row of the
+      activation (and of the gradient), one per output column of each weight
+      copy (per row of the GEMM's TN operand, cuBLASMp's ``OUTER_VEC_FP32``);
+      these scales are local to the rank that holds the row, and they travel
+      in the same ``lax.all_gather`` call as the FP8 rows.
+    forward_dtype: the FP8 type of the forward operands (activations and
+      weights); default ``float8_e4m3fn`` (max 448, 3 mantissa bits).
+    backward_dtype: the FP8 type of the output gradient; default
+      ``float8_e5m2`` (max 57344, 2 mantissa bits). The weight-gradient GEMM
+      takes the forward's activation in ``forward_dtype``.
+    margin: an int >= 0: ``scale = fp8_max / amax / 2**margin``, headroom
+      against values growing between the amax and the cast (0: none).
+    gemm_form: how a per-tensor-scaled GEMM is written for XLA
+      (:func:`jax_comm_gemm.fp8.gemm.fp8_gemm_tn`): ``"direct"`` (FP8
+      operands, the scales' product applied to the output; the default) or
+      ``"dequant_f32"`` (dequantize in float32 in front of the dot, the pattern
+      XLA rewrites into the FP8 GEMM with scale operands).
+
+  Saturation: a value beyond the FP8 range after scaling (possible only with a
+  scale not computed from this tensor's amax, or when rounding lands above)
+  is clipped to +-max; E4M3 has no infinity, and a plain cast would make NaN.
+
+  NaN and inf: the amax of a tensor that holds a NaN is NaN, of one that holds
+  an inf is inf, and its scale is then NaN or 0; every value that scale
+  dequantizes is NaN. So an output that bf16 makes non-finite is NaN in FP8
+  too: with ``"row"`` exactly the rows (tokens) bf16 spoils; with
+  ``"tensor"`` every output that the tensor's scale touches (the whole GEMM
+  output, and through ``pmax`` the other ranks' too). Nothing is clipped away.
+
+  >>> Fp8Recipe(scaling="row").backward_dtype
+  dtype(float8_e5m2)
+  >>> Fp8Recipe(scaling="block")
+  Traceback (most recent call last):
+  ...
+  ValueError: Fp8Recipe.scaling must be one of ('tensor', 'row'), got 'block'
+  """
+
+  scaling: str = "tensor"
+  forward_dtype: Any = jnp.float8_e4m3fn
+  backward_dtype: Any = jnp.float8_e5m2
+  margin: int = 0
+  gemm_form: str = "direct"
+
+  def __post_init__(self):
+    if self.scaling not in SCALINGS:
+      raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+    for name in ("forward_dtype", "backward_dtype"):
+      value = getattr(self, name)
+      try:
+        dtype = jnp.dtype(value)
+      except TypeError:
+        dtype = None
+      if dtype not in FP8_DTYPES:
+        raise ValueError(f"Fp8Recipe.{name} must be float8_e4m3fn or float8_e5m2, "
+                         f"got {value!r}")
+      object.__setattr__(self, name, dtype)
+    if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+      raise ValueError(f"Fp8Recipe.margin must be an int >= 0, got {self.margin!r}")
+    if self.gemm_form not in GEMM_FORMS:
+      raise ValueError(f"Fp8Recipe.gemm_form must be one of {GEMM_FORMS}, "
+                       f"got {self.gemm_form!r}")
