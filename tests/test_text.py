@@ -2,8 +2,8 @@
 
 Two checks over the repository's files, plus checks of the checkers on planted text:
 
-* No git-tracked text file says "session" followed by a number, or the word "lent":
-  how the project is developed is no part of it. pytest's ``scope="session"`` is fine.
+* No git-tracked text file says "session" followed by a number, or the word that
+  BANNED spells out for a loaned machine: how the project is developed is no part of it. pytest's ``scope="session"`` is fine.
 * Every repository path that README.md, benchmarks/README.md and docs/*.md name
   (in links, backticks or text), and every path that the code names
   (jax_comm_gemm/, xla_ffi/, examples/*.py, benchmarks/*.py), exists; a link
@@ -24,7 +24,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-# "session" with a number after it, or the word "lent" (case-insensitive).
+# "session" with a number after it, or the word for a loaned machine (case-insensitive).
 BANNED = re.compile(r"\bsessions? [0-9]+|\blent\b", re.IGNORECASE)
 
 _PREFIXES = r"(?:jax_comm_gemm|xla_ffi|docs|benchmarks|tests|examples)"
@@ -210,9 +210,9 @@ def test_code_names_only_paths_that_exist():
 # --- the checkers catch what they should, on planted text --------------------------
 
 def test_banned_catches_planted_text_and_spares_pytest_scope():
-  word = "le" + "nt"  # kept out of this file's own text
-  assert banned_hits("x", f"ran in Session 3\n")
-  assert banned_hits("x", "sessions 9 and 10")
+  word, session = "le" + "nt", "Se" + "ssion"  # kept out of this file's own text
+  assert banned_hits("x", f"ran in {session} 3\n")
+  assert banned_hits("x", f"{session.lower()}s 9 and 10")
   assert banned_hits("x", f"the machine {word} to us")
   assert not banned_hits("x", '@pytest.fixture(scope="session")\ndef f(): ...')
   assert not banned_hits("x", "gpu_session.sh runs the suite; a " + word + "il soup; silent")
