@@ -6,7 +6,7 @@ Two checks over the repository's files, plus checks of the checkers on planted t
   BANNED spells out for a loaned machine: how the project is developed is no part of it. pytest's ``scope="session"`` is fine.
 * Every repository path that README.md, benchmarks/README.md and docs/*.md name
   (in links, backticks or text), and every path that the code names
-  (jax_comm_gemm/, xla_ffi/, examples/*.py, benchmarks/*.py), exists; a link
+  (jax_comm_gemm/, xla_ffi/, examples/*.py, benchmarks/*.py and *.sh), exists; a link
   into a Markdown file with a ``#section`` names a heading of that file; nothing
   names DESIGN.md or the folder ../shared, which are not part of the repository.
 
@@ -69,7 +69,7 @@ def code_files() -> list[pathlib.Path]:
   files = sorted((ROOT / "jax_comm_gemm").rglob("*.py"))
   files += sorted(p for p in (ROOT / "xla_ffi").glob("*") if p.is_file())
   files += sorted((ROOT / "examples").glob("*.py"))
-  files += sorted((ROOT / "benchmarks").glob("*.py"))
+  files += sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "benchmarks").glob("*.sh"))
   return [p for p in files if "__pycache__" not in p.parts]
 
 
