@@ -1,9 +1,12 @@
 // The AllGather+GEMM / GEMM+ReduceScatter algorithms the project offers, by
-// the names Python uses: cuBLASMp's, with their numbers taken straight from
-// cublasmp.h's enum, and the project's own (pipelined.h), numbered clear of
-// that enum. Header constants only: including it links nothing, so _constants
-// can export it.
-// CUBLASMP_MATMUL_ALGO_TYPE_FUSED (GEMM+AllReduce only) is left out on purpose.
+// the names Python uses: two of cuBLASMp's, with their numbers taken straight
+// from cublasmp.h's enum, and the project's own (pipelined.h), numbered clear
+// of that enum. Header constants only: including it links nothing, so
+// _constants can export it.
+// cuBLASMp's others (split_multicast, atomic_p2p, atomic_multicast,
+// no_overlap) are not offered: nothing selects them and no user gains by
+// choosing them (docs/design.md#options-removed-and-why). FUSED is
+// GEMM+AllReduce only.
 #ifndef JAX_COMM_GEMM_ALGORITHMS_H_
 #define JAX_COMM_GEMM_ALGORITHMS_H_
 
@@ -18,9 +21,9 @@ struct AlgorithmName {
   int64_t algorithm;
 };
 
-// The project's own (pipelined.h), for both ops: a cuBLASLt GEMM per block of
-// rows beside NCCL transfers, by NCCL's kernels (kPipelined: send/recv, or an
-// ncclReduce per block) or on its copy engines (kPipelinedCe: an AllGather or
+// The project's own (pipelined.h): a cuBLASLt GEMM per block of rows beside
+// NCCL transfers, by NCCL's kernels (kPipelined: send/recv; AllGather+GEMM
+// only) or on its copy engines (kPipelinedCe, both ops: an AllGather or
 // AlltoAll on a symmetric window of a zero-CTA communicator).
 inline constexpr int64_t kPipelinedAlgorithm = 100;
 inline constexpr int64_t kPipelinedCeAlgorithm = 101;
@@ -28,10 +31,6 @@ inline constexpr int64_t kPipelinedCeAlgorithm = 101;
 inline constexpr AlgorithmName kAlgorithms[] = {
     {"default", CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT},
     {"split_p2p", CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P},
-    {"split_multicast", CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_MULTICAST},
-    {"atomic_p2p", CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P},
-    {"atomic_multicast", CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_MULTICAST},
-    {"no_overlap", CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP},
     {"pipelined", kPipelinedAlgorithm},
     {"pipelined_ce", kPipelinedCeAlgorithm},
 };
@@ -48,6 +47,12 @@ inline const char* AlgorithmNameOf(int64_t number) {
 inline bool IsPipelined(int64_t number) {
   return number == kPipelinedAlgorithm || number == kPipelinedCeAlgorithm;
 }
+
+// Whether a GEMM+ReduceScatter may run algorithm `number` (one of
+// kAlgorithms): all but kPipelined, whose ncclReduce per block was slower
+// than XLA's psum_scatter and than pipelined_ce at every measured shape
+// (docs/design.md#gemmreducescatter).
+inline bool RunsReduceScatter(int64_t number) { return number != kPipelinedAlgorithm; }
 
 }  // namespace jax_comm_gemm
 

@@ -1,8 +1,9 @@
-// How the pipelined GEMM+ReduceScatter splits x's rows into blocks: which
+// How the pipelined_ce GEMM+ReduceScatter splits x's rows into blocks: which
 // destination rank owns each block's sums, where the block sits in x and in
-// the owner's y, and the order every rank enqueues them in (ncclReduce is
-// collective, so the order must be the same everywhere). Pure, unit-tested on
-// the CPU (tests/cpp/test_chunks.cc); pipelined.cc enqueues what it says.
+// the owner's y, and the order every rank enqueues them in (each chunk's
+// exchange is collective, so the order must be the same everywhere). Pure,
+// unit-tested on the CPU (tests/cpp/test_chunks.cc); pipelined.cc enqueues
+// what it says.
 #ifndef JAX_COMM_GEMM_CHUNKS_H_
 #define JAX_COMM_GEMM_CHUNKS_H_
 
@@ -17,10 +18,11 @@ inline constexpr int64_t kMinChunkRows = 256;
 inline constexpr int kMaxChunks = 4;
 // Four chunks only where one block's GEMM does at least this much work (about
 // 55 us on an H200). The host spends 50-60 us enqueueing a chunk (an NCCL call
-// of 15-40 us, cuBLASLt launches of ~15 us each: GPU run 53), so with shorter
-// blocks the calls are host-bound: at 8192x4096x4096 (1.7e10 a block with
-// four chunks) two chunks ran at 1.26 of the floor and four at 1.43; at
-// 2048x8192x8192, two chunks of 512 rows ran at 1.20, one at 1.50 (run 52).
+// of 15-40 us, cuBLASLt launches of ~15 us each), so with shorter blocks the
+// calls are host-bound: at 8192x4096x4096 (1.7e10 a block with four chunks)
+// two chunks ran at 1.26 of the floor and four at 1.43; at 2048x8192x8192,
+// two chunks of 512 rows ran at 1.20, one at 1.50
+// (docs/design.md#gemmreducescatter, docs/performance.md).
 inline constexpr double kMinFourChunkBlockFlop = 4e10;
 
 // How many chunks a destination rank's `rows` rows make (1, 2 or 4; always
@@ -29,13 +31,14 @@ int ChunksFor(int64_t rows, int64_t k, int64_t m);
 
 struct RowBlock {
   int dest;       // the rank that owns the sums of these rows
-  int64_t x_row;  // first row in x [n, k/P] (and in the partial sums [n, m])
+  int64_t x_row;  // first row in x [n, k/P]
   int64_t y_row;  // first row in the owner's y [n/P, m]
 };
 
 // The blocks of `rows` = n rows over `nranks` ranks, `chunks` per rank, each
 // n / (nranks * chunks) rows, in enqueue order: chunk 0 of every destination,
-// then chunk 1, ..., so the last reduce is one block's.
+// then chunk 1, ..., so the P blocks of one chunk are contiguous (one
+// exchange per chunk) and the last exchange is one chunk's.
 std::vector<RowBlock> ReduceScatterBlocks(int64_t rows, int nranks, int chunks);
 
 }  // namespace jax_comm_gemm

@@ -21,15 +21,32 @@ NB_MODULE(_constants, m) {
     for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
       algorithms[a.name] = static_cast<int>(a.algorithm);
     }
+    nb::list reduce_scatter;  // the algorithms a GEMM+ReduceScatter takes
+    for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
+      if (jcg::RunsReduceScatter(a.algorithm)) reduce_scatter.append(a.name);
+    }
+    // cublasmp.h's whole enum, as the build saw it: a test checks that each of
+    // cuBLASMp's algorithms above has its enum value, and that the project's
+    // own numbers are clear of the enum.
+    nb::dict cublasmp_enum;
+    cublasmp_enum["DEFAULT"] = static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT);
+    cublasmp_enum["SPLIT_P2P"] = static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P);
+    cublasmp_enum["SPLIT_MULTICAST"] = static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_MULTICAST);
+    cublasmp_enum["ATOMIC_P2P"] = static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P);
+    cublasmp_enum["ATOMIC_MULTICAST"] =
+        static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_MULTICAST);
+    cublasmp_enum["NO_OVERLAP"] = static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP);
+    cublasmp_enum["FUSED"] = static_cast<int>(CUBLASMP_MATMUL_ALGO_TYPE_FUSED);
     nb::dict layouts;
     for (const jcg::LayoutName& l : jcg::kLayouts) layouts[l.name] = static_cast<int>(l.layout);
-    nb::list fences;
-    for (const jcg::FenceName& f : jcg::kFences) fences.append(f.name);
     nb::dict out;
     out["targets"] = targets;
     out["algorithms"] = algorithms;
+    out["reduce_scatter_algorithms"] = reduce_scatter;
+    out["cublasmp_algorithm_types"] = cublasmp_enum;
     out["layouts"] = layouts;
-    out["fences"] = fences;
     return out;
-  }, "{'targets': {...}, 'algorithms': {...}, 'layouts': {...}, 'fences': [default, ...]}");
+  }, "{'targets': {...}, 'algorithms': {...}, 'reduce_scatter_algorithms': [...],\n"
+     " 'cublasmp_algorithm_types': {...} (cublasMpMatmulAlgoType_t without its prefix),\n"
+     " 'layouts': {...}}");
 }

@@ -220,7 +220,8 @@ Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
 }
 
 // Collective: every rank makes the plan that needs it at the same call. The
-// GEMMs that read the old window ran on `stream` or stream_ (by fence).
+// calls that used the old window ran on stream_ and comm_stream_; XLA's
+// `stream` is waited for too, which costs little at a growth this rare.
 Status Context::EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_point deadline) {
   if (bytes <= window_.size()) return Status();
   const char* what = "earlier calls finished before the window grew";
@@ -233,26 +234,7 @@ Status Context::EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_poin
 }
 
 void Context::CountOwnBuffers() {
-  own_buffer_bytes_ = (lt_workspace_ ? kLtWorkspaceBytes : 0) + window_.size() + partials_bytes_;
-}
-
-// Local (cudaMalloc), but the old buffer may still be read by earlier calls'
-// reduces on comm_stream_ or written by their GEMMs.
-Status Context::EnsurePartials(size_t bytes, cudaStream_t stream, Clock::time_point deadline) {
-  if (bytes <= partials_bytes_) return Status();
-  const char* what = "earlier calls finished before the partial sums' buffer grew";
-  JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, what));
-  JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, what));
-  JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline, what));
-  partials_.reset();
-  partials_bytes_ = 0;
-  CountOwnBuffers();
-  void* ptr = nullptr;
-  JCG_CUDA(cudaMalloc(&ptr, Granules(bytes)));
-  partials_.reset(ptr);
-  partials_bytes_ = Granules(bytes);
-  CountOwnBuffers();
-  return Status();
+  own_buffer_bytes_ = (lt_workspace_ ? kLtWorkspaceBytes : 0) + window_.size();
 }
 
 // NCCL connects a pair of ranks at their first send/recv, blocking the host
@@ -302,7 +284,7 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream, cudaStream
   // host waits for them, so none is left running beside the call.
   GemmTrial trial;
   if (options_.time_gemms) {
-    if (run != stream) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
+    JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
     trial.workspace = lt_workspace_.get();
     trial.stream = run;
     trial.wait = [&] { return WaitForStream(run, deadline, "cuBLASLt's candidate GEMMs ran"); };
@@ -313,10 +295,7 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream, cudaStream
   if (c.algorithm == kPipelinedCeAlgorithm) {
     return EnsureWindow(WindowBytes(plan->pipelined, options_.nranks), stream, deadline);
   }
-  if (c.op == CommOp::kReduceScatter) {  // collectives only, connected at Init
-    return EnsurePartials(plan->pipelined.partial_bytes, stream, deadline);
-  }
-  return ConnectPeers(deadline);
+  return ConnectPeers(deadline);  // "pipelined": an AllGather+GEMM (MakePipelinedPlan)
 }
 
 Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_offset,
@@ -330,7 +309,6 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
                                 computed_.data(),
                                 ce_comm_.get(),
                                 window_.data(),
-                                static_cast<char*>(partials_.get()),
                                 lt_workspace_.get(),
                                 kLtWorkspaceBytes,
                                 options_.rank,
@@ -361,14 +339,16 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
     JCG_RETURN_IF_ERROR(EnqueueWeightGradient(lt_.get(), plan.weight_gradient, c, gathered,
                                               lt_workspace_.get(), kLtWorkspaceBytes, run));
   }
-  // The barrier keeps a peer's next call off this rank's workspace until the
-  // gathered copy or weight gradient above, which cuBLASMp does not know
-  // about, has read it. The
-  // pipelined algorithm writes no workspace of a peer's: NCCL orders its
-  // transfers within the call.
-  const Fence fence = options_.fence;
-  if (fence == Fence::kIsolated || fence == Fence::kBarrier) JCG_RETURN_IF_ERROR(Barrier(run));
-  return Status();
+  // The barrier keeps a peer's next call off this rank's workspace until this
+  // rank is done with it: cuBLASMp's AllGather+GEMM writes this rank's shard
+  // into each peer's workspace, and nothing in a call keeps a peer's next call
+  // from doing so while this rank still reads it (cuBLASMp's own GEMMs, the
+  // gathered copy or the weight gradient above, which cuBLASMp does not know
+  // about). Without it, results were wrong
+  // (docs/design.md#ordering-against-xla-the-fence). The pipelined algorithms
+  // return above without one: they write no workspace of a peer's, and NCCL
+  // orders their transfers within the call.
+  return Barrier(run);
 }
 
 Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
@@ -376,15 +356,14 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
   const Clock::time_point deadline = start + call_timeout_;
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(options_.device));
-  // Under kIsolated and kOwnStream, the call runs on stream_,
-  // after everything XLA enqueued before it and before anything XLA enqueues
-  // after it. The own algorithms need no cross-rank fence, but they stay on
-  // stream_ too: XLA may hand two calls different compute streams, and the
-  // calls of one context share its scratch (cuBLASLt workspace, window,
-  // partial sums, events), which one stream keeps in order.
-  const Fence fence = options_.fence;
-  const bool own = fence == Fence::kIsolated || fence == Fence::kOwnStream;
-  cudaStream_t run = own ? stream_.get() : stream;
+  // The call runs on the context's own stream_, joined by events to XLA's
+  // `stream`: after everything XLA enqueued before it and before anything XLA
+  // enqueues after it (docs/design.md#ordering-against-xla-the-fence). The own
+  // algorithms need no cross-rank barrier, but they run on stream_ too: XLA
+  // may hand two calls different compute streams, and the calls of one
+  // context share its scratch (cuBLASLt workspace, window, events), which one
+  // stream keeps in order.
+  cudaStream_t run = stream_.get();
   const PlanKey key = c.key();
   auto it = plans_.find(key);
   if (it == plans_.end()) {
@@ -409,16 +388,12 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
     if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
   }
   JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
-    if (own) JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
+    JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
     return Enqueue(c, plan, gathered_offset, run);
   }));
   // The watchdog times the call up to here, its last operation on `run`.
   JCG_RETURN_IF_ERROR(tracker_.RecordCompletion(run, start));
-  if (own) JCG_RETURN_IF_ERROR(Join(stream, run, event_out_.get()));
-  if (fence == Fence::kHost) {
-    JCG_RETURN_IF_ERROR(WaitForStream(stream, deadline, "the call finished (fence 'host')"));
-  }
-  return Status();
+  return Join(stream, run, event_out_.get());
 }
 
 }  // namespace jax_comm_gemm

@@ -32,7 +32,6 @@
 #include <nccl.h>
 
 #include "call_tracker.h"
-#include "constants.h"
 #include "cuda_wait.h"
 #include "handles.h"
 #include "plan.h"
@@ -44,7 +43,6 @@ namespace jax_comm_gemm {
 struct ContextOptions {
   int64_t group = 0;  // the Registry's key for the group, for messages
   int device = 0, nranks = 1, rank = 0;
-  Fence fence = Fence::kIsolated;
   double call_timeout_s = 300;  // JAX_COMM_GEMM_TIMEOUT
   // The own algorithms' block GEMMs take the fastest of cuBLASLt's candidates,
   // timed at their plan's first call; else its first choice (JAX_COMM_GEMM_AUTOTUNE=off).
@@ -87,12 +85,12 @@ class Context {
   int rank() const { return options_.rank; }
   // These never wait for a call in flight (Registry::Describe polls them).
   size_t workspace_bytes() const { return workspace_bytes_.load(); }
-  // The own algorithms' buffers: cuBLASLt workspace, window, partial sums.
+  // The own algorithms' buffers: cuBLASLt workspace, window.
   size_t own_buffer_bytes() const { return own_buffer_bytes_.load(); }
   size_t plan_count() const { return plan_count_.load(); }
   // Calls run, and the host time they took (from taking the context's lock
   // to the last enqueue), since the context was made: at small GEMMs the
-  // host, not the GPU, sets the pace of back-to-back calls (GPU run 53).
+  // host, not the GPU, sets the pace of back-to-back calls (docs/performance.md).
   uint64_t calls() const { return calls_.load(); }
   double host_seconds() const { return host_ns_.load() * 1e-9; }
   std::string error() const;  // "" while healthy, else why it was aborted
@@ -112,8 +110,6 @@ class Context {
   Status ConnectPeers(Clock::time_point deadline);  // pipelined: NCCL send/recv pairs
   Status EnsureWindow(size_t bytes, cudaStream_t stream,
                       Clock::time_point deadline);  // pipelined_ce
-  Status EnsurePartials(size_t bytes, cudaStream_t stream,
-                        Clock::time_point deadline);  // pipelined GEMM+ReduceScatter
   void CountOwnBuffers();  // own_buffer_bytes_, after one of them changed
   // Enqueues the call's own work on `run`: cuBLASMp's or the pipelined one.
   Status Enqueue(const MatmulCall& call, const Plan& plan, size_t gathered_offset,
@@ -164,7 +160,7 @@ class Context {
   NcclComm comm_;      // cuBLASMp's (its grids)
   NcclComm own_comm_;  // split from comm_: the project's barrier, plan agreement, p2p
   NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
-  CudaStream stream_;  // the handle's stream; calls run on it under kIsolated and kOwnStream
+  CudaStream stream_;  // the handle's stream; every call runs on it (RunLocked)
   CublasMpHandle handle_;
   Grid col_grid_;  // nranks x 1: matrices split along their rows
   Grid row_grid_;  // 1 x nranks: matrices split along their columns
@@ -182,8 +178,6 @@ class Context {
   DeviceBuffer lt_workspace_;       // allocated with the first plan of a cuBLASLt GEMM
   bool peers_connected_ = false;    // for NCCL send/recv (ConnectPeers)
   SymmetricWindow window_;          // pipelined_ce's, on ce_comm_
-  DeviceBuffer partials_;           // the pipelined GEMM+ReduceScatter's partial sums
-  size_t partials_bytes_ = 0;
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;
   std::vector<char> host_workspace_;

@@ -28,7 +28,7 @@ void Context::Abandon() noexcept {
   (void)keys_host_.release(), (void)keys_device_.release(), (void)barrier_word_.release();
   (void)host_wait_event_.release(), (void)event_out_.release(), (void)event_in_.release();
   (void)row_grid_.release(), (void)col_grid_.release(), (void)handle_.release();
-  (void)partials_.release(), (void)lt_workspace_.release();
+  (void)lt_workspace_.release();
   (void)started_.release(), (void)comm_stream_.release();
   for (CudaEvent& e : arrived_) (void)e.release();
   for (CudaEvent& e : computed_) (void)e.release();
@@ -54,8 +54,9 @@ void Context::Abort(const std::string& reason) noexcept {
   // One NCCL group: each ncclCommAbort raises its communicator's abort flag at
   // once and frees it only at ncclGroupEnd, after every flag is up. Aborted one
   // by one, freeing an idle communicator waited for the device, where a kernel
-  // of the next one (not yet told to quit) waited for the dead peer: GPU run 29,
-  // one_rank, the survivor stuck in its abort.
+  // of the next one (not yet told to quit) waited for the dead peer, and the
+  // survivor of a killed rank stayed stuck in its abort
+  // (docs/design.md#failures-become-errors).
   (void)ncclGroupStart();
   for (ncclComm_t comm : {ce_comm_.get(), own_comm_.get(), comm_.get()}) {
     if (comm != nullptr) (void)ncclCommAbort(comm);

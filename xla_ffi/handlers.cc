@@ -20,6 +20,7 @@
 #include "context.h"
 #include "ffi_status.h"
 #include "plan.h"
+#include "plan_key.h"
 #include "registry.h"
 #include "status.h"
 
@@ -60,14 +61,6 @@ Status Layout(int64_t number, GatheredLayout* out) {
   return Status();
 }
 
-Status Algorithm(int64_t a, int64_t* out) {
-  if (AlgorithmNameOf(a) == nullptr) {
-    return Status::InvalidArgument("unknown algorithm " + std::to_string(a));
-  }
-  *out = a;
-  return Status();
-}
-
 // Fills `call` from the buffers and checks them against the context's group size.
 Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_w,
                ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, MatmulCall* call) {
@@ -75,7 +68,9 @@ Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_
   if (w.element_type() != x.element_type() || y.element_type() != x.element_type()) {
     return Status::InvalidArgument("x, w and the result must share one dtype");
   }
-  JCG_RETURN_IF_ERROR(Algorithm(algorithm, &call->algorithm));
+  // Unknown numbers, and "pipelined" for a GEMM+ReduceScatter, are refused here.
+  JCG_RETURN_IF_ERROR(CheckAlgorithm(op, algorithm));
+  call->algorithm = algorithm;
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) {
     return Status::InvalidArgument("x " + Shape(xd) + " and w " + Shape(wd) + " must be 2-D");

@@ -12,7 +12,7 @@
 namespace jax_comm_gemm {
 
 // cuBLASMp 0.10 ends the gathered operand this many bytes before the end of
-// the workspace it was given (measured, see DESIGN.md).
+// the workspace it was given (measured: docs/design.md#the-gathered-operand-and-its-layout).
 inline constexpr size_t kTailPadding = 16;
 
 // The byte offset of a `gathered_bytes` gathered operand in a cuBLASMp

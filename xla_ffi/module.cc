@@ -4,7 +4,6 @@
 // RuntimeError, malformed arguments ValueError.
 #include <cstdint>
 #include <cstring>
-#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -53,20 +52,15 @@ std::vector<GroupSpec> ToSpecs(const std::vector<GroupTuple>& groups) {
   return specs;
 }
 
-void Connect(const std::vector<GroupTuple>& groups, const std::string& fence_name,
-             double timeout_s, double call_timeout_s, bool time_gemms) {
-  const std::optional<Fence> fence = FenceByName(fence_name);
-  if (!fence) {
-    throw std::runtime_error("'" + fence_name + "' is not a fence; use one of " + FenceList());
-  }
+void Connect(const std::vector<GroupTuple>& groups, double timeout_s, double call_timeout_s,
+             bool time_gemms) {
   if (!(call_timeout_s > 0)) {
     throw std::invalid_argument("call_timeout_s must be positive, got " +
                                 std::to_string(call_timeout_s));
   }
   std::vector<GroupSpec> specs = ToSpecs(groups);
   nb::gil_scoped_release release;  // XLA threads may need the GIL meanwhile
-  ThrowIfError(
-      Registry::Instance().Connect(specs, *fence, timeout_s, call_timeout_s, time_gemms));
+  ThrowIfError(Registry::Instance().Connect(specs, timeout_s, call_timeout_s, time_gemms));
 }
 
 nb::list Contexts() {
@@ -122,20 +116,15 @@ NB_MODULE(_comm_gemm, m) {
     return nb::bytes(id.internal, sizeof(id.internal));
   }, "A new ncclUniqueId (its process hosts the bootstrap root).");
 
-  m.def("connect", &jcg::Connect, nb::arg("groups"), nb::arg("fence"), nb::arg("timeout_s"),
+  m.def("connect", &jcg::Connect, nb::arg("groups"), nb::arg("timeout_s"),
         nb::arg("call_timeout_s"), nb::arg("time_gemms"),
-        "Creates the contexts of (group key, unique id, nranks, [(device, rank)]) groups,\n"
-        "which order their calls by `fence` (one of fences()). Set-up must finish within\n"
+        "Creates the contexts of (group key, unique id, nranks, [(device, rank)]) groups.\n"
+        "Each runs its calls on a stream of its own, joined to XLA's by events, and ends\n"
+        "each cuBLASMp call with a barrier on the group. Set-up must finish within\n"
         "`timeout_s`; afterwards a call that does not complete within `call_timeout_s`\n"
         "(JAX_COMM_GEMM_TIMEOUT) aborts its context's communicator. With `time_gemms`\n"
         "the own algorithms' block GEMMs take the fastest of cuBLASLt's candidates, timed\n"
         "at their plan's first call.");
-
-  m.def("fences", [] {
-    std::vector<std::string> names;
-    for (const jcg::FenceName& f : jcg::kFences) names.push_back(f.name);
-    return names;
-  }, "The fence names that connect() takes, the default first.");
 
   m.def(
       "bind",

@@ -6,6 +6,7 @@
 #include "cublaslt.h"
 #include "library_status.h"
 #include "plan.h"
+#include "plan_key.h"
 
 namespace jax_comm_gemm {
 namespace {
@@ -18,11 +19,12 @@ ncclDataType_t NcclType(cudaDataType_t t) {
   }
 }
 
-// A copy within this GPU. The driver runs it as a kernel: it did not start
-// while a GEMM kernel held the SMs, and a GEMM enqueued after it waited for its
-// end (GPU run 47's timeline; cudaMemcpyBatchAsync with
-// PreferOverlapWithCompute, NCCL's way, changed nothing). Each caller orders it
-// against the GEMMs on purpose.
+// A copy within this GPU. The driver runs it as a kernel: in a profiled
+// timeline it did not start while a GEMM kernel held the SMs, and a GEMM
+// enqueued after it waited for its end (cudaMemcpyBatchAsync with
+// PreferOverlapWithCompute, NCCL's way, changed nothing;
+// docs/design.md#the-projects-own-algorithms). Each caller orders it against
+// the GEMMs on purpose.
 Status CopyWithinDevice(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
   JCG_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   return Status();
@@ -111,28 +113,6 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
   return Status();
 }
 
-// GEMM+ReduceScatter: the blocks in chunks.h's order, each block's reduce on
-// comm_stream behind its GEMM and beside the next block's GEMM.
-Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
-                            const MatmulCall& c, cudaStream_t run) {
-  const size_t count = plan.y_shard_bytes / ElementBytes(c.dtype);
-  for (const RowBlock& b : plan.blocks) {
-    char* partial = g.partials + plan.y_row_bytes * b.x_row;
-    const char* x = static_cast<const char*>(c.x) + plan.x_row_bytes * b.x_row;
-    JCG_RETURN_IF_ERROR(BlockGemm(g, plan, c, x, partial, run));
-    // One event serves every block: a wait binds to the record before it.
-    JCG_CUDA(cudaEventRecord(g.started, run));
-    JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
-    void* owned = static_cast<char*>(c.y) + plan.y_row_bytes * b.y_row;  // on `dest`
-    JCG_NCCL(ncclReduce(partial, owned, count, plan.nccl_type, ncclSum, b.dest, g.comm,
-                        g.comm_stream));
-  }
-  // y is complete, and the partials free for the next call, once comm_stream is.
-  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
-  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
-  return Status();
-}
-
 // GEMM+ReduceScatter on copy engines. The window holds the partial sums to
 // send, then those received, each [n, m] in chunks.h's block order, so that
 // the P blocks of one chunk are contiguous: one exchange per chunk. This
@@ -145,8 +125,9 @@ Status EnqueueReduceScatter(const PipelineTarget& g, const PipelinedPlan& plan,
 // the peer's slot, so one half of the window serves both. ncclAlltoAll copies a
 // rank's own (unused) slot to itself every time (NCCL's ce_coll.cc), a copy
 // within the GPU that runs as a kernel, so it waited for the next chunk's GEMM
-// and held the transfer behind it (17-48 us a chunk in GPU runs 42 and 44); an
-// in-place AllGather copies nothing to itself.
+// and held the transfer behind it (17-48 us a chunk in profiled timelines:
+// docs/design.md#gemmreducescatter); an in-place AllGather copies nothing to
+// itself.
 bool SwapsBlocks(int nranks) { return nranks == 2; }
 
 Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan,
@@ -170,8 +151,8 @@ Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan
   };
   // Every GEMM is enqueued before any NCCL call: the host spends tens of
   // microseconds in each, and a GEMM enqueued behind one would leave the GPU
-  // idle that long between chunks (the AllGather's local GEMM did, in GPU run
-  // 39's trace). The streams' dependencies are the same either way.
+  // idle that long between chunks (a trace showed the AllGather's local GEMM
+  // doing so). The streams' dependencies are the same either way.
   for (int j = 0; j < plan.chunks; ++j) {
     const size_t chunk = static_cast<size_t>(j) * g.nranks;
     for (int dest = 0; dest < g.nranks; ++dest) {
@@ -244,11 +225,13 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
   int64_t r = c.x_rows;  // AllGather: one shard
   if (c.op == CommOp::kReduceScatter) {
+    // Only pipelined_ce runs it; the handlers refuse "pipelined" before this.
+    JCG_RETURN_IF_ERROR(CheckAlgorithm(c.op, c.algorithm));
     plan->chunks = ChunksFor(c.x_rows / nranks, k, m);
     r = c.x_rows / nranks / plan->chunks;
     plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(t);
     plan->blocks = ReduceScatterBlocks(c.x_rows, nranks, plan->chunks);
-    if (c.algorithm == kPipelinedCeAlgorithm && nranks > 2) {
+    if (nranks > 2) {
       cublasLtMatrixTransformDesc_t add = nullptr;
       JCG_CUBLASLT(cublasLtMatrixTransformDescCreate(&add, CUDA_R_32F));
       plan->add.reset(add);
@@ -284,8 +267,7 @@ Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
                         const MatmulCall& c, cudaStream_t run) {
   // Each transfer follows its own GEMM on `run`, which follows XLA's work.
   if (c.op == CommOp::kReduceScatter) {
-    return c.algorithm == kPipelinedCeAlgorithm ? EnqueueReduceScatterCe(g, plan, c, run)
-                                                 : EnqueueReduceScatter(g, plan, c, run);
+    return EnqueueReduceScatterCe(g, plan, c, run);  // MakePipelinedPlan refused "pipelined"
   }
   // The transfers start once x is ready, that is after the work XLA enqueued
   // before the call.
@@ -297,17 +279,18 @@ Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
     // runs as a kernel (CopyWithinDevice), so it and the GEMM take turns
     // whatever the order: enqueued beside the GEMM, the copy started at the
     // GEMM's last tiles and the gather and the peer's GEMM waited behind it, a
-    // serial call (GPU run 47's timeline, back to back). Copied first, only
-    // the copy is exposed (63 us per 128 MiB); the gather's copy-engine
-    // transfers then run beside the local GEMM, as cuBLASMp's and PyTorch's do.
+    // serial call (seen in a profiled timeline of back-to-back calls).
+    // Copied first, only the copy is exposed (63 us per 128 MiB); the
+    // gather's copy-engine transfers then run beside the local GEMM, as
+    // cuBLASMp's and PyTorch's do (docs/design.md#the-projects-own-algorithms).
     JCG_RETURN_IF_ERROR(CopyShardIntoWindow(g, plan, c));
     JCG_CUDA(cudaEventRecord(g.computed[0].get(), g.comm_stream));
     JCG_CUDA(cudaStreamWaitEvent(run, g.computed[0].get(), 0));
   }
   // The local shard's GEMM hides the peer transfers, and is enqueued before
-  // the NCCL calls: it needs nothing from the peers, and GPU run 39's trace of
-  // pipelined_ce showed it starting 90-120 us after the copy-in, the host's
-  // time in ncclAllGather, where the GPU had nothing queued.
+  // the NCCL calls: it needs nothing from the peers, and enqueued after them
+  // (a trace of pipelined_ce) it started 90-120 us after the copy-in, the
+  // host's time in ncclAllGather, while the GPU had nothing queued.
   JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
   return ce ? EnqueueCopyEngine(g, plan, c, run) : EnqueuePointToPoint(g, plan, c, run);
 }

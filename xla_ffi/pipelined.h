@@ -10,27 +10,28 @@
 //                   communicator (copy engines, no SMs) beside that GEMM;
 //                   the window is then copied into the gathered output, when
 //                   one is asked for.
-// GEMM+ReduceScatter: x's rows are cut into blocks, a chunk of every
-// destination rank's rows at a time, in one order on every rank (chunks.h);
-// XLA's psum_scatter instead waits for the whole GEMM, then moves everything.
-//   "pipelined"     each block's partial sums go to their owner by an
-//                   ncclReduce beside the next block's GEMM (NCCL's kernels).
-//   "pipelined_ce"  the peers' blocks of a chunk are computed first into a
-//                   symmetric window and swapped on the zero-CTA communicator
-//                   (copy engines): an ncclAlltoAll, or for two ranks an
-//                   in-place ncclAllGather, which copies nothing to itself;
-//                   then each own block's GEMM adds what arrived (beta = 1,
-//                   C = the received block).
+// GEMM+ReduceScatter, "pipelined_ce" only: x's rows are cut into blocks, a
+// chunk of every destination rank's rows at a time, in one order on every rank
+// (chunks.h); XLA's psum_scatter instead waits for the whole GEMM, then moves
+// everything. The peers' blocks of a chunk are computed first into a symmetric
+// window and swapped on the zero-CTA communicator (copy engines): an
+// ncclAlltoAll, or for two ranks an in-place ncclAllGather, which copies
+// nothing to itself; then each own block's GEMM adds what arrived (beta = 1,
+// C = the received block). "pipelined" has no GEMM+ReduceScatter: its
+// ncclReduce per block lost to XLA and to pipelined_ce at every measured shape
+// (docs/design.md#gemmreducescatter), and the handlers refuse it
+// (CheckAlgorithm, plan_key.h).
 //
 // Why beside cuBLASMp's: at 4096^3 on 2xH200 cuBLASMp's call spends 118-277 us
 // of host time per call (GPU path ~113 us), so the fused op lost to XLA there.
-// This path enqueues P GEMMs, P-1 NCCL groups and a few events (GPU run 20 in
-// benchmarks/results/2026-11-30_h200x2/README.md). The gathered operand is the
+// This path enqueues P GEMMs, P-1 NCCL groups and a few events
+// (docs/design.md#the-projects-own-algorithms). The gathered operand is the
 // receive buffer itself: no workspace in between, so no copy out ("pipelined";
-// "pipelined_ce" copies its window out when asked for it). No barrier either:
-// a send waits for its receive, and NCCL's copy-engine collectives start with a
-// ready handshake of every rank (its ce_coll.cc), so no peer's next call writes
-// into this rank's buffers early (0 wrong of 60 under fence none, GPU run 33).
+// "pipelined_ce" copies its window out when asked for it). No barrier after
+// the call either: a send waits for its receive, and NCCL's copy-engine
+// collectives start with a ready handshake of every rank (its ce_coll.cc), so
+// no peer's next call writes into this rank's buffers early
+// (docs/design.md#ordering-against-xla-the-fence).
 #ifndef JAX_COMM_GEMM_PIPELINED_H_
 #define JAX_COMM_GEMM_PIPELINED_H_
 
@@ -63,7 +64,7 @@ struct PipelinedPlan {
   size_t x_row_bytes = 0, y_row_bytes = 0;
   int chunks = 1;                // ReduceScatter: blocks per destination rank
   std::vector<RowBlock> blocks;  // ReduceScatter: in enqueue order (chunks.h)
-  LtTransformDesc add;       // pipelined_ce ReduceScatter, groups over 2: y += received
+  LtTransformDesc add;       // ReduceScatter, groups over 2: y += received
   size_t partial_bytes = 0;  // ReduceScatter: the partial sums of all rows, [n, m]
   ncclDataType_t nccl_type = ncclFloat32;
 };
@@ -75,17 +76,16 @@ struct PipelineTarget {
   ncclComm_t comm;           // the project's own (split off cuBLASMp's): send/recv
   cudaStream_t comm_stream;
   // started: the call's stream -> comm_stream; arrived[s] (s = 1..P-1): the
-  // shard of step s is in (ReduceScatter, pipelined_ce: chunk s-1 is);
-  // arrived[0]: comm_stream's last work is done.
+  // shard of step s is in (ReduceScatter: chunk s-1 is); arrived[0]:
+  // comm_stream's last work is done.
   cudaEvent_t started;
   const CudaEvent* arrived;  // max(nranks, kMaxChunks + 1) of them
-  // computed[j]: chunk j's blocks for the peers are computed (pipelined_ce
-  // ReduceScatter); kMaxChunks of them. pipelined_ce AllGather: computed[0],
-  // x is in the window.
+  // computed[j]: chunk j's blocks for the peers are computed (ReduceScatter);
+  // kMaxChunks of them. pipelined_ce AllGather: computed[0], x is in the
+  // window.
   const CudaEvent* computed;
   ncclComm_t ce_comm;        // zero-CTA policy; pipelined_ce only
   char* window;              // symmetric on ce_comm; pipelined_ce only
-  char* partials;            // plan.partial_bytes; pipelined ReduceScatter only
   void* workspace;
   size_t workspace_bytes;
   int rank, nranks;
@@ -107,7 +107,8 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& call, int nranks
                          size_t workspace_bytes, const GemmTrial* trial, PipelinedPlan* plan);
 
 // Enqueues `call` on `run` (and target.comm_stream, joined back to `run`).
-// Collective: every rank of the group enqueues the same call.
+// Collective: every rank of the group enqueues the same call. A
+// GEMM+ReduceScatter must be pipelined_ce's (InvalidArgument otherwise).
 Status EnqueuePipelined(const PipelineTarget& target, const PipelinedPlan& plan,
                         const MatmulCall& call, cudaStream_t run);
 

@@ -53,6 +53,11 @@ Status CheckPlanAgreement(const std::vector<PlanKey>& keys);
 // leaves), then checks them as above.
 Status CheckGatheredPlanKeys(const unsigned char* gathered, int nranks);
 
+// Whether `op` runs algorithm `algorithm` (algorithms.h): InvalidArgument,
+// naming the algorithm and the ones `op` takes, for a number that is no
+// algorithm of the project's or for "pipelined" in a GEMM+ReduceScatter.
+Status CheckAlgorithm(CommOp op, int64_t algorithm);
+
 }  // namespace jax_comm_gemm
 
 #endif  // JAX_COMM_GEMM_PLAN_KEY_H_

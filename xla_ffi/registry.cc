@@ -21,7 +21,7 @@ Registry& Registry::Instance() {
   return *registry;
 }
 
-Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s,
+Status Registry::Connect(const std::vector<GroupSpec>& groups, double timeout_s,
                          double call_timeout_s, bool time_gemms) {
   std::vector<ContextRequest> requests;
   {
@@ -32,7 +32,7 @@ Status Registry::Connect(const std::vector<GroupSpec>& groups, Fence fence, doub
         if (contexts_.count({g.key, device})) continue;
         ContextOptions o;
         o.group = g.key, o.device = device, o.nranks = g.nranks, o.rank = rank;
-        o.fence = fence, o.call_timeout_s = call_timeout_s, o.time_gemms = time_gemms;
+        o.call_timeout_s = call_timeout_s, o.time_gemms = time_gemms;
         requests.push_back({o, g.id});
       }
     }

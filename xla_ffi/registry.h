@@ -21,7 +21,6 @@
 
 #include <nccl.h>
 
-#include "constants.h"
 #include "context.h"
 #include "status.h"
 #include "watchdog.h"
@@ -51,12 +50,12 @@ class Registry {
   static Registry& Instance();
 
   // Creates the contexts of `groups` that do not exist yet, concurrently (their
-  // set-up is collective); each orders its calls by `fence`, aborts a call
-  // that outlives `call_timeout_s`, and times its block GEMMs' candidates if
-  // `time_gemms` (ContextOptions). Fails, aborting what it made, if any member
-  // fails or the set-up outlasts `timeout_s`. Starts the watchdog.
-  Status Connect(const std::vector<GroupSpec>& groups, Fence fence, double timeout_s,
-                 double call_timeout_s, bool time_gemms);
+  // set-up is collective); each aborts a call that outlives `call_timeout_s`,
+  // and times its block GEMMs' candidates if `time_gemms` (ContextOptions).
+  // Fails, aborting what it made, if any member fails or the set-up outlasts
+  // `timeout_s`. Starts the watchdog.
+  Status Connect(const std::vector<GroupSpec>& groups, double timeout_s, double call_timeout_s,
+                 bool time_gemms);
 
   // `comm_id` on `device` runs on the context of group `group`.
   Status Bind(int64_t comm_id, const std::vector<std::pair<int, int64_t>>& device_groups);

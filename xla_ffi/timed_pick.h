@@ -13,8 +13,8 @@ namespace jax_comm_gemm {
 // a batch of about kTimedSampleSeconds of work, and leaves the first only for
 // one faster by more than kTimedMargin. On one H200 the fastest of the first 8
 // beat the first by 2-14% at most block GEMMs of the SP MLP steps in steady
-// state, and picks made so took one within 0-7% of it (benchmarks/
-// gemm_probe.py, GPU run 57).
+// state, and picks made so took one within 0-7% of it (measured with
+// benchmarks/gemm_probe.py: docs/performance.md).
 inline constexpr int kTimedCandidates = 8;
 inline constexpr int kTimedRounds = 5;
 inline constexpr double kTimedSampleSeconds = 2e-3;

@@ -1,4 +1,4 @@
-// ChunksFor and ReduceScatterBlocks: the pipelined GEMM+ReduceScatter's row
+// ChunksFor and ReduceScatterBlocks: the pipelined_ce GEMM+ReduceScatter's row
 // blocks cover x once, each block's sums land in its owner's rows, the order
 // is the same for every rank (it depends on the shape alone), and four chunks
 // are made only where a block's GEMM outlasts the host's enqueue of a chunk.

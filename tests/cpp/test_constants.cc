@@ -1,4 +1,6 @@
-// The shared names and numbers: what _constants exports and the handlers use.
+// The shared names and numbers: what _constants exports and the handlers use,
+// and which algorithms each operation takes (CheckAlgorithm, what the handlers
+// call before anything runs).
 #include <set>
 #include <string>
 
@@ -7,45 +9,49 @@
 #include "algorithms.h"
 #include "check.h"
 #include "constants.h"
+#include "plan_key.h"
 
 namespace jcg = jax_comm_gemm;
-
-TEST(FencesDefaultFirst) {
-  CHECK_EQ(std::string(jcg::kFences[0].name), std::string("isolated"));
-  CHECK_EQ(jcg::FenceList(),
-           std::string("isolated, own_stream, barrier, host, none"));
-}
-
-TEST(EveryFenceIsFoundByName) {
-  for (const jcg::FenceName& f : jcg::kFences) CHECK(jcg::FenceByName(f.name) == f.fence);
-  CHECK(!jcg::FenceByName("Isolated").has_value());
-  CHECK(!jcg::FenceByName("").has_value());
-}
+using jcg::CommOp;
+using jcg::Status;
 
 TEST(LayoutNumbers) {
+  CHECK_EQ(std::size(jcg::kLayouts), size_t{2});
   CHECK_EQ(static_cast<int>(jcg::kLayouts[0].layout), 0);
   CHECK_EQ(std::string(jcg::kLayouts[0].name), std::string("front"));
   CHECK_EQ(static_cast<int>(jcg::kLayouts[1].layout), 1);
   CHECK_EQ(std::string(jcg::kLayouts[1].name), std::string("tail"));
+  CHECK(jcg::LayoutByNumber(1) == jcg::GatheredLayout::kTail);
+  CHECK(!jcg::LayoutByNumber(2).has_value());
 }
 
-TEST(AlgorithmsAreCublasMpsEnum) {
-  auto name = [](int number) { return std::string(jcg::AlgorithmNameOf(number)); };
+TEST(AlgorithmsAreCublasMpsEnumAndTheOwnTwo) {
+  auto name = [](int64_t number) {
+    const char* n = jcg::AlgorithmNameOf(number);
+    return std::string(n != nullptr ? n : "<none>");
+  };
+  CHECK_EQ(std::size(jcg::kAlgorithms), size_t{4});
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT), std::string("default"));
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P), std::string("split_p2p"));
-  CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_MULTICAST), std::string("split_multicast"));
-  CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P), std::string("atomic_p2p"));
-  CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_MULTICAST), std::string("atomic_multicast"));
-  CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP), std::string("no_overlap"));
   CHECK_EQ(name(jcg::kPipelinedAlgorithm), std::string("pipelined"));
   CHECK_EQ(name(jcg::kPipelinedCeAlgorithm), std::string("pipelined_ce"));
   CHECK(jcg::IsPipelined(jcg::kPipelinedAlgorithm) && jcg::IsPipelined(jcg::kPipelinedCeAlgorithm));
   CHECK(!jcg::IsPipelined(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P));
-  // GEMM+AllReduce only: not offered.
-  CHECK(jcg::AlgorithmNameOf(CUBLASMP_MATMUL_ALGO_TYPE_FUSED) == nullptr);
-  CHECK(jcg::AlgorithmNameOf(-1) == nullptr);
+  CHECK(!jcg::IsPipelined(CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT));
+  // Not offered: the options no one should choose, and GEMM+AllReduce's FUSED.
+  for (int removed : {int{CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_MULTICAST},
+                      int{CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_P2P},
+                      int{CUBLASMP_MATMUL_ALGO_TYPE_ATOMIC_MULTICAST},
+                      int{CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP},
+                      int{CUBLASMP_MATMUL_ALGO_TYPE_FUSED}, -1}) {
+    CHECK(jcg::AlgorithmNameOf(removed) == nullptr);
+  }
+  // The own numbers are clear of cuBLASMp's enum.
+  for (int64_t own : {jcg::kPipelinedAlgorithm, jcg::kPipelinedCeAlgorithm}) {
+    CHECK(own > CUBLASMP_MATMUL_ALGO_TYPE_FUSED);
+  }
   std::set<std::string> names;
-  std::set<int> numbers;
+  std::set<int64_t> numbers;
   for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
     names.insert(a.name);
     numbers.insert(a.algorithm);
@@ -54,9 +60,40 @@ TEST(AlgorithmsAreCublasMpsEnum) {
   CHECK_EQ(numbers.size(), std::size(jcg::kAlgorithms));
 }
 
+TEST(EveryAlgorithmRunsTheAllGather) {
+  for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
+    CHECK(jcg::CheckAlgorithm(CommOp::kAllGather, a.algorithm).ok());
+  }
+}
+
+TEST(TheReduceScatterRefusesPipelinedByName) {
+  CHECK(!jcg::RunsReduceScatter(jcg::kPipelinedAlgorithm));
+  for (int64_t ok : {int64_t{CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT},
+                     int64_t{CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P}, jcg::kPipelinedCeAlgorithm}) {
+    CHECK(jcg::RunsReduceScatter(ok));
+    CHECK(jcg::CheckAlgorithm(CommOp::kReduceScatter, ok).ok());
+  }
+  const Status s = jcg::CheckAlgorithm(CommOp::kReduceScatter, jcg::kPipelinedAlgorithm);
+  CHECK(s.code() == Status::Code::kInvalidArgument);
+  CHECK_EQ(s.message(),
+           std::string("algorithm 'pipelined' does not run jax_comm_gemm_matmul_reduce_scatter: "
+                       "it takes default, split_p2p, pipelined_ce"));
+}
+
+TEST(UnknownAlgorithmsAreRefusedWithWhatIsOffered) {
+  const Status ag = jcg::CheckAlgorithm(CommOp::kAllGather, CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP);
+  CHECK(ag.code() == Status::Code::kInvalidArgument);
+  CHECK_EQ(ag.message(), std::string("unknown algorithm 5: jax_comm_gemm_all_gather_matmul takes "
+                                     "default, split_p2p, pipelined, pipelined_ce"));
+  const Status rs = jcg::CheckAlgorithm(CommOp::kReduceScatter, 102);
+  CHECK(rs.code() == Status::Code::kInvalidArgument);
+  CHECK_EQ(rs.message(), std::string("unknown algorithm 102: jax_comm_gemm_matmul_reduce_scatter "
+                                     "takes default, split_p2p, pipelined_ce"));
+}
+
 TEST(TargetNames) {
-  const std::string ag = jcg::kAllGatherMatmulTarget, rs = jcg::kMatmulReduceScatterTarget;
-  CHECK(ag != rs);
-  CHECK_EQ(ag.rfind("jax_comm_gemm_", 0), size_t{0});
-  CHECK_EQ(rs.rfind("jax_comm_gemm_", 0), size_t{0});
+  const std::string ag = jcg::kAllGatherMatmulTarget, rs = jcg::kMatmulReduceScatterTarget,
+                    wg = jcg::kAllGatherMatmulWeightGradientTarget;
+  CHECK(ag != rs && ag != wg && rs != wg);
+  for (const std::string& t : {ag, rs, wg}) CHECK_EQ(t.rfind("jax_comm_gemm_", 0), size_t{0});
 }

@@ -6,6 +6,7 @@
 #include <cublasmp.h>
 #include <library_types.h>
 
+#include "algorithms.h"
 #include "check.h"
 #include "plan_key.h"
 
@@ -71,13 +72,21 @@ TEST(RanksWithTheSameValueAreGrouped) {
 TEST(EveryDifferingFieldIsNamed) {
   PlanKey other = Sample();
   other.dtype = CUDA_R_32F;
-  other.algorithm = CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP;
+  other.algorithm = jax_comm_gemm::kPipelinedCeAlgorithm;
   other.transpose_w = true;
   const Status s = CheckPlanAgreement({Sample(), other});
   CHECK_EQ(s.message(),
            "plan mismatch in the group: dtype: rank 0 has bfloat16, rank 1 has float32; "
            "transpose_w: rank 0 has false, rank 1 has true; "
-           "algorithm: rank 0 has split_p2p, rank 1 has no_overlap" + kAdvice);
+           "algorithm: rank 0 has split_p2p, rank 1 has pipelined_ce" + kAdvice);
+}
+
+TEST(AnAlgorithmNotOfferedIsNamedByNumber) {
+  PlanKey other = Sample();
+  other.algorithm = CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP;  // a build that still offers it
+  CHECK_EQ(CheckPlanAgreement({Sample(), other}).message(),
+           "plan mismatch in the group: algorithm: rank 0 has split_p2p, rank 1 has algorithm 5" +
+               kAdvice);
 }
 
 TEST(AFusedWeightGradientOnOneRankIsNamed) {
