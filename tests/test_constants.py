@@ -1,12 +1,16 @@
-"""Every value that Python and the C++ extension share is defined once.
+"""Python's table of shared values agrees with the C++ extension's own.
 
-Python keeps one table (``jax_comm_gemm.runtime.constants``); the extension's
-own definitions come from ``jax_comm_gemm._constants``, a module that loads
-without a GPU. Where CI builds the extension (JCG_REQUIRE_EXTENSION=1), the
-module must import, answer, and agree with the table.
+``jax_comm_gemm.runtime.constants`` is Python's table; ``jax_comm_gemm._constants``
+exports what the handlers are compiled with (xla_ffi/constants.h and
+algorithms.h), and that module loads without a GPU. Each test compares the two
+sides, or one of them with cuBLASMp's header, so that a number or name changed
+on one side only fails here. Where CI builds the extension
+(JCG_REQUIRE_EXTENSION=1), the module must import and answer.
 """
 
 import os
+import pathlib
+import re
 
 import pytest
 
@@ -14,6 +18,9 @@ from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS
 from jax_comm_gemm.runtime import constants, native
 
 REQUIRED = os.environ.get("JCG_REQUIRE_EXTENSION") == "1"
+# Every table the extension exports; a new one needs a Python counterpart here.
+EXPORTED = {"targets", "algorithms", "reduce_scatter_algorithms", "cublasmp_algorithm_types",
+            "layouts"}
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +41,68 @@ def test_extension_was_built():
   assert native.load_constants() is not None
 
 
-@pytest.mark.parametrize("name, table", [
-    ("targets", constants.TARGETS),
-    ("algorithms", constants.ALGORITHMS),
-    ("layouts", constants.GATHERED_LAYOUTS),
-])
-def test_tables_agree(extension, name, table):
-  assert dict(extension[name]) == table, f"{name}: C++ {extension[name]} vs Python {table}"
+def test_the_extension_exports_the_tables_compared_here(extension):
+  assert set(extension) == EXPORTED
 
 
-def test_fences_agree_in_order(extension):
-  """The fence list, default first, is the same on both sides."""
-  assert tuple(extension["fences"]) == constants.FENCES
+def test_targets_agree(extension):
+  """The FFI target names Python registers and lowers to are the handlers'."""
+  assert dict(extension["targets"]) == constants.TARGETS
 
 
-def test_multicast_algorithms_exist():
-  assert constants.MULTICAST_ALGORITHMS <= set(constants.ALGORITHMS)
+def test_algorithm_names_and_numbers_agree(extension):
+  """Each algorithm name has the number the handlers take, on both sides, and
+  neither side offers one the other does not."""
+  assert dict(extension["algorithms"]) == constants.ALGORITHMS
 
 
-def test_own_algorithms_exist_and_run_all_gather_only():
-  assert constants.OWN_ALGORITHMS <= set(constants.ALGORITHMS) <= set(REDUCE_SCATTER_IMPLS)
-  assert set(constants.UNSAFE_FENCES) <= set(constants.FENCES)
+def test_layouts_agree(extension):
+  """The `layout` attribute's numbers are the handlers' GatheredLayout values."""
+  assert dict(extension["layouts"]) == constants.GATHERED_LAYOUTS
+
+
+def test_reduce_scatter_algorithms_agree(extension):
+  """The algorithms the GEMM+ReduceScatter handler accepts are those Python
+  offers for it: in constants, and as CommGemmConfig's fused choices."""
+  assert tuple(extension["reduce_scatter_algorithms"]) == constants.REDUCE_SCATTER_ALGORITHMS
+  fused = tuple(i for i in REDUCE_SCATTER_IMPLS if i in constants.ALGORITHMS)
+  assert fused == constants.REDUCE_SCATTER_ALGORITHMS
+
+
+def test_cublasmp_algorithms_are_cublasmps_enum_values(extension):
+  """cuBLASMp's algorithms carry cublasMpMatmulAlgoType_t's values, by name
+  ("split_p2p" is CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P); the own ones, and only
+  they, are numbered clear of that enum."""
+  enum = dict(extension["cublasmp_algorithm_types"])
+  for name, number in constants.ALGORITHMS.items():
+    if name in constants.OWN_ALGORITHMS:
+      assert number not in enum.values(), f"{name}={number} collides with cuBLASMp's enum"
+    else:
+      assert enum.get(name.upper()) == number, f"{name}={number}, cuBLASMp's enum: {enum}"
+  clear = {name for name, number in extension["algorithms"].items()
+           if number not in enum.values()}
+  assert clear == constants.OWN_ALGORITHMS
+
+
+def _cublasmp_header() -> pathlib.Path | None:
+  try:
+    import nvidia  # noqa: PLC0415
+  except ImportError:
+    return None
+  for base in nvidia.__path__:
+    for found in sorted(pathlib.Path(base).glob("cublasmp/*/include/cublasmp.h")):
+      return found
+  return None
+
+
+def test_the_exported_enum_is_cublasmp_h(extension):
+  """The enum the extension exports is the one in the cuBLASMp wheel's
+  cublasmp.h, read as text: the extension's copy of it cannot drift."""
+  header = _cublasmp_header()
+  if header is None:
+    pytest.skip("no cuBLASMp wheel with its header here")
+  text = header.read_text()
+  in_header = {m[1]: int(m[2]) for m in
+               re.finditer(r"CUBLASMP_MATMUL_ALGO_TYPE_(\w+)\s*=\s*(\d+)", text)}
+  assert in_header, f"no cublasMpMatmulAlgoType_t values found in {header}"
+  assert dict(extension["cublasmp_algorithm_types"]) == in_header

@@ -5,6 +5,7 @@ why"; the cuBLASMp primitives, lowered for CPU, fall back to XLA's collectives;
 the backend choice follows the config and the environment variable.
 """
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,10 @@ from conftest import cpu_mesh
 from fused_emulation import EmulatedFusedBackend, random_inputs
 from jax_comm_gemm import CommGemmConfig, XlaBackend, resolve_backend
 from jax_comm_gemm.backends import primitives
+from jax_comm_gemm.runtime import plan as plan_lib
+from jax_comm_gemm.runtime.constants import ALGORITHMS
+from jax_comm_gemm.runtime.registry import REGISTRY
+from jax_comm_gemm.runtime.settings import Settings
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu",
                                 reason="checks the behaviour without GPUs")
@@ -33,8 +38,6 @@ def test_cublasmp_status_gives_reason():
   assert not status.ok
   assert isinstance(status.reason, str) and status.reason
   assert "cpu" in status.reason.lower()
-
-
 
 
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["w", "wT"])
@@ -76,7 +79,7 @@ def test_ffi_matmul_reduce_scatter_falls_back_on_cpu(transpose_w):
 
   def local(x, w):
     return primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
-                                         algorithm=5)
+                                         algorithm=ALGORITHMS["pipelined_ce"])
 
   w_spec = P(None, "tp") if transpose_w else P("tp", None)
   fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tp"), w_spec),
@@ -98,19 +101,26 @@ def test_auto_backend_is_xla_on_cpu():
 
 @pytest.mark.parametrize("backend", ["cublasmp", "auto", EmulatedFusedBackend()],
                          ids=["cublasmp", "auto", "instance"])
-def test_environment_forces_xla(monkeypatch, backend):
+def test_environment_forces_xla(backend):
   """JAX_COMM_GEMM_BACKEND=xla overrides any configured backend (A/B runs),
-  even a request for cuBLASMp that could not be met."""
-  monkeypatch.setenv("JAX_COMM_GEMM_BACKEND", " XLA ")
-  assert resolve_backend(CommGemmConfig(backend=backend)) == XlaBackend()
+  even a request for cuBLASMp that could not be met. The variable is read once,
+  into the routing plan (at connect or first use), so the test runs under a
+  plan made from it."""
+  def plan(environ):
+    return dataclasses.replace(REGISTRY.plan(), settings=Settings.from_environ(environ))
+
+  with plan_lib.use(plan({"JAX_COMM_GEMM_BACKEND": " XLA "})):
+    assert resolve_backend(CommGemmConfig(backend=backend)) == XlaBackend()
+  with plan_lib.use(plan({})), pytest.raises(RuntimeError, match="cuBLASMp is unavailable"):
+    resolve_backend(CommGemmConfig(backend="cublasmp"))  # not forced: the request stands
 
 
 def test_fused_options_on_xla_say_so(monkeypatch):
   """A cuBLASMp option does nothing where the layers run on XLA, and a warning
   says which option and why."""
   monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
-  config = CommGemmConfig(reduce_scatter="ring", all_gather_algorithm="no_overlap")
-  with pytest.warns(RuntimeWarning, match=r"CommGemmConfig\(all_gather_algorithm='no_overlap', "
+  config = CommGemmConfig(reduce_scatter="ring", all_gather_algorithm="pipelined_ce")
+  with pytest.warns(RuntimeWarning, match=r"CommGemmConfig\(all_gather_algorithm='pipelined_ce', "
                     r"reduce_scatter='ring'\) has no effect: the layers run on XLA's "
                     r"collectives \(cuBLASMp is unavailable: "):
     assert resolve_backend(config) == XlaBackend()
