@@ -2,10 +2,11 @@
 # Reproduces the one-process-per-GPU job of the GPU suite (every check of
 # tests/gpu/checks.py, in order) with a short call deadline, autotune's batch
 # log, and a watcher that dumps every thread's native stack (gdb, if the
-# machine has it) once the workers' logs stop growing. For the hang seen in
-# autotune_step after the whole suite (GPU runs 18 and 25), which the check
-# alone did not reproduce (run 19).
-# Usage: tests/gpu/diagnose_hang.sh OUT_DIR [CHECKS]   (after source .device/setup.sh)
+# machine has it) once the workers' logs stop growing. For a hang that only
+# shows after many checks (one was seen in autotune_step at the end of the
+# whole suite, and not with that check alone).
+# Usage: tests/gpu/diagnose_hang.sh OUT_DIR [CHECKS]
+# (on a machine with two GPUs and the project installed; docs/gpu-testing.md)
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out"

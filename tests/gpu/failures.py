@@ -4,7 +4,7 @@ the GPU machine") and prints one line ``JCG_RESULT {json}`` per scenario.
 Usage: failures.py --scenarios a,b [--runs R] [--process-id I --num-processes N --port P]
 With --num-processes > 1 each process drives one GPU (local_device_ids=[I]);
 without, one process drives every GPU. test_gpu_failures.py launches the jobs,
-sets each process's environment (fence, JAX_COMM_GEMM_TIMEOUT), kills the
+sets each process's environment (JAX_COMM_GEMM_TIMEOUT and the like), kills the
 victim of the "kill" scenario and asserts on the JSON lines.
 
 Every scenario is bounded: a Guard dumps every thread's stack and leaves with
@@ -12,8 +12,9 @@ os._exit(3) when one does not finish in time, after printing its result line
 with "hung": true; faulthandler bounds the whole process (JCG_HANG_DUMP_S).
 
 Scenarios (M: one process per GPU, S: one process for all GPUs):
-  fence          M  connect with a fence that differs per process (set by the
-                    parent): DisagreementError in both, before any collective.
+  disagree       M  connect with a setting that every process must share
+                    (JAX_COMM_GEMM_TIMEOUT) set differently per process by the
+                    parent: DisagreementError in both, before any collective.
   shapes         M  the fused AllGather+GEMM with a different token count on
                     each rank: the plan-mismatch error on both; the contexts stay
                     healthy; then the right call gives the right numbers.
@@ -282,13 +283,13 @@ def contexts_summary() -> list[dict]:
 
 # --- the scenarios ------------------------------------------------------------------
 
-def scenario_fence(ctx) -> dict:
-  """connect() with a fence that differs between the processes."""
+def scenario_disagree(ctx) -> dict:
+  """connect() with a shared setting that differs between the processes."""
   import jax_comm_gemm as jcg  # noqa: PLC0415
   from jax_comm_gemm.runtime import settings  # noqa: PLC0415
   from jax_comm_gemm.runtime.agreement import DisagreementError  # noqa: PLC0415
   start = time.perf_counter()
-  out = {"fence": os.environ.get(settings.FENCE, "")}
+  out = {"setting": os.environ.get(settings.CALL_TIMEOUT, "")}
   try:
     status = jcg.connect(ctx.mesh, "tp")
   except Exception as e:  # noqa: BLE001
@@ -416,7 +417,7 @@ def scenario_kill(ctx) -> dict:
   import checks  # noqa: PLC0415
   import jax_comm_gemm as jcg  # noqa: PLC0415
   from jax_comm_gemm import hlo  # noqa: PLC0415
-  from jax_comm_gemm.runtime import settings  # noqa: PLC0415
+  from jax_comm_gemm.runtime import REGISTRY  # noqa: PLC0415
   n, d, f = 4096, 1024, 4096
   config = jcg.CommGemmConfig(backend="cublasmp", reduce_scatter="split_p2p")
   step = _train_step(ctx.mesh, config, keep=True)
@@ -428,7 +429,8 @@ def scenario_kill(ctx) -> dict:
   counts = hlo.count_collectives(compiled.as_text())
   step = compiled
   out = {"role": "survivor" if ctx.pid == 0 else "victim",
-         "call_timeout_s": settings.call_timeout_s(), "collectives": str(counts),
+         "call_timeout_s": REGISTRY.plan().settings.call_timeout_s,
+         "collectives": str(counts),
          "distributed_kwargs": ctx.distributed_kwargs, "jax": jax.__version__}
   progress = {"step": 0}
   out_ref = out
@@ -494,9 +496,9 @@ def scenario_one_rank(ctx) -> dict:
 
   import checks  # noqa: PLC0415
   import jax_comm_gemm as jcg  # noqa: PLC0415
-  from jax_comm_gemm.runtime import REGISTRY, settings  # noqa: PLC0415
+  from jax_comm_gemm.runtime import REGISTRY  # noqa: PLC0415
   from jax_comm_gemm.runtime.constants import TARGETS  # noqa: PLC0415
-  deadline = settings.call_timeout_s()
+  deadline = REGISTRY.plan().settings.call_timeout_s
   f = ag_fn(ctx.mesh, jcg.CommGemmConfig(backend="cublasmp"))
   x, w, ref = ag_inputs(ctx.mesh, 50, 512)
   warm = timed_call(f, x, w)
@@ -659,7 +661,7 @@ def scenario_stress(ctx) -> dict:
 
 
 SCENARIOS = {
-    "fence": scenario_fence,
+    "disagree": scenario_disagree,
     "shapes": scenario_shapes,
     "shapes_cached": scenario_shapes_cached,
     "kill": scenario_kill,
@@ -667,8 +669,8 @@ SCENARIOS = {
     "poll_growth": scenario_poll_growth,
     "stress": scenario_stress,
 }
-NO_CONNECT = ("fence",)  # they call connect themselves
-GUARD_S = {"fence": 60, "shapes": 90, "shapes_cached": 120, "kill": 200, "one_rank": 200,
+NO_CONNECT = ("disagree",)  # they call connect themselves
+GUARD_S = {"disagree": 60, "shapes": 90, "shapes_cached": 120, "kill": 200, "one_rank": 200,
            "poll_growth": 200, "stress": 240}
 
 

@@ -1,12 +1,17 @@
 """The stress check (issue 8): many MLP forward+backward runs on the cuBLASMp
 backend, each on fresh random inputs and checked per row against a
-high-precision reference, in whichever fence this process's connect took.
+high-precision reference. A race between a fused call and the XLA work around
+it, or a peer's next call, shows up as an occasional wrong run, not as an
+error: the one ordering the extension uses (docs/design.md#ordering-against-xla-the-fence)
+must give none.
 
 Three programs are compiled once, at n x d x f = 1024 x 512 x 1024 in bf16:
-the inputs (from a run index), the fused step (one per variant of
-checks.check_mlp_repeated: plain, keep_gathered_input, a cuBLASMp
-reduce-scatter, the project's own pipelined and pipelined_ce AllGather+GEMMs,
-whose cross-call safety rests on NCCL ordering its transfers) and the check (a float32 reference at HIGHEST precision
+the inputs (from a run index), the fused step (one per variant: plain,
+keep_gathered_input, no reuse of the gathered operand, cuBLASMp's split_p2p
+GEMM+ReduceScatter, the project's own
+pipelined and pipelined_ce AllGather+GEMMs, whose cross-call safety rests on
+NCCL ordering their transfers, and pipelined_ce for both ops) and the check
+(a float32 reference at HIGHEST precision
 through XLA's own collectives, then checks.rel_err's per-row measure: max
 |error| in a row of a shard's block over max |reference| in that row, worst
 row over all shards). Runs are dispatched in chunks without waiting, so the
@@ -37,10 +42,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import checks  # noqa: E402
 
 VARIANTS = {"plain": {}, "keep_input": {"keep": True}, "no_reuse": {"reuse_gathered": False},
-            "rs_no_overlap": {"reduce_scatter": "no_overlap"},
+            "rs_split_p2p": {"reduce_scatter": "split_p2p"},
             "pipelined": {"all_gather_algorithm": "pipelined"},
             "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
-            "rs_pipelined": {"reduce_scatter": "pipelined"},
             "own_ce": {"all_gather_algorithm": "pipelined_ce", "reduce_scatter": "pipelined_ce"}}
 IN_SPECS, OUT_SPECS = checks.MLP_IN_SPECS, checks.MLP_OUT_SPECS
 OUTPUTS = ("y", "dx", "dw1", "dw2")
@@ -118,7 +122,6 @@ def run_stress(mesh, runs: int = 500, *, n: int = 1024, d: int = 512, f: int = 1
                dtype: str = "bf16") -> dict:
   """`runs` MLP forward+backward runs, variants in turn; returns counts and
   the wrong runs (`ok` is whether none was wrong)."""
-  from jax_comm_gemm.runtime import settings  # noqa: PLC0415
   if variants is None and os.environ.get("JCG_STRESS_VARIANTS"):  # e.g. cuBLASMp's only
     variants = {name: VARIANTS[name] for name in os.environ["JCG_STRESS_VARIANTS"].split(",")}
   variants = dict(variants or VARIANTS)
@@ -179,7 +182,6 @@ def run_stress(mesh, runs: int = 500, *, n: int = 1024, d: int = 512, f: int = 1
   run_s = time.perf_counter() - run_start
   return {
       "ok": not wrong and not disagreements,
-      "fence": settings.fence(),
       "runs": runs,
       "wrong": len(wrong),
       "rate": len(wrong) / max(runs, 1),

@@ -5,13 +5,12 @@ and the 500-run stress check.
 Each job below runs tests/gpu/failures.py in one process per GPU or in one
 process for both GPUs, with a hard timeout after which every process of the
 job is killed; the logs are kept (JCG_GPU_LOG_DIR, else a temporary folder),
-and stress.log / failures_summary.log there collect the stress counts (the
-default fence and fence `none` side by side) and what the kill scenario found.
-Without two GPUs or without the built extension the tests skip, saying why.
+and stress.log / failures_summary.log there collect the stress counts and what
+the kill scenario found. Without two GPUs or without the built extension the
+tests skip, saying why.
 
-Knobs: JCG_STRESS_RUNS (default 500), JCG_STRESS_NONE_RUNS (runs with fence
-`none`, default the same), JCG_FAILURE_JOB_SCALE (multiplies every job's
-timeout).
+Knobs: JCG_STRESS_RUNS (default 500), JCG_FAILURE_JOB_SCALE (multiplies every
+job's timeout).
 
 Longer than 300 lines because each scenario's launch, time limits and assertions sit beside each other.
 """
@@ -27,7 +26,6 @@ import warnings
 
 import pytest
 
-from jax_comm_gemm.runtime.constants import FENCES
 from tests.gpu import checks
 from tests.gpu.machine import free_port, skip_reason
 
@@ -37,7 +35,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "failures.py")
 RESULT_PREFIX = "JCG_RESULT "
 KILL_MARKER = "JCG_KILL_ME"
-FENCE, ALLOW_UNSAFE = "JAX_COMM_GEMM_FENCE", "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE"
 CALL_TIMEOUT, CONNECT_TIMEOUT = "JAX_COMM_GEMM_TIMEOUT", "JAX_COMM_GEMM_CONNECT_TIMEOUT"
 KILL_DEADLINE_S = 10      # JAX_COMM_GEMM_TIMEOUT of the kill job
 SHORT_DEADLINE_S = 5      # JAX_COMM_GEMM_TIMEOUT of the one-rank and cached-shape jobs
@@ -46,17 +43,13 @@ SENTINEL_GRACE_S = 3      # JAX_COMM_GEMM_ABORT_GRACE of the kill_sentinel job
 ABORT_GRACE = "JAX_COMM_GEMM_ABORT_GRACE"
 JAX_OWN_ABORT_S = 65      # measured: jax's coordination service aborts the survivor
 STRESS_RUNS = int(os.environ.get("JCG_STRESS_RUNS", "500"))
-NONE_RUNS = int(os.environ.get("JCG_STRESS_NONE_RUNS", str(STRESS_RUNS)))
 SCALE = float(os.environ.get("JCG_FAILURE_JOB_SCALE", "1"))
-DEFAULT_FENCE = FENCES[0]
 
 # name: (processes, scenarios, environment of each process, timeout s, extra args)
 JOBS = {
-    "fence": (2, "fence", [{FENCE: "isolated"}, {FENCE: "barrier"}], 90, []),
+    "disagree": (2, "disagree", [{CALL_TIMEOUT: "60"}, {CALL_TIMEOUT: "90"}], 90, []),
     "multi_default": (2, "shapes,stress", [{CALL_TIMEOUT: "60"}] * 2, 240,
                       ["--runs", str(STRESS_RUNS)]),
-    "multi_none": (2, "stress", [{FENCE: "none", ALLOW_UNSAFE: "1"}] * 2, 200,
-                   ["--runs", str(NONE_RUNS)]),
     "kill": (2, "kill", [{CALL_TIMEOUT: str(KILL_DEADLINE_S)}] * 2, 180, []),
     # The same, with the library's sentinel and no poller of the test's own.
     "kill_sentinel": (2, "kill", [{CALL_TIMEOUT: str(KILL_DEADLINE_S),
@@ -68,8 +61,6 @@ JOBS = {
                                   ABORT_GRACE: str(SENTINEL_GRACE_S)}] * 2, 150, []),
     "shapes_cached": (2, "shapes_cached", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S)}] * 2, 150, []),
     "single_default": (1, "stress,poll_growth", [{}], 240, ["--runs", str(STRESS_RUNS)]),
-    "single_none": (1, "stress", [{FENCE: "none", ALLOW_UNSAFE: "1"}], 200,
-                    ["--runs", str(NONE_RUNS)]),
 }
 
 
@@ -96,8 +87,8 @@ def _worker_env(overrides: dict, timeout_s: float) -> dict:
                               if "xla_force_host_platform_device_count" not in f)
   if not env["XLA_FLAGS"]:
     del env["XLA_FLAGS"]  # set but blank makes XLA abort
-  for name in (FENCE, ALLOW_UNSAFE, CALL_TIMEOUT, "JAX_COMM_GEMM_BACKEND"):
-    env.pop(name, None)
+  for name in [n for n in env if n.startswith("JAX_COMM_GEMM_")]:
+    env.pop(name)  # each job sets what it tests; an unknown name would fail connect
   env[CONNECT_TIMEOUT] = "60"
   env["PYTHONUNBUFFERED"] = "1"
   env["JCG_HANG_DUMP_S"] = str(max(20, int(timeout_s) - 10))  # stacks before the kill
@@ -205,15 +196,14 @@ def _why(job: dict, pid: int, r: dict) -> str:
 
 # --- the tests ---------------------------------------------------------------------
 
-def test_mismatched_fence_is_an_error_on_both():
-  job = _job("fence")
+def test_mismatched_setting_is_an_error_on_both():
+  job = _job("disagree")
   messages = []
   for pid in range(2):
-    r, p = _result(job, pid, "fence"), job["processes"][pid]
+    r, p = _result(job, pid, "disagree"), job["processes"][pid]
     why = _why(job, pid, r)
     assert r["raised"] == "DisagreementError" and r["is_disagreement"], why
-    for part in ("JAX_COMM_GEMM_FENCE differs", "'isolated'", "'barrier'", "process 0",
-                 "process 1"):
+    for part in ("JAX_COMM_GEMM_TIMEOUT differs", "'60'", "'90'", "process 0", "process 1"):
       assert part in r["message"], f"{part!r} missing: {why}"
     assert r["t_error"] - p["t_launch"] < 30, f"error after {r['t_error'] - p['t_launch']:.1f} s: {why}"
     assert r["contexts"] == [], f"contexts made despite the disagreement: {why}"
@@ -362,7 +352,7 @@ def test_polling_contexts_during_workspace_growth_does_not_deadlock():
 
 
 def _stress_line(mode: str, r: dict) -> str:
-  return (f"stress {mode} fence={r.get('fence')}: {r.get('wrong')} wrong of {r.get('runs')} "
+  return (f"stress {mode}: {r.get('wrong')} wrong of {r.get('runs')} "
           f"({100 * r.get('rate', 0):.2f}%), per variant {r.get('per_variant')}, host float64 "
           f"checks {r.get('host_checks')} ({r.get('host_checks_wrong')} wrong, "
           f"{len(r.get('host_disagreements') or [])} disagreeing), worst right-run error "
@@ -371,14 +361,14 @@ def _stress_line(mode: str, r: dict) -> str:
 
 
 @pytest.mark.parametrize("mode", ["multi_process", "single_process"])
-def test_stress_default_fence_all_right(mode):
+def test_stress_all_right(mode):
+  """STRESS_RUNS MLP runs, every one right, under the one ordering there is."""
   job = _job("multi_default" if mode == "multi_process" else "single_default")
   for pid in range(len(job["processes"])):
     r = _result(job, pid, "stress")
     why = _why(job, pid, r)
     assert "runs" in r, why
     _summary(f"process {pid}: " + _stress_line(mode, r), "stress.log")
-    assert r["fence"] == DEFAULT_FENCE, why
     assert r["runs"] >= STRESS_RUNS, why
     assert r["wrong"] == 0, f"{r['wrong']} wrong runs: {why}"
     assert r["host_checks"] > 0 and r["host_checks_wrong"] == 0, why
@@ -386,18 +376,3 @@ def test_stress_default_fence_all_right(mode):
     assert r["ok"], why
   for pid, p in enumerate(job["processes"]):
     assert p["rc"] == 0, f"process {pid} rc {p['rc']}:\n{p['tail']}"
-
-
-@pytest.mark.parametrize("mode", ["multi_process", "single_process"])
-def test_stress_fence_none_rate_is_logged(mode):
-  """Fence `none` is kept for investigation only: its wrong runs are
-  expected; the test records the rate beside the default fence's."""
-  job = _job("multi_none" if mode == "multi_process" else "single_none")
-  lines = []
-  for pid in range(len(job["processes"])):
-    r = _result(job, pid, "stress")
-    assert "runs" in r, _why(job, pid, r)
-    assert r["fence"] == "none", _why(job, pid, r)
-    lines.append(_stress_line(mode, r))
-    _summary(f"process {pid}: " + lines[-1], "stress.log")
-  warnings.warn(" | ".join(lines))
