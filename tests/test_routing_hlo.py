@@ -5,7 +5,9 @@ cuBLASMp custom calls, the collectives inside the "fused ops" carry the
 ``fused_emulation`` scope; every all-gather outside it is a standalone
 ``lax.all_gather`` that the routing emitted. Counted in the compiled
 ``jax.jit(jax.value_and_grad(loss))`` of a whole forward+backward pass, the
-standalone all-gathers follow the table of DESIGN.md (Data flow).
+standalone all-gathers follow the reuse of the gathered operand
+(docs/design.md, "The gathered operand and its layout") as
+``diagnostics.report.expected_all_gathers`` counts them.
 """
 
 import jax
@@ -109,7 +111,8 @@ def test_row_parallel_all_gathers(config, standalone):
 def test_mlp_all_gathers(config, keep, standalone):
   """MLP block, forward+backward: 2 fused AllGather+GEMMs (fc1 forward, fc2
   dgrad), 2 fused GEMM+ReduceScatters (fc2 forward, fc1 dgrad) and the
-  standalone all-gathers of DESIGN.md's table."""
+  standalone all-gathers that ``diagnostics.report.expected_all_gathers``
+  expects (docs/design.md, "The gathered operand and its layout")."""
   total, fused, lines = _mlp_counts(config, keep)
   assert fused.all_gather == 2, lines
   assert total.all_gather - fused.all_gather == standalone, lines
@@ -139,7 +142,7 @@ def test_xla_backend_mlp_matches_pure_jax_all_gather_count(keep):
   """With XLA's own collectives, the MLP forward+backward has no more than the
   2 all-gathers of autodiff of plain shard_map(all_gather -> dot)."""
   pure = _pure_jax_mlp_all_gathers()
-  assert pure == 2  # DESIGN.md: "2 all-gathers in a whole SP-MLP forward+backward"
+  assert pure == 2  # as diagnostics.report.expected_all_gathers says for XLA's path
   total, fused, lines = _mlp_counts(CommGemmConfig(backend="xla"), keep)
   assert fused.all_gather == 0, lines
   assert total.all_gather <= pure, lines
