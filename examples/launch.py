@@ -79,13 +79,13 @@ def join(process_id: int, n: int, port: int) -> None:
 def leave() -> None:
   """Ends a process that join() started, without error lines: every process
   waits for the others, releases the cuBLASMp contexts (collective) while all
-  are there, drops jax's compiled programs and backends, and only then stops
-  jax.distributed. A PjRt client still alive when its coordination agent stops
-  logs "WatchTasksAsync failed ... CANCELLED", then "UNAVAILABLE" once the
-  leader's service is gone (jax 0.11.2 on the GPU machine, GPU run 15)."""
+  are there, drops jax's backends (and with them the programs compiled for
+  them), and only then stops jax.distributed. A PjRt client still alive when
+  its coordination agent stops logs "WatchTasksAsync failed ... CANCELLED",
+  then "UNAVAILABLE" once the leader's service is gone (seen with jax 0.11.2
+  on GPUs)."""
   multihost_utils.sync_global_devices("jax_comm_gemm leave")
   jcg.REGISTRY.shutdown()
-  jax.clear_caches()
   jax.extend.backend.clear_backends()
   gc.collect()
   jax.distributed.shutdown()
