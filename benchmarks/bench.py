@@ -14,17 +14,17 @@ Ops (each one function registered with @op; `--ops` picks):
 The fwd+bwd ops take random cotangents (never a sum's constant ones). The floor
 runs the same local GEMMs on pre-gathered inputs, with no communication.
 
-Variants: auto, cublasmp_<algorithm> (split_p2p, default, atomic_p2p, no_overlap;
-for matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
-all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter; cublasmp_rs_ring:
-the fused all-gather with the ring reduce-scatter; cublasmp_rs_pipelined: with
-the project's own GEMM+ReduceScatter), pipelined and pipelined_ce (the project's
-own AllGather+GEMMs; the layers' reduce-scatter as configured; for
-matmul_reduce_scatter, the project's own GEMM+ReduceScatters), pipelined_all and
-pipelined_ce_all (the project's own, both ops), <variant>_fused (the layers
-with fuse_weight_gradient=True: the weight gradient computed inside the
-AllGather+GEMM from the gathered operand in place; <variant>_copy, False, names
-the copy path where it was not the default: runs 36-37),
+Variants: auto, cublasmp_<algorithm> (split_p2p, default; for
+matmul_reduce_scatter the reduce-scatter's algorithm, for the layers the
+all-gather's), cublasmp_rs_<algorithm> (the layers' forward reduce-scatter;
+cublasmp_rs_ring: the fused all-gather with the ring reduce-scatter;
+cublasmp_rs_pipelined_ce: with the project's own GEMM+ReduceScatter), pipelined
+and pipelined_ce (the project's own AllGather+GEMMs; the layers' reduce-scatter
+as configured; for matmul_reduce_scatter, pipelined_ce alone: the own
+GEMM+ReduceScatter), pipelined_ce_all (the project's own, both ops),
+<variant>_fused (the layers with fuse_weight_gradient=True: the weight gradient
+computed inside the AllGather+GEMM from the gathered operand in place;
+<variant>_copy, False, names the copy path where it is not the default),
 ring (backend="ring": both ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
 (backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole
 step), pure_jax (autodiff of shard_map all_gather -> dot / dot -> psum_scatter),
@@ -44,13 +44,13 @@ Modes:
   --cpu-smoke              tiny shapes on 2 CPU devices, ring/xla/pure_jax/floor
   --spawn N                one process per GPU (jax.distributed on 127.0.0.1)
 
-Examples (GPU machine, after `source .device/setup.sh`):
+Examples (a GPU machine set up as docs/gpu-testing.md says):
   python3 benchmarks/bench.py --out /tmp/project.json --budget 300
   python3 benchmarks/bench.py --out /tmp/p.json --quick --ops all_gather_matmul
   python3 benchmarks/bench.py --ops none --profile ag:4096x4096x4096:auto
   JAX_PLATFORMS=cpu python3 benchmarks/bench.py --cpu-smoke --out /tmp/smoke.json
 
-Longer than 300 lines because it is the one script a device command runs for the project's side: every op is one @op function, the rest is the run's bookkeeping (budget, watchdog, resume), which splits poorly.
+Longer than 300 lines because it is the one script run_all.sh runs for the project's side: every op is one @op function, the rest is the run's bookkeeping (budget, watchdog, resume), which splits poorly.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from harness import parse_shape, say, shape_str, short_error  # noqa: E402
 
 AXIS = "tp"
 WINDOWED_FLAG = "--xla_gpu_threshold_for_windowed_einsum_mib=0"
-AG_ALGOS = ("split_p2p", "default", "atomic_p2p", "no_overlap")  # never multicast
+AG_ALGOS = ("split_p2p", "default")  # cuBLASMp's, as the project offers them
 
 # ----------------------------------------------------------------------------
 # Op registry: adding an op is one function with @op(...).
@@ -133,23 +133,22 @@ ROW_SHAPES = tuple((n, f, d) for n, d, f in MLP_SHAPES)
 AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
-    "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
+    "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 # <variant>_fused: the same with fuse_weight_gradient=True (the weight gradient
 # inside the AllGather+GEMM, no copy of the gathered operand), beside the default.
 ROW_VARIANTS = ("auto", "auto_fused", "auto_no_reuse", "cublasmp_split_p2p",
-                "cublasmp_split_p2p_fused", "cublasmp_no_overlap",
-                "pipelined", "pipelined_ce", "pipelined_ce_fused", "ring", "cublasmp_rs_ring",
-                "cublasmp_rs_default", "cublasmp_rs_pipelined", "cublasmp_rs_pipelined_ce",
-                "pipelined_all", "pipelined_ce_all", "pipelined_ce_all_fused", "xla", "pure_jax",
-                "auto_step", "floor")
+                "cublasmp_split_p2p_fused", "pipelined", "pipelined_ce", "pipelined_ce_fused",
+                "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined_ce",
+                "pipelined_ce_all", "pipelined_ce_all_fused", "xla", "pure_jax", "auto_step",
+                "floor")
 # auto_step, here and in ROW_VARIANTS (last: its step-level decision is recorded
 # for the problems it meets): backend="auto" tuned with jcg.autotune_step, as the
 # example does.
 MLP_VARIANTS = ("auto", "auto_fused", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p",
                 "cublasmp_split_p2p_fused", "pipelined", "pipelined_ce", "pipelined_ce_fused",
-                "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined",
-                "cublasmp_rs_pipelined_ce", "pipelined_all", "pipelined_ce_all",
-                "pipelined_ce_all_fused", "xla", "pure_jax", "auto_step", "floor")
+                "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined_ce",
+                "pipelined_ce_all", "pipelined_ce_all_fused", "xla", "pure_jax", "auto_step",
+                "floor")
 SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
 
 
@@ -202,19 +201,17 @@ class Ctx:
       return C(backend="xla"), False
     if variant == "ring":
       return C(backend="ring"), False
-    if variant in ("pipelined", "pipelined_ce") and role == "rs":  # own GEMM+ReduceScatter
+    if variant == "pipelined_ce" and role == "rs":  # the own GEMM+ReduceScatter
       return C(backend="cublasmp", reduce_scatter=variant), False
     if variant in ("pipelined", "pipelined_ce"):  # the project's own AllGather+GEMMs
       return C(backend="cublasmp", all_gather_algorithm=variant), False
-    if variant in ("pipelined_all", "pipelined_ce_all"):  # the project's own, both ops
-      algo = variant.removesuffix("_all")
-      return C(backend="cublasmp", all_gather_algorithm=algo, reduce_scatter=algo), False
+    if variant == "pipelined_ce_all":  # the project's own, both ops
+      return C(backend="cublasmp", all_gather_algorithm="pipelined_ce",
+               reduce_scatter="pipelined_ce"), False
     if variant.startswith("cublasmp_rs_"):
       return C(backend="cublasmp", reduce_scatter=variant[len("cublasmp_rs_"):]), False
     if variant.startswith("cublasmp_"):
       algo = variant[len("cublasmp_"):]
-      if "multicast" in algo:
-        raise ValueError("multicast algorithms are never benchmarked here")
       if role == "rs":
         return C(backend="cublasmp", reduce_scatter=algo), False
       return C(backend="cublasmp", all_gather_algorithm=algo), False
@@ -780,7 +777,7 @@ class Runner:
           with jax.profiler.TraceAnnotation(f"bench_step_{i}"):
             jax.block_until_ready(f(*a))
         # As the timings run: enqueued back to back, one wait at the end, so
-        # that the gaps left are the GPU waiting (for a peer, a fence, the
+        # that the gaps left are the GPU waiting (for a peer, a barrier, the
         # host's launches falling behind), not the wait after each step.
         with jax.profiler.TraceAnnotation("bench_back_to_back"):
           for _ in range(self.args.profile_steps):
@@ -841,8 +838,8 @@ class HostTimes:
   """The host time of each variant's fused calls in the timed rounds, from the
   contexts' counters (REGISTRY.call_counters) read as each batch starts: a
   batch's share is the difference to the next read (the one after the last
-  batch is mark(None)). At small GEMMs the host sets the pace (GPU run 53), so
-  the records keep it."""
+  batch is mark(None)). At small GEMMs the host sets the pace
+  (docs/performance.md), so the records keep it."""
 
   def __init__(self, read: Callable):
     self.read = read
@@ -976,8 +973,8 @@ def process_gpu_mib(pid):
     return None
 
 
-# Memory rows measured first, in this order: those the issue's memory target
-# compares (in run 55 the budget ended before pure_jax's and xla's peaks).
+# Memory rows measured first, in this order: those the memory target compares,
+# so that a budget that ends early still leaves pure_jax's and xla's peaks.
 MEMORY_FIRST = ("auto", "pure_jax", "xla", "auto_step")
 
 
@@ -992,15 +989,15 @@ def private_autotune_cache() -> str:
 
   They build `auto`'s programs from the choices measured here, but they run
   several at a time on the same GPUs: a problem not measured here (its cell
-  skipped for budget) they measure under one another's load. In run 54 the
-  `auto` worker did, saved its times (pipelined_ce 2.98 ms where runs 44 and 49
-  had 0.43-0.47) to the shared cache, and the next benchmark process on that
-  machine (run 56) took its choices from there. The copy keeps such times out
-  of the cache that later processes read."""
+  skipped for budget) they measure under one another's load, and such times
+  were once six times the true ones (pipelined_ce 2.98 ms against 0.43-0.47).
+  Saved to the shared cache, they would steer every later benchmark process
+  on that machine; the copy keeps them out of the cache that later processes
+  read. The source is the cache this process's settings name."""
   import tempfile  # noqa: PLC0415
   import_jcg()
-  from jax_comm_gemm.runtime import settings  # noqa: PLC0415
-  source = settings.autotune_cache()
+  from jax_comm_gemm.runtime.settings import Settings  # noqa: PLC0415
+  source = Settings.from_environ().autotune_cache
   fd, copy = tempfile.mkstemp(prefix="jcg_memory_autotune_", suffix=".json")
   os.close(fd)
   if source and os.path.exists(source):
@@ -1307,8 +1304,8 @@ def main(argv=None):
     for item in args.profile:
       runner.run_profile(item)
   # The memory rows before the retry of skipped shapes: they are part of every
-  # run's result, while the retry only uses what is left (GPU run 49's memory
-  # part, run after the retry, had 13 s and measured 5 of 36 rows).
+  # run's result, while the retry only uses what is left (run after the retry,
+  # the memory part once had 13 s left and measured 5 of 36 rows).
   if "memory" in ops and main_proc:
     run_memory(args, budget, result, runner.save, tick=runner.progress)
   if specs:
@@ -1339,7 +1336,7 @@ def add_sweep_copies(result):
 def retry_budget_skips(result: dict, specs, run_op: Callable) -> None:
   """Runs again, with the time left, the shapes that each op skipped for its
   share of the budget: the parts after it (the profiles, the memory rows) may
-  use less than their shares, and GPU run 44 lost 9 cells so while 98 s of its
+  use less than their shares, and a run once lost 9 cells so while 98 s of its
   budget went unused. The measured record replaces the "skipped" one; a shape
   that still does not fit is skipped again."""
   for spec in specs:

@@ -15,8 +15,8 @@ steps at the first shape and splits the device's time by kind of work
 (trace_summary.py), so that "where the step's time goes over its GEMMs" comes
 from a profile.
 
-  source .device/setup.sh && python3 benchmarks/floor_probe.py [--shapes 8192x8192x28672,...] \\
-      [--profile DIR] [--json OUT]
+  python3 benchmarks/floor_probe.py [--shapes 8192x8192x28672,...] [--profile DIR] \\
+      [--json OUT]    (on a machine set up as docs/gpu-testing.md says)
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 The pipelined plans run a GEMM per block of rows (an AllGather+GEMM: one per
 shard; a GEMM+ReduceScatter: chunks x ranks of them) with cuBLASLt's first
 heuristic algorithm, where XLA runs one GEMM that it autotuned. In the SP MLP
-step at 8192x8192x28672 the 22 split GEMMs took 2.5% longer than XLA's six
-(GPU run 51), and the step missed its target by about that. This probe
+step at 8192x8192x28672 the 22 split GEMMs took 2.5% longer than XLA's six,
+and the step missed its target by about that (docs/performance.md). This probe
 separates the parts of that 2.5% that need no second GPU:
 
 * XLA's whole GEMM (jnp's dot, as the floor and the `xla` variant run it);
@@ -16,7 +16,7 @@ Every time is a median over interleaved rounds after seconds of load, on one
 GPU (the other GPU's transfers, which run beside the blocks in a step, are
 not here). Prints one table; `--json` writes the raw numbers.
 
-  source .device/setup.sh && python3 benchmarks/gemm_probe.py [--json FILE]
+  python3 benchmarks/gemm_probe.py [--json FILE]    (docs/gpu-testing.md's machine)
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ interleaved steady-state timing loop for jax callables.
 
 Importing this module imports neither jax nor torch (the torch peer uses it too).
 
-How we time (../shared/DESIGN.md, "How to time on these GPUs"): the H200s power-cap
+How we time (docs/performance.md, "How to reproduce"): the H200s power-cap
 and clock down within seconds of sustained GEMMs, so every shape gets several
 seconds of load first; the variants of one shape then run interleaved in rounds
 (A B C ... then ... C B A, so that no variant always follows the same one); each
@@ -94,9 +94,12 @@ def machine_facts() -> dict:
       "cpus": os.cpu_count(),
       "env": {k: os.environ.get(k) for k in (
           "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS",
-          "XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "JAX_COMM_GEMM_FENCE",
-          "JAX_COMM_GEMM_BACKEND") if os.environ.get(k) is not None},
+          "XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES")
+          if os.environ.get(k) is not None},
   }
+  # Every jax_comm_gemm setting the run had (JAX_COMM_GEMM_BACKEND, ...).
+  facts["env"].update(sorted((k, v) for k, v in os.environ.items()
+                             if k.startswith("JAX_COMM_GEMM_")))
   if shutil.which("nvidia-smi"):
     try:
       out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",

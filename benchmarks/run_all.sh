@@ -1,12 +1,13 @@
 #!/bin/bash
-# The whole benchmark as one device command: the project's side (bench.py: the
+# The whole benchmark as one command: the project's side (bench.py: the
 # ops and the transformer block, the profiles, the MLP memory rows), then each
 # peer in its own processes (XLA's windowed einsum, PyTorch SymmetricMemory
 # through torchrun, jax's Pallas Mosaic GPU kernel), within one time budget; a
 # short summary is printed last.
 #
-# Run from the repository root on the GPU machine:
-#   source .device/setup.sh && OUT=$OUT benchmarks/run_all.sh [options]
+# Run from the repository root on a GPU machine set up as docs/gpu-testing.md
+# ("The machine") says:
+#   OUT=$OUT benchmarks/run_all.sh [options]
 # Options:
 #   --budget S    seconds for everything after this script starts (default 510)
 #   --quick       fewer shapes, rounds and tile configs (about 4-5 minutes)
@@ -61,10 +62,11 @@ summary=()
 note() { echo "$*" | tee -a "$LOG"; }
 left() { echo $(( budget - (SECONDS - T0) )); }
 
-# NVLink multicast must stay off (../shared/DESIGN.md, "Pitfalls"): never unset these.
+# NVLink multicast must stay off: it can take a shared host's GPUs out of service
+# (docs/gpu-testing.md, "The machine"). Never unset these.
 if [ "${NCCL_NVLS_ENABLE:-}" != 0 ] || [ "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" != 1 ]; then
   note "refusing to run: NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 must be set" \
-       "(source .device/setup.sh first)"
+       "(docs/gpu-testing.md, \"The machine\")"
   exit 2
 fi
 
@@ -139,7 +141,7 @@ if [ $profiles = 1 ]; then
   # The torch peer's traces (within its budget: it weighs them against its shapes).
   torch_prof_args=(--profile all_gather_matmul:16384x8192x8192
                    --profile all_gather_matmul:4096x4096x4096 --profile-dir "$work/torch_profiles")
-  # The Pallas kernel's, where it leads (4096^3 in run 39).
+  # The Pallas kernel's, where it leads (4096^3: docs/performance.md).
   pallas_prof_args=(--profile 4096x4096x4096 --profile-dir "$work/pallas_profiles")
   # AG_PROFILE_SHAPES="S1 S2 ...": AllGather+GEMM shapes to profile on every side,
   # the project's auto, cuBLASMp default and pipelined_ce beside the two peers.

@@ -39,11 +39,10 @@ OP_ORDER = list(OP_TITLES)
 VARIANT_ORDER = [
     "auto", "auto_fused", "auto_copy", "auto_no_reuse", "auto_keep", "auto_step",
     "cublasmp_split_p2p", "cublasmp_split_p2p_fused", "cublasmp_split_p2p_copy",
-    "cublasmp_default", "cublasmp_atomic_p2p", "cublasmp_no_overlap",
+    "cublasmp_default",
     "pipelined", "pipelined_ce", "pipelined_ce_fused", "pipelined_ce_copy", "ring",
-    "cublasmp_rs_default", "cublasmp_rs_ring", "cublasmp_rs_pipelined",
-    "cublasmp_rs_pipelined_ce", "pipelined_all", "pipelined_ce_all", "pipelined_ce_all_fused",
-    "pipelined_ce_all_copy",
+    "cublasmp_rs_default", "cublasmp_rs_ring", "cublasmp_rs_pipelined_ce",
+    "pipelined_ce_all", "pipelined_ce_all_fused", "pipelined_ce_all_copy",
     "xla",
     "pure_jax", "windowed_einsum", "torch_symm_mem", "torch_nccl", "pallas_mgpu", "floor",
 ]
@@ -176,8 +175,7 @@ def choice_of(entry: dict) -> str | None:
 
 # Layer ops: an auto variant that ran one implementation for every op ran the
 # program of this variant.
-LAYER_TWINS = {"xla": "xla", "ring": "ring", "pipelined_ce": "pipelined_ce_all",
-               "pipelined": "pipelined_all"}
+LAYER_TWINS = {"xla": "xla", "ring": "ring", "pipelined_ce": "pipelined_ce_all"}
 LAYER_OPS = ("row_parallel_fwd_bwd", "mlp_fwd_bwd", "transformer_fwd_bwd")
 
 
@@ -329,7 +327,7 @@ def markdown(summary):
             "µs of host time a fused call took on one GPU's context (from taking the "
             "context's lock to its last enqueue, over the timed rounds), and the fused calls "
             "an iteration made. Where it is near a call's GPU time, back-to-back calls are "
-            "bound by the host (GPU run 53).", "",
+            "bound by the host (docs/performance.md).", "",
             "| op | shape | variant: µs a call (calls an iteration) |", "| --- | --- | --- |"]
     cell = {(r["op"], r["shape"], r["variant"]): r for r in host}
     for op in dict.fromkeys(r["op"] for r in host):

@@ -1,6 +1,6 @@
 """Why autotune and the benchmark rank the AllGather+GEMMs differently.
 
-GPU runs 41 and 42 had autotune time the ring ahead of cuBLASMp `default` at
+Autotune once timed the ring ahead of cuBLASMp `default` at
 16384x8192x8192 and `split_p2p` ahead of `default` at 4096^3, while the
 benchmark, in the same process, had `default` ahead at both (so `auto` ran 7-12%
 slower than it could). Two things differ: the programs (autotune's call the
@@ -9,10 +9,12 @@ backend directly; the benchmark's go through the public API) and the timing
 the benchmark: a count calibrated from one synchronised call, about 30 ms a
 batch, rounds alternating in order). This probe times both programs both ways,
 interleaved, in one process driving every GPU, and prints one table per shape.
-`--op rs` does the same for the GEMM+ReduceScatter (GPU run 49 had autotune time
+`--op rs` does the same for the GEMM+ReduceScatter (autotune once timed
 `pipelined_ce` at 0.251 ms at 8192x4096x4096 and the benchmark at 0.42).
+docs/design.md#backendauto-and-autotuning has what came of it.
 
-  source .device/setup.sh && python3 benchmarks/timing_probe.py [--op ag|rs] [--shapes 4096x4096x4096,...]
+  python3 benchmarks/timing_probe.py [--op ag|rs] [--shapes 4096x4096x4096,...]
+  (on a machine set up as docs/gpu-testing.md says)
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ the kernel's best config, back to back (jax.profiler, annotation
 reads it).
 
 launches the processes itself (CUDA_VISIBLE_DEVICES=i each). It needs NCCL >=
-2.29 for its symmetric windows: source .device/setup.sh first. Every failure
+2.29 for its symmetric windows (docs/gpu-testing.md, "The machine"). Every failure
 becomes an "error" entry in the JSON; the launcher exits 0 once a JSON exists.
 
 Longer than 300 lines because the peer launches its own processes and searches tile configs; it stands alone so that it needs nothing of the project.

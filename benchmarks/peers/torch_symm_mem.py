@@ -14,8 +14,8 @@ torch_nccl, floor), each call in record_function("bench_step_<i>") and ended by 
 synchronize, then as many back to back in "bench_back_to_back", into DIR/<op>_<shape>_<variant>_rank<r>.trace.json.gz (Chrome trace,
 gzipped; benchmarks/trace_summary.py reads it).
 
-NVLink multicast stays off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (.device/setup.sh
-sets it; this script refuses to run without it). Every failure becomes an
+NVLink multicast stays off: TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (docs/gpu-testing.md,
+"The machine"; this script refuses to run without it). Every failure becomes an
 "error" entry in the JSON; the script exits 0 unless it could not start.
 """
 
