@@ -38,9 +38,8 @@ A group of one communicates nothing and runs the same FP8 GEMMs.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import partial
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,30 +48,13 @@ from jax import lax
 
 from jax_comm_gemm import vma
 from jax_comm_gemm.fp8 import quantize as qz
-from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
+from jax_comm_gemm.fp8 import steps as st
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 
-FUSED_SCOPE = "jax_comm_gemm.fp8.gather_for_gemm"
-STANDALONE_SCOPE = "jax_comm_gemm.all_gather"
+__all__ = ["FUSED_SCOPE", "STANDALONE_SCOPE", "fp8_all_gather_matmul",
+           "fp8_matmul_reduce_scatter", "xla_gather"]
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-def xla_gather(tree, axis_name: str):
-  """``lax.all_gather`` of every array in `tree` along axis 0, in one call."""
-  return lax.all_gather(tree, axis_name, axis=0, tiled=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-  axis_name: str
-  recipe: Fp8Recipe
-  transpose_w: bool
-  x_dtype: Any
-  w_dtype: Any
-  keep_gathered_input: bool = False
-  return_gathered: bool = False
-  reuse_gathered: bool = True
-  gather: Callable = xla_gather
 
 
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
@@ -107,7 +89,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   """
   op = "fp8_all_gather_matmul"
   _check(op, x, w, transpose_w, recipe)
-  s = _Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
+  s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               keep_gathered_input=bool(keep_gathered_input),
               return_gathered=bool(return_gathered), gather=gather or xla_gather)
   size = lax.axis_size(axis_name)
@@ -149,7 +131,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   if x.shape[0] % size:
     raise ValueError(f"{op}: x's tokens ({x.shape[0]}) must be divisible by the size "
                      f"of axis {axis_name!r} ({size})")
-  s = _Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
+  s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               reuse_gathered=bool(reuse_gathered), gather=gather or xla_gather)
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w), s)
@@ -178,115 +160,40 @@ def _varying(axis_name, *xs):
   return tuple(vma.pvary(x, axes) for x in xs)
 
 
-# --- shared steps -------------------------------------------------------------
-
-def _tensor_amaxes(s: _Static, *xs):
-  """For "tensor" scaling: the amaxes of `xs`, agreed in one pmax; else Nones."""
-  if s.recipe.scaling != "tensor":
-    return (None,) * len(xs)
-  return qz.agree(tuple(qz.amax(x) for x in xs), s.axis_name)
-
-
-def _quantize(s: _Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
-  """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv):
-  with the agreed amax `a` ("tensor"), or per row / per column ("row")."""
-  out = []
-  if s.recipe.scaling == "tensor":
-    scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
-    inv = qz.inverse(scale)
-    if rows:
-      out += [qz.saturating_cast(x, scale, dtype), inv]
-    if columns:  # the cast writes the transposed copy: no FP8 transpose
-      out += [qz.saturating_cast(x.T, scale, dtype), inv]
-    return out
-  if rows:
-    out += list(qz.quantize_rows(x, dtype, margin=s.recipe.margin))
-  if columns:
-    out += list(qz.quantize_columns_transposed(x, dtype, margin=s.recipe.margin))
-  return out
-
-
-def _gather(s: _Static, q, inv, *, standalone: bool):
-  """The FP8 rows of every rank, with their scales if per row (same call)."""
-  if lax.axis_size(s.axis_name) == 1:
-    return q, inv
-  tree = (q, inv) if s.recipe.scaling == "row" else (q,)
-  if standalone:
-    with jax.named_scope(STANDALONE_SCOPE):
-      out = xla_gather(tree, s.axis_name)
-  else:
-    with jax.named_scope(FUSED_SCOPE):
-      out = s.gather(tree, s.axis_name)
-  return (out[0], out[1]) if s.recipe.scaling == "row" else (out[0], inv)
-
-
-def _reduce_scatter(s: _Static, y):
-  if lax.axis_size(s.axis_name) == 1:
-    return y
-  return lax.psum_scatter(y, s.axis_name, scatter_dimension=0, tiled=True)
-
-
-def _transposed(s: _Static, g8, g_inv, dtype):
-  """Gathered FP8 rows [n, c] as the TN operand [c, n] of a GEMM over tokens:
-  the same bytes under the same scale ("tensor", exact), or dequantized and
-  requantized per column ("row": per-token scales cannot factor out)."""
-  if s.recipe.scaling == "tensor":
-    return g8.T, g_inv
-  return qz.quantize_columns_transposed(qz.dequantize(g8, g_inv), dtype,
-                                        margin=s.recipe.margin)
-
-
-def _gemm(s: _Static, a8, b8, ia, ib, out_dtype):
-  return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form)
-
-
-def _weight_gradient(s: _Static, xT8, xT_inv, dyT8, dyT_inv):
-  """w [k, m]: dw = x.T @ dy;  w [m, k]: dw = dy.T @ x (TN operands [k|m, n])."""
-  if s.transpose_w:
-    return _gemm(s, dyT8, xT8, dyT_inv, xT_inv, s.w_dtype)
-  return _gemm(s, xT8, dyT8, xT_inv, dyT_inv, s.w_dtype)
-
-
-def _weights(s: _Static, w, amax_w):
-  r = s.recipe
-  return weight_copies(w, r.forward_dtype, scaling=r.scaling, transpose_w=s.transpose_w,
-                       margin=r.margin, amax_w=amax_w)
-
-
 # --- fp8_all_gather_matmul ------------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _all_gather_matmul(x, w, s: _Static):
+def _all_gather_matmul(x, w, s: Static):
   return _all_gather_matmul_fwd(x, w, s)[0]
 
 
-def _all_gather_matmul_fwd(x, w, s: _Static):
+def _all_gather_matmul_fwd(x, w, s: Static):
   f8 = s.recipe.forward_dtype
-  ax, aw = _tensor_amaxes(s, x, w)
-  wf8, wf_inv, wb8, wb_inv = _weights(s, w, aw)
-  x8, x_inv = _quantize(s, x, f8, ax)
-  g8, g_inv = _gather(s, x8, x_inv, standalone=False)
-  y = _gemm(s, g8, wf8, g_inv, wf_inv, s.x_dtype)
+  ax, aw = st.tensor_amaxes(s, x, w)
+  wf8, wf_inv, wb8, wb_inv = st.weights(s, w, aw)
+  x8, x_inv = st.quantize(s, x, f8, ax)
+  g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
+  y = st.gemm(s, g8, wf8, g_inv, wf_inv, s.x_dtype)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   keep = s.keep_gathered_input or s.return_gathered
   return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv)
 
 
-def _all_gather_matmul_bwd(s: _Static, res, ct):
+def _all_gather_matmul_bwd(s: Static, res, ct):
   (o8, o_inv), wb8, wb_inv = res
   ct_y, ct_g = ct if s.return_gathered else (ct, None)
-  (a_dy,) = _tensor_amaxes(s, ct_y)
-  dy8, dy_inv, dyT8, dyT_inv = _quantize(s, ct_y, s.recipe.backward_dtype, a_dy,
-                                         columns=True)
-  dx = _reduce_scatter(s, _gemm(s, dy8, wb8, dy_inv, wb_inv, s.x_dtype))
+  (a_dy,) = st.tensor_amaxes(s, ct_y)
+  dy8, dy_inv, dyT8, dyT_inv = st.quantize(s, ct_y, s.recipe.backward_dtype, a_dy,
+                                           columns=True)
+  dx = st.reduce_scatter(s, st.gemm(s, dy8, wb8, dy_inv, wb_inv, s.x_dtype))
   if s.keep_gathered_input or s.return_gathered:
     g8, g_inv = o8, o_inv
   else:
-    g8, g_inv = _gather(s, o8, o_inv, standalone=True)
-  xT8, xT_inv = _transposed(s, g8, g_inv, s.recipe.forward_dtype)
-  dw = _weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
+    g8, g_inv = st.gather(s, o8, o_inv, standalone=True)
+  xT8, xT_inv = st.transposed(s, g8, g_inv, s.recipe.forward_dtype)
+  dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
   if ct_g is not None:
-    dx = dx + _reduce_scatter(s, ct_g).astype(s.x_dtype)
+    dx = dx + st.reduce_scatter(s, ct_g).astype(s.x_dtype)
   return dx, dw
 
 
@@ -296,32 +203,32 @@ _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 # --- fp8_matmul_reduce_scatter ----------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_reduce_scatter(x, w, s: _Static):
+def _matmul_reduce_scatter(x, w, s: Static):
   return _matmul_reduce_scatter_fwd(x, w, s)[0]
 
 
-def _matmul_reduce_scatter_fwd(x, w, s: _Static):
+def _matmul_reduce_scatter_fwd(x, w, s: Static):
   f8 = s.recipe.forward_dtype
-  ax, aw = _tensor_amaxes(s, x, w)
-  wf8, wf_inv, wb8, wb_inv = _weights(s, w, aw)
+  ax, aw = st.tensor_amaxes(s, x, w)
+  wf8, wf_inv, wb8, wb_inv = st.weights(s, w, aw)
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
-  x8, x_inv, xT8, xT_inv = _quantize(s, x, f8, ax, columns=True)
-  y = _reduce_scatter(s, _gemm(s, x8, wf8, x_inv, wf_inv, s.x_dtype))
+  x8, x_inv, xT8, xT_inv = st.quantize(s, x, f8, ax, columns=True)
+  y = st.reduce_scatter(s, st.gemm(s, x8, wf8, x_inv, wf_inv, s.x_dtype))
   return y, (xT8, xT_inv, wb8, wb_inv)
 
 
-def _matmul_reduce_scatter_bwd(s: _Static, res, dy):
+def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   xT8, xT_inv, wb8, wb_inv = res
   b8 = s.recipe.backward_dtype
-  (a_dy,) = _tensor_amaxes(s, dy)
-  dy8, dy_inv = _quantize(s, dy, b8, a_dy)
-  g8, g_inv = _gather(s, dy8, dy_inv, standalone=False)
-  dx = _gemm(s, g8, wb8, g_inv, wb_inv, s.x_dtype)
+  (a_dy,) = st.tensor_amaxes(s, dy)
+  dy8, dy_inv = st.quantize(s, dy, b8, a_dy)
+  g8, g_inv = st.gather(s, dy8, dy_inv, standalone=False)
+  dx = st.gemm(s, g8, wb8, g_inv, wb_inv, s.x_dtype)
   if not s.reuse_gathered:
-    g8, g_inv = _gather(s, dy8, dy_inv, standalone=True)
-  dyT8, dyT_inv = _transposed(s, g8, g_inv, b8)
-  return dx, _weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
+    g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
+  dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)
+  return dx, st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
 
 
 _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)

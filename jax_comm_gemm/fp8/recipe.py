@@ -50,7 +50,9 @@ class Fp8Recipe:
   NaN and inf: the amax of a tensor that holds a NaN is NaN, of one that holds
   an inf is inf, and its scale is then NaN or 0; every value that scale
   dequantizes is NaN. So an output that bf16 makes non-finite is NaN in FP8
-  too: with ``"row"`` exactly the rows (tokens) bf16 spoils; with
+  too: with ``"row"`` exactly the outputs bf16 spoils (the tokens' rows, or
+  the weight column's outputs), except the column-parallel weight gradient,
+  whose operand is requantized per column from row-scaled data: all NaN; with
   ``"tensor"`` every output that the tensor's scale touches (the whole GEMM
   output, and through ``pmax`` the other ranks' too). Nothing is clipped away.
 

@@ -1,0 +1,110 @@
+"""The steps the FP8 collective matmuls share: agreed amaxes, quantizing an
+operand in the layouts its GEMMs want, the gathers (scales in the same call),
+the reduce-scatter, the wgrad's transposed operand, and the GEMM call."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+from jax import lax
+
+from jax_comm_gemm.fp8 import quantize as qz
+from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
+from jax_comm_gemm.fp8.recipe import Fp8Recipe
+
+FUSED_SCOPE = "jax_comm_gemm.fp8.gather_for_gemm"
+STANDALONE_SCOPE = "jax_comm_gemm.all_gather"
+
+
+def xla_gather(tree, axis_name: str):
+  """``lax.all_gather`` of every array in `tree` along axis 0, in one call."""
+  return lax.all_gather(tree, axis_name, axis=0, tiled=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+  """The non-differentiable arguments of the custom_vjp rules."""
+  axis_name: str
+  recipe: Fp8Recipe
+  transpose_w: bool
+  x_dtype: Any
+  w_dtype: Any
+  keep_gathered_input: bool = False
+  return_gathered: bool = False
+  reuse_gathered: bool = True
+  gather: Callable = xla_gather
+
+
+def tensor_amaxes(s: Static, *xs):
+  """For "tensor" scaling: the amaxes of `xs`, agreed in one pmax; else Nones."""
+  if s.recipe.scaling != "tensor":
+    return (None,) * len(xs)
+  return qz.agree(tuple(qz.amax(x) for x in xs), s.axis_name)
+
+
+def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
+  """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv):
+  with the agreed amax `a` ("tensor"), or per row / per column ("row")."""
+  out = []
+  if s.recipe.scaling == "tensor":
+    scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
+    inv = qz.inverse(scale)
+    if rows:
+      out += [qz.saturating_cast(x, scale, dtype), inv]
+    if columns:  # the cast writes the transposed copy: no FP8 transpose
+      out += [qz.saturating_cast(x.T, scale, dtype), inv]
+    return out
+  if rows:
+    out += list(qz.quantize_rows(x, dtype, margin=s.recipe.margin))
+  if columns:
+    out += list(qz.quantize_columns_transposed(x, dtype, margin=s.recipe.margin))
+  return out
+
+
+def gather(s: Static, q, inv, *, standalone: bool):
+  """The FP8 rows of every rank, with their scales if per row (same call)."""
+  if lax.axis_size(s.axis_name) == 1:
+    return q, inv
+  tree = (q, inv) if s.recipe.scaling == "row" else (q,)
+  if standalone:
+    with jax.named_scope(STANDALONE_SCOPE):
+      out = xla_gather(tree, s.axis_name)
+  else:
+    with jax.named_scope(FUSED_SCOPE):
+      out = s.gather(tree, s.axis_name)
+  return (out[0], out[1]) if s.recipe.scaling == "row" else (out[0], inv)
+
+
+def reduce_scatter(s: Static, y):
+  if lax.axis_size(s.axis_name) == 1:
+    return y
+  return lax.psum_scatter(y, s.axis_name, scatter_dimension=0, tiled=True)
+
+
+def transposed(s: Static, g8, g_inv, dtype):
+  """Gathered FP8 rows [n, c] as the TN operand [c, n] of a GEMM over tokens:
+  the same bytes under the same scale ("tensor", exact), or dequantized and
+  requantized per column ("row": per-token scales cannot factor out)."""
+  if s.recipe.scaling == "tensor":
+    return g8.T, g_inv
+  return qz.quantize_columns_transposed(qz.dequantize(g8, g_inv), dtype,
+                                        margin=s.recipe.margin)
+
+
+def gemm(s: Static, a8, b8, ia, ib, out_dtype):
+  return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form)
+
+
+def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
+  """w [k, m]: dw = x.T @ dy;  w [m, k]: dw = dy.T @ x (TN operands [k|m, n])."""
+  if s.transpose_w:
+    return gemm(s, dyT8, xT8, dyT_inv, xT_inv, s.w_dtype)
+  return gemm(s, xT8, dyT8, xT_inv, dyT_inv, s.w_dtype)
+
+
+def weights(s: Static, w, amax_w):
+  r = s.recipe
+  return weight_copies(w, r.forward_dtype, scaling=r.scaling, transpose_w=s.transpose_w,
+                       margin=r.margin, amax_w=amax_w)
