@@ -20,7 +20,8 @@ public names that hand on what the folders define.
 
 from jax_comm_gemm import diagnostics, hlo, sharded
 from jax_comm_gemm.backends import (AutoBackend, Backend, Capability, CublasMpBackend,
-                                    XlaBackend, autotune, autotune_step, resolve_backend)
+                                    TunedStep, XlaBackend, autotune, autotune_step,
+                                    resolve_backend)
 from jax_comm_gemm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_comm_gemm.config import ALGORITHMS, CommGemmConfig
 from jax_comm_gemm.layers.local import column_parallel_dense, mlp, row_parallel_dense
@@ -40,7 +41,7 @@ def cublasmp_status() -> Capability:
 
 __all__ = [
     "ALGORITHMS", "AutoBackend", "Backend", "Capability", "CommGemmConfig", "CublasMpBackend",
-    "REGISTRY", "XlaBackend", "all_gather_matmul", "autotune", "autotune_step",
+    "REGISTRY", "TunedStep", "XlaBackend", "all_gather_matmul", "autotune", "autotune_step",
     "column_parallel_dense", "connect",
     "cublasmp_status", "cublasmp_version", "diagnostics", "hlo", "matmul_reduce_scatter",
     "mlp", "resolve_backend", "row_parallel_dense", "sharded",

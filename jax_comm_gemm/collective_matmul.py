@@ -32,8 +32,9 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from jax_comm_gemm import validation, vma
-from jax_comm_gemm.backends import Backend, all_gather_tokens, gathered_matmul_t
+from jax_comm_gemm.backends import Backend, all_gather_tokens
 from jax_comm_gemm.backends.select import resolve_backend
+from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 
 
@@ -70,8 +71,8 @@ def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
   AllGather+GEMM (of grad_output `x` and `w`, with `transpose_w`) also
   computes the weight gradient."""
   if not fuse_weight_gradient:
-    return WeightGradientRoute(False, "fuse_weight_gradient is off (the default: config.py "
-                                      "says why)")
+    return WeightGradientRoute(False, "fuse_weight_gradient is off (the default: "
+                                      "docs/design.md#fused-weight-gradient)")
   if reuse_gathered is False:
     return WeightGradientRoute(False, "reuse_gathered=False was requested")
   verdict = backend.weight_gradient_fusion(x, w, axis_name, transpose_w)
@@ -109,13 +110,25 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
 
   Returns:
     ``y`` of shape ``[n, m]``, or ``(y, gathered_x)``.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> f = jax.jit(jax.shard_map(lambda x, w: all_gather_matmul(x, w, "tp"), mesh=mesh,
+  ...                           in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))
+  >>> f(jnp.ones((4, 3)), jnp.ones((3, 2))).shape
+  (4, 2)
   """
   op = "all_gather_matmul"
+  validation.check_config(op, config)
+  transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
+  return_gathered = validation.check_flag(op, "return_gathered", return_gathered)
+  keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
   validation.bound_axis_size(op, axis_name)
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
-  return all_gather_matmul_unchecked(x, w, axis_name, transpose_w=bool(transpose_w),
-                                     return_gathered=bool(return_gathered),
-                                     keep_gathered_input=bool(keep_gathered_input),
+  return all_gather_matmul_unchecked(x, w, axis_name, transpose_w=transpose_w,
+                                     return_gathered=return_gathered,
+                                     keep_gathered_input=keep_gathered_input,
                                      precision=precision, config=config)
 
 
@@ -132,12 +145,22 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 
   Returns:
     This shard's tokens of the summed product, ``[n/P, m]``.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> f = jax.jit(jax.shard_map(lambda x, w: matmul_reduce_scatter(x, w, "tp"), mesh=mesh,
+  ...                           in_specs=(P(None, "tp"), P("tp")), out_specs=P("tp")))
+  >>> f(jnp.ones((4, 3)), jnp.ones((3, 2))).shape
+  (4, 2)
   """
   op = "matmul_reduce_scatter"
+  validation.check_config(op, config)
+  transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
   size = validation.bound_axis_size(op, axis_name)
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
   validation.check_divisible(op, "x", "tokens", x.shape[0], axis_name, size)
-  return matmul_reduce_scatter_unchecked(x, w, axis_name, transpose_w=bool(transpose_w),
+  return matmul_reduce_scatter_unchecked(x, w, axis_name, transpose_w=transpose_w,
                                          precision=precision, config=config)
 
 
@@ -146,7 +169,7 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
   """:func:`all_gather_matmul` for callers that validated the arguments."""
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, return_gathered, keep_gathered_input, precision)
-  return _all_gather_matmul(*_varying(axis_name, x, w), static)
+  return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config):
@@ -154,7 +177,7 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, precision=precision,
                    fuse_weight_gradient=config.fuse_weight_gradient)
-  return _matmul_reduce_scatter(*_varying(axis_name, x, w), static)
+  return _matmul_reduce_scatter_jit(*_varying(axis_name, x, w), static)
 
 
 def _varying(axis_name, *xs):
@@ -219,9 +242,7 @@ def _all_gather_matmul_bwd(s: _Static, res, ct):
     else:
       with jax.named_scope("jax_comm_gemm.all_gather"):
         gathered = all_gather_tokens(operand, s.axis_name)
-    # w [k, m]: dw = AG(x).T @ dy;  w [m, k]: dw = dy.T @ AG(x).
-    dw = (gathered_matmul_t(ct_y, gathered, s.precision) if s.transpose_w
-          else gathered_matmul_t(gathered, ct_y, s.precision))
+    dw = weight_gradient(gathered, ct_y, s.transpose_w, s.precision)
   if ct_g is not None and not isinstance(ct_g, SymbolicZero):
     # all_gather's transpose is psum_scatter.
     dg = lax.psum_scatter(ct_g, s.axis_name, scatter_dimension=0, tiled=True)
@@ -282,11 +303,14 @@ def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
         ct_y, w, x, s.axis_name, transpose_w=not s.transpose_w, precision=s.precision)
   # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
   dx, gathered_dy = _gathering_matmul(s, ct_y, w, not s.transpose_w)
-  # w [k, m]: dw = x.T @ AG(dy);  w [m, k]: dw = AG(dy).T @ x.
-  dw = (gathered_matmul_t(gathered_dy, x, s.precision) if s.transpose_w
-        else gathered_matmul_t(x, gathered_dy, s.precision))
-  return dx, dw
+  return dx, weight_gradient(x, gathered_dy, s.transpose_w, s.precision)
 
 
 _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd,
                               symbolic_zeros=True)
+
+# The custom_vjps run inside a jit of their own: under the caller's jit it is
+# inlined, and in an eager (not jitted) shard_map it is what makes them run at
+# all (eager shard_map does not take custom_vjp's symbolic zeros).
+_all_gather_matmul_jit = jax.jit(_all_gather_matmul, static_argnums=(2,))
+_matmul_reduce_scatter_jit = jax.jit(_matmul_reduce_scatter, static_argnums=(2,))

@@ -31,3 +31,25 @@ def cpu_mesh(size: int, axis_name: str = "tp") -> Mesh:
 def tp_mesh(request) -> Mesh:
   """1-D tensor-parallel meshes of 2, 4 and 8 simulated CPU devices."""
   return cpu_mesh(request.param)
+
+
+import jax_comm_gemm.runtime.plan as plan_lib  # noqa: E402
+from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
+from jax_comm_gemm.runtime.settings import Settings  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _restore_plan():
+  """A test may publish routing plans (connect, autotune, or by hand): the
+  next test starts from the plan in force before it."""
+  before = plan_lib.published()
+  yield
+  plan_lib.publish(before)
+
+
+def stand_in_plan(*, cublasmp: bool = True, layout: str = "tail",
+                  **settings) -> plan_lib.Plan:
+  """A plan as if cuBLASMp could run here (or not), with `settings` and no
+  disk cache; nothing connected, measured or verified yet."""
+  return plan_lib.Plan(Settings(**{"autotune_cache": "", **settings}),
+                       Capability(cublasmp, "stand-in"), layout)

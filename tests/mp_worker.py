@@ -1,6 +1,6 @@
 """One of the two CPU processes of test_multiprocess.py.
 
-Usage: ``python mp_worker.py PROCESS_ID PORT`` with
+Usage: ``python mp_worker.py PROCESS_ID PORT [disagree]`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and ``JAX_PLATFORMS=cpu``.
 Joins the other process through ``jax.distributed``, runs the sharded layers
 forward and backward over all 4 devices, checks this process's shards against
@@ -8,7 +8,9 @@ a float64 reference computed locally from the same seeds, then runs
 ``jax_comm_gemm.connect`` with a stand-in for the C++ extension (the real
 key-value store carries the fingerprints and the NCCL-id stand-in), lowers a
 cuBLASMp program for the GPU in process 0 alone, and sees a disagreement
-raised in both processes. Prints one JSON line:
+raised in both processes. With ``disagree`` it only calls ``connect`` on a
+CPU mesh, its JAX_COMM_GEMM_BACKEND set unlike the other process's. Prints
+one JSON line:
 ``{"process": i, "ok": bool, "checks": [...], "unique_id": hex, "error": str}``.
 """
 
@@ -128,7 +130,7 @@ class _StandIn:
   def nccl_unique_id(self):
     return os.urandom(128)
 
-  def connect(self, groups, fence, connect_timeout_s, call_timeout_s, time_gemms):
+  def connect(self, groups, connect_timeout_s, call_timeout_s, time_gemms):
     self.unique_ids += [unique_id for _, unique_id, _, _ in groups]
 
   def bind(self, ident, device_groups):
@@ -156,24 +158,38 @@ def _connect_with_stand_in(mesh, process_id, checks) -> bytes:
     text = program.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jax_comm_gemm_all_gather_matmul" in text
     checks.append("lowered alone")
-  fingerprint = {"fence": "isolated" if process_id == 0 else "own_stream"}
+  fingerprint = {"JAX_COMM_GEMM_TIMEOUT": "300" if process_id == 0 else "60"}
   try:
     agreement.check(fingerprint, comm_id=1, attempt=1, processes=[0, 1], timeout_s=60)
   except agreement.DisagreementError as e:
-    assert "fence differs (process 0: 'isolated'; process 1: 'own_stream')" in str(e), e
+    assert "JAX_COMM_GEMM_TIMEOUT differs (process 0: '300'; process 1: '60')" in str(e), e
     checks.append("disagreement raised")
   return unique_id
 
 
+def disagree(process_id: int) -> dict:
+  """connect on a CPU mesh over both processes, each run with its own
+  JAX_COMM_GEMM_BACKEND (the launcher sets them apart): both must raise a
+  DisagreementError naming the setting and the processes, before any
+  collective, and quickly."""
+  mesh = Mesh(np.asarray(jax.devices()).reshape(4), ("tp",))
+  try:
+    jcg.connect(mesh, "tp")
+  except agreement.DisagreementError as e:
+    return {"checks": ["disagreement raised"], "message": str(e)}
+  raise AssertionError("connect did not raise a DisagreementError")
+
+
 def main() -> int:
   process_id, port = int(sys.argv[1]), int(sys.argv[2])
+  scenario = disagree if sys.argv[3:] == ["disagree"] else run
   result = {"process": process_id, "ok": False}
   try:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                                num_processes=2, process_id=process_id,
                                initialization_timeout=60)
     try:
-      result.update(run(process_id))
+      result.update(scenario(process_id))
       result["ok"] = True
     finally:
       jax.distributed.shutdown()

@@ -5,6 +5,7 @@ AutoBackend's dispatch is seen in the traced program (on CPU the cuBLASMp
 primitive lowers to XLA's collectives, so the numbers are checked too).
 """
 
+import dataclasses
 import itertools
 import math
 import re
@@ -24,6 +25,9 @@ from jax_comm_gemm.backends import auto
 from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
+import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.settings import Settings
+from conftest import stand_in_plan
 from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.constants import TARGETS
 
@@ -172,9 +176,9 @@ def test_iterations_are_a_function_of_the_problem_alone():
 
 @pytest.fixture
 def empty_decisions(monkeypatch):
-  monkeypatch.setattr(REGISTRY, "_decisions", {})
+  """A plan in force where cuBLASMp runs, nothing measured, nothing wanted."""
   monkeypatch.setattr(REGISTRY, "_wanted", {})
-  monkeypatch.delenv(settings.AUTOTUNE, raising=False)
+  plan_lib.publish(stand_in_plan())
 
 
 def test_rule_of_thumb_and_wanted(empty_decisions):
@@ -184,21 +188,29 @@ def test_rule_of_thumb_and_wanted(empty_decisions):
   name, why = auto.choose(large, "cublasmp_split_p2p")
   assert name == "cublasmp_split_p2p" and "not measured yet" in why
   assert REGISTRY.wanted() == [small, large]
-  REGISTRY.record_decision(small, ("cublasmp_split_p2p", "measured: ..."))
+  REGISTRY.record_decisions({small: ("cublasmp_split_p2p", "measured: ...")})
   assert auto.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
   assert REGISTRY.wanted() == [large]
 
 
-def test_environment_forces_or_turns_off(empty_decisions, monkeypatch):
+def test_settings_force_or_turn_off(empty_decisions):
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
-  REGISTRY.record_decision(p, ("cublasmp_default", "measured"))
-  monkeypatch.setenv(settings.AUTOTUNE, "ring")
-  assert auto.choose(p, "xla") == ("ring", "forced by JAX_COMM_GEMM_AUTOTUNE=ring")
-  monkeypatch.setenv(settings.AUTOTUNE, "off")
-  assert auto.choose(p, "xla")[1].startswith("measuring is off")
-  monkeypatch.setenv(settings.AUTOTUNE, "fastest")
+  measured = stand_in_plan().with_decisions({p: ("cublasmp_default", "measured")})
+  assert auto.choose(p, "xla", measured) == ("cublasmp_default", "measured")
+  forced = dataclasses.replace(measured, settings=Settings(autotune="ring"))
+  assert auto.choose(p, "xla", forced) == ("ring", "forced by JAX_COMM_GEMM_AUTOTUNE=ring")
+  off = dataclasses.replace(measured, settings=Settings(autotune="off"))
+  assert auto.choose(p, "xla", off)[1].startswith("measuring is off")
   with pytest.raises(ValueError, match=r"JAX_COMM_GEMM_AUTOTUNE='fastest': allowed values"):
-    auto.choose(p, "xla")
+    Settings.from_environ({settings.AUTOTUNE: "fastest"})
+
+
+def test_the_environment_is_not_read_while_tracing(empty_decisions, monkeypatch):
+  """Settings are read once (connect, or first use): a variable set later
+  changes no route until the next connect publishes a plan with it."""
+  p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
+  monkeypatch.setenv(settings.AUTOTUNE, "ring")
+  assert auto.choose(p, "xla")[0] != "ring"
 
 
 def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: int):
@@ -214,14 +226,12 @@ def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: 
 
 @pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_split_p2p", 1),
                                                  ("pipelined", 1), ("pipelined_ce", 1)])
-def test_auto_backend_runs_the_chosen_implementation(empty_decisions, monkeypatch, chosen,
-                                                     fused_calls):
-  monkeypatch.setattr(REGISTRY, "_verdicts", {})
+def test_auto_backend_runs_the_chosen_implementation(empty_decisions, chosen, fused_calls):
   mesh = cpu_mesh(2)
   x = jax.random.normal(jax.random.key(0), (16, 8), jnp.float32)
   w = jax.random.normal(jax.random.key(1), (8, 12), jnp.float32)
-  REGISTRY.record_decision(Problem(AG, 8, 8, 6, "float32", False, 2), (chosen, "test"))
-  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+  REGISTRY.record_decisions({Problem(AG, 8, 8, 6, "float32", False, 2): (chosen, "test")})
+  backend = AutoBackend(CublasMpBackend())
 
   def local(x, w):
     return backend.all_gather_matmul(x, w, "tp", transpose_w=False, return_gathered=False)
@@ -237,8 +247,8 @@ def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fu
   mesh = cpu_mesh(2)
   x = jax.random.normal(jax.random.key(2), (16, 8), jnp.float32)
   w = jax.random.normal(jax.random.key(3), (8, 12), jnp.float32)
-  REGISTRY.record_decision(Problem(RS, 16, 4, 12, "float32", False, 2), (chosen, "test"))
-  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+  REGISTRY.record_decisions({Problem(RS, 16, 4, 12, "float32", False, 2): (chosen, "test")})
+  backend = AutoBackend(CublasMpBackend())
 
   def local(x, w):
     return backend.matmul_reduce_scatter(x, w, "tp", transpose_w=False)
@@ -249,11 +259,10 @@ def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fu
 
 
 def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
-  monkeypatch.setattr(REGISTRY, "_verdicts", {})
-  verdict = AutoBackend(CublasMpBackend(gathered_layout="tail")).gathered_reuse(
-      2, jnp.bfloat16, True)
+  plan_lib.publish(stand_in_plan())
+  verdict = AutoBackend(CublasMpBackend()).gathered_reuse(2, jnp.bfloat16, True)
   assert not verdict.ok and "no self-test covered it" in verdict.reason
-  monkeypatch.setattr(REGISTRY, "verdict", lambda key: Capability(True, "ok"))
+  monkeypatch.setattr(plan_lib.Plan, "verdict", lambda self, key: Capability(True, "ok"))
   assert AutoBackend(CublasMpBackend()).gathered_reuse(2, jnp.bfloat16, True).ok
 
 
@@ -266,11 +275,8 @@ def test_auto_with_every_choice_xla_is_exactly_the_xla_program(monkeypatch):
   program backend="xla" does (the MLP's gradient; locations aside): whatever
   separates them in a timing is the measurement, not the program."""
   mesh = cpu_mesh(2)
-  monkeypatch.setenv(settings.AUTOTUNE, "xla")
-  monkeypatch.setattr(REGISTRY, "_status", Capability(True, "stand-in"))
-  monkeypatch.setattr(REGISTRY, "verdict", lambda key: Capability(True, "stand-in"))
-  monkeypatch.setattr(REGISTRY, "comm_id", lambda mesh, axis: 1)
-  monkeypatch.setattr(REGISTRY, "default_layout", lambda: "tail")
+  plan_lib.publish(stand_in_plan(autotune="xla").with_axis(mesh, "tp", 1, {}))
+  monkeypatch.setattr(plan_lib.Plan, "verdict", lambda self, key: Capability(True, "stand-in"))
   x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
                for i, s in enumerate([(16, 8), (8, 12), (12, 8)]))
   texts = {}
@@ -300,9 +306,8 @@ def test_a_call_that_returns_the_gathered_operand_is_its_own_problem(empty_decis
   plain = Problem(AG, 8, 8, 6, "float32", False, 2)
   gathered = Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True)
   assert gathered.text() == plain.text() + " +gathered"
-  REGISTRY.record_decision(gathered, ("ring", "test"))
-  REGISTRY.record_decision(plain, ("xla", "test"))
-  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+  REGISTRY.record_decisions({gathered: ("ring", "test"), plain: ("xla", "test")})
+  backend = AutoBackend(CublasMpBackend())
 
   def program(return_gathered):
     def local(x, w):
@@ -329,9 +334,9 @@ def test_the_fused_weight_gradient_takes_the_gathered_problems_choice(empty_deci
   operand out, as weight_gradient_fusion asked it; the plain problem's choice
   (here XLA, which has no such call) is not consulted."""
   mesh = cpu_mesh(2)
-  REGISTRY.record_decision(Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True),
-                           ("cublasmp_default", "test"))
-  REGISTRY.record_decision(Problem(AG, 8, 8, 6, "float32", False, 2), ("xla", "test"))
+  REGISTRY.record_decisions({
+      Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True): ("cublasmp_default", "test"),
+      Problem(AG, 8, 8, 6, "float32", False, 2): ("xla", "test")})
   ran = []
 
   def fused(self, x, w, h, axis_name, *, transpose_w, precision=None):
@@ -339,7 +344,7 @@ def test_the_fused_weight_gradient_takes_the_gathered_problems_choice(empty_deci
     return jnp.zeros((16, 6), x.dtype), jnp.zeros(w.shape, w.dtype)
 
   monkeypatch.setattr(CublasMpBackend, "all_gather_matmul_weight_gradient", fused)
-  backend = AutoBackend(CublasMpBackend(gathered_layout="tail"))
+  backend = AutoBackend(CublasMpBackend())
 
   def local(x, w, h):
     return backend.all_gather_matmul_weight_gradient(x, w, h, "tp", transpose_w=False)
@@ -443,3 +448,9 @@ def test_against_xla_takes_xlas_result_as_the_reference(monkeypatch):
 def test_xla_is_every_ops_first_candidate():
   """against_xla needs XLA's result before the others'."""
   assert all(names[0] == "xla" for names in auto.CANDIDATES.values())
+
+
+def test_the_names_autotune_may_force_are_autos_candidates():
+  """JAX_COMM_GEMM_AUTOTUNE is checked against settings.IMPLEMENTATIONS,
+  without importing the backends: the two lists must name the same."""
+  assert set(auto.CANDIDATES[AG]) | set(auto.CANDIDATES[RS]) == set(settings.IMPLEMENTATIONS)

@@ -25,6 +25,8 @@ import jax_comm_gemm.backends.tuning as tuning
 import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
 from jax_comm_gemm.runtime.constants import TARGETS
+import jax_comm_gemm.runtime.plan as plan_lib
+from conftest import stand_in_plan
 
 
 class FakeNative:
@@ -42,9 +44,9 @@ class FakeNative:
   def nccl_unique_id(self):
     return bytes(128)
 
-  def connect(self, groups, fence, connect_timeout_s, call_timeout_s, time_gemms):
+  def connect(self, groups, connect_timeout_s, call_timeout_s, time_gemms):
     self.connected.append({"groups": [(key, n, members) for key, _, n, members in groups],
-                           "fence": fence, "timeouts": (connect_timeout_s, call_timeout_s),
+                           "timeouts": (connect_timeout_s, call_timeout_s),
                            "time_gemms": time_gemms})
 
   def bind(self, ident, device_groups):
@@ -66,11 +68,11 @@ def fake(monkeypatch):
   """REGISTRY with cuBLASMp "available" through FakeNative, emptied for the test."""
   native = FakeNative()
   for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
-                      ("_axes", {}), ("_groups", set()), ("_attempts", {}),
-                      ("_verdicts", {}), ("_decisions", {}), ("_wanted", {}), ("_seen", {}),
-                      ("_sentinel", None)]:
+                      ("_groups", set()), ("_attempts", {}), ("_wanted", {}), ("_seen", {}),
+                      ("_sentinel", None), ("_first", None)]:
     monkeypatch.setattr(REGISTRY, name, value)
   monkeypatch.setattr(connect_module, "self_test", fake_self_test())
+  plan_lib.publish(stand_in_plan())
   return native
 
 
@@ -85,7 +87,7 @@ def test_connect_makes_one_group_per_row_in_rank_order(fake):
   assert [(n, members) for _, n, members in call["groups"]] == [
       (4, [(int(d.local_hardware_id), r) for r, d in enumerate(row)])
       for row in np.asarray(mesh.devices)]
-  assert call["fence"] == "isolated" and call["timeouts"] == (300.0, 300.0)
+  assert call["timeouts"] == (300.0, 300.0)
   assert call["time_gemms"] is True  # the own GEMMs' algorithms are timed by default
   (ident, device_groups), = fake.bound
   assert ident == comm_id(mesh, "tp") == REGISTRY.comm_id(mesh, "tp")
@@ -225,29 +227,33 @@ def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
                       fake_self_test(passing=lambda key: not key.transpose_w))
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   jcg.connect(mesh, "tp")
-  backend = jcg.CublasMpBackend(gathered_layout="tail")
+  backend = jcg.CublasMpBackend()
   assert gathered_route(backend, None, 2, jnp.bfloat16, False).reuse
   route = gathered_route(backend, None, 2, jnp.bfloat16, True)
   assert not route.reuse and route.reason == "fake self-test"
   # A case the self-test never ran (another group size) is refused with why.
   route = gathered_route(backend, None, 4, jnp.bfloat16, False)
   assert not route.reuse and "no self-test covered it" in route.reason
-  assert "never runs the NVLink-multicast" in REGISTRY.verdict(
-      VerdictKey(2, "split_multicast", "bfloat16", False, "tail")).reason
+  assert "no self-test covered it" in REGISTRY.plan().verdict(
+      VerdictKey(8, "split_p2p", "bfloat16", False, "front")).reason
 
 
 @pytest.mark.parametrize("env, match", [
-    ({"JAX_COMM_GEMM_FENCE": "fast"}, r"JAX_COMM_GEMM_FENCE='fast' is not a fence; use one "
-                                      r"of isolated, own_stream, barrier, host, none"),
-    ({"JAX_COMM_GEMM_FENCE": "none"}, r"set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
-    # Only "1" opts in: "0" says no.
-    ({"JAX_COMM_GEMM_FENCE": "none", "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE": "0"},
-     r"set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
-    ({"JAX_COMM_GEMM_FENCE": "own_stream"},
-     r"'own_stream' orders nothing across ranks.*set JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1"),
+    ({"JAX_COMM_GEMM_FENCE": "isolated"},
+     r"JAX_COMM_GEMM_FENCE is not a jax_comm_gemm setting any more: every cuBLASMp call"),
+    ({"JAX_COMM_GEMM_BACKND": "xla"},
+     r"JAX_COMM_GEMM_BACKND is not a jax_comm_gemm setting; the settings are "
+     r"JAX_COMM_GEMM_BACKEND, "),
+    ({"JAX_COMM_GEMM_BACKEND": "cuda"}, r"JAX_COMM_GEMM_BACKEND='cuda': allowed values are "
+                                        r"\('auto', 'cublasmp', 'xla', 'ring'\)"),
+    ({"JAX_COMM_GEMM_AUTOTUNE": "fast"}, r"JAX_COMM_GEMM_AUTOTUNE='fast': allowed values"),
+    ({"JAX_COMM_GEMM_ON_ABORT": "retry"}, r"JAX_COMM_GEMM_ON_ABORT='retry': allowed values"),
     ({"JAX_COMM_GEMM_TIMEOUT": "soon"}, r"JAX_COMM_GEMM_TIMEOUT='soon' must be a positive"),
     ({"JAX_COMM_GEMM_TIMEOUT": "0"}, r"JAX_COMM_GEMM_TIMEOUT='0' must be a positive"),
+    ({"JAX_COMM_GEMM_TIMEOUT": "-1"}, r"JAX_COMM_GEMM_TIMEOUT='-1' must be a positive"),
     ({"JAX_COMM_GEMM_TIMEOUT": "nan"}, r"JAX_COMM_GEMM_TIMEOUT='nan' must be a positive"),
+    ({"JAX_COMM_GEMM_TIMEOUT": "inf"}, r"JAX_COMM_GEMM_TIMEOUT='inf' must be a positive"),
+    ({"JAX_COMM_GEMM_ABORT_GRACE": "0"}, r"JAX_COMM_GEMM_ABORT_GRACE='0' must"),
     ({"JAX_COMM_GEMM_CONNECT_TIMEOUT": "-3"}, r"JAX_COMM_GEMM_CONNECT_TIMEOUT='-3' must"),
 ])
 def test_bad_settings_fail_before_any_collective(fake, monkeypatch, env, match):
@@ -258,23 +264,54 @@ def test_bad_settings_fail_before_any_collective(fake, monkeypatch, env, match):
   assert fake.connected == []
 
 
-def test_unsafe_fence_warns_on_every_connect(fake, monkeypatch):
-  monkeypatch.setenv(settings.FENCE, "none")
-  monkeypatch.setenv(settings.ALLOW_UNSAFE_FENCE, "1")
-  with pytest.warns(RuntimeWarning, match="'none' is unsafe"):
+@pytest.mark.parametrize("env", [{"JAX_COMM_GEMM_TIMEOUT": "-1"},
+                                 {"JAX_COMM_GEMM_BACKEND": "fast"}])
+def test_bad_settings_fail_at_connect_on_a_cpu_too(monkeypatch, env):
+  """Where cuBLASMp cannot run, connect still reads and checks the settings."""
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  with pytest.raises(ValueError, match=next(iter(env))):
     jcg.connect(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)), "tp")
-  assert fake.connected[0]["fence"] == "none"
+
+
+def test_bad_settings_fail_at_first_use_without_connect(monkeypatch):
+  """No connect: the settings are read, and checked, at the first trace."""
+  monkeypatch.setattr(REGISTRY, "_first", None)
+  plan_lib.publish(None)
+  monkeypatch.setenv("JAX_COMM_GEMM_TIMEOUT", "-1")
+  with pytest.raises(ValueError, match="JAX_COMM_GEMM_TIMEOUT='-1'"):
+    jax.eval_shape(_layer_program(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)),
+                                  "auto"), *ARGS)
+
+
+def test_connect_adopts_the_settings_and_programs_trace_again(fake, monkeypatch):
+  """A program traced before connect runs on XLA; connect publishes a plan
+  with the axis, and the same jitted program traces again at its next call,
+  now on the fused op, without anybody clearing jax's caches. The settings
+  that connect read are the plan's."""
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  program = _layer_program(mesh, "auto")
+  x, w = jnp.ones((16, 8)), jnp.ones((8, 16))
+  with pytest.warns(RuntimeWarning, match="not connected"):
+    before = str(program.trace(x, w).jaxpr)
+  assert TARGETS["all_gather_matmul"] not in before
+  monkeypatch.setenv(settings.AUTOTUNE, "pipelined")
+  jcg.connect(mesh, "tp")
+  assert REGISTRY.plan().settings.autotune == "pipelined"
+  assert TARGETS["all_gather_matmul"] in str(program.trace(x, w).jaxpr)
+  np.testing.assert_allclose(program(x, w), np.full((16, 16), 8.0))
 
 
 def test_fingerprints_compare_by_setting():
   """The message names each setting that differs and the processes on each side."""
-  same = {"fence": "isolated", "cuBLASMp version": "1000"}
+  same = {"JAX_COMM_GEMM_BACKEND": "", "cuBLASMp version": "1000"}
   assert agreement.compare({0: same, 1: dict(same)}) is None
-  message = agreement.compare({0: same, 1: {**same, "fence": "own_stream"},
+  message = agreement.compare({0: same, 1: {**same, "JAX_COMM_GEMM_BACKEND": "xla"},
                                2: dict(same)})
-  assert "fence differs (processes 0, 2: 'isolated'; process 1: 'own_stream')" in message
+  assert ("JAX_COMM_GEMM_BACKEND differs (processes 0, 2: ''; process 1: 'xla')"
+          in message)
   assert "cuBLASMp version" not in message
-  assert "<missing>" in agreement.compare({0: same, 1: {"fence": "isolated"}})
+  assert "<missing>" in agreement.compare({0: same, 1: {"JAX_COMM_GEMM_BACKEND": ""}})
 
 
 def test_report_follows_auto_on_a_connected_axis(fake):
@@ -309,9 +346,8 @@ def _connected_mlp_step():
 def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
   """autotune_step measures the ops of a step, then the step under each plan:
   the per-op choices, and every op on one implementation (XLA among them).
-  Every op of the step records the plan taken (GPU run 16: each op was faster
-  fused, the step 3-5% slower; run 37: every op on pipelined_ce made the step
-  faster than both the per-op choices and XLA)."""
+  The tuned step's routes hold the plan taken for every op (each op may
+  measure faster fused while the step is slower, and the reverse)."""
   monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
   mesh, step, (x, w1, w2) = _connected_mlp_step()
 
@@ -329,11 +365,12 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
         or verifiers.append(kw["verify"])
         or {name: (1e-3 if name == f else 2e-3) for name in runs}
         if kw["agree"]({"ring"}) == {"ring"} and kw["warmup_rounds"] > 0 else None))
-    plan, why = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
+    tuned = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
+    plan, why = tuned.plan, tuned.why
     assert plan == faster and why.startswith("step measured"), why
     problems = REGISTRY.seen()
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
-    taken = {REGISTRY.decision(p)[0] for p in problems}
+    taken = {tuned.routes.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
   # Every plan was timed: the AG-only "pipelined" and "pallas_mgpu" cannot run
   # the step's RS.
@@ -362,13 +399,13 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
   compiled = []
   monkeypatch.setattr(step_tuning, "_measure", lambda *a: compiled.append(a) or ("xla", "?"))
   again = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
-  assert first[0] == again[0] == "pipelined_ce" and not compiled
-  assert again[1] == first[1] + " (cached)"
-  assert {REGISTRY.decision(p)[0] for p in REGISTRY.seen()} == {"pipelined_ce"}
+  assert first.plan == again.plan == "pipelined_ce" and not compiled
+  assert again.why == first.why + " (cached)"
+  assert {again.routes.decision(p)[0] for p in REGISTRY.seen()} == {"pipelined_ce"}
   # Fewer plans: another key, measured anew.
   other = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5,
                             implementations=("ring",))
-  assert other[0] == "xla" and len(compiled) == 1 and len(timed) == 1
+  assert other.plan == "xla" and len(compiled) == 1 and len(timed) == 1
   with pytest.raises(ValueError, match="implementations has 'nccl'"):  # before any work
     jcg.autotune_step(mesh, "tp", None, implementations=("nccl",))
 
@@ -382,8 +419,8 @@ def test_a_cached_step_plan_that_is_no_plan_is_measured_anew(fake, monkeypatch, 
   monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
   monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
       {n: (1e-3 if n == "pipelined_ce" else 2e-3) for n in runs}))
-  assert jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)[0] == \
-      "pipelined_ce"
+  assert jcg.autotune_step(mesh, "tp", step, x, w1, w2,
+                           seconds_per_problem=1e-5).plan == "pipelined_ce"
   cache = tuning.load_cache(str(path))
   for section in cache.values():
     for key, entry in section.items():
@@ -392,8 +429,39 @@ def test_a_cached_step_plan_that_is_no_plan_is_measured_anew(fake, monkeypatch, 
   tuning.save_cache(str(path), cache)
   measured = []
   monkeypatch.setattr(step_tuning, "_measure", lambda *a: measured.append(a) or ("xla", "?"))
-  assert jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)[0] == "xla"
+  assert jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5).plan == "xla"
   assert len(measured) == 1
+
+
+def test_a_step_traced_before_tuning_runs_the_tuned_route_and_nothing_else_recompiles(
+    fake, monkeypatch):
+  """The step jitted and run before autotune_step keeps its route under the
+  process's plan; the tuned step runs it under the tuned one (here every op
+  on the ring), and an unrelated jitted function is not traced again."""
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  mesh, step, args = _connected_mlp_step()
+  jitted = jax.jit(step)
+  traces = []
+
+  @jax.jit
+  def unrelated(v):
+    traces.append(1)
+    return v * 2
+
+  reference = jitted(*args)
+  unrelated(jnp.ones(3))
+  assert "ppermute" not in str(jax.make_jaxpr(jitted)(*args))
+  monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
+  monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
+      {n: (1e-3 if n == "ring" else 2e-3) for n in runs}))
+  tuned = jcg.autotune_step(mesh, "tp", jitted, *args, seconds_per_problem=1e-5)
+  assert tuned.plan == "ring"
+  assert "ppermute" in str(jax.make_jaxpr(tuned)(*args))
+  assert "ppermute" not in str(jax.make_jaxpr(jitted)(*args))  # the process's plan is as it was
+  for got, want in zip(tuned(*args), reference):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  unrelated(jnp.ones(3))
+  assert len(traces) == 1
 
 
 def test_step_plans_time_a_uniform_per_op_choice_once():

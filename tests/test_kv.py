@@ -8,6 +8,9 @@ import threading
 import jax
 import pytest
 
+import jax_comm_gemm.runtime.plan as plan_lib
+from conftest import stand_in_plan
+
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.runtime import agreement
 from jax_comm_gemm.backends import step_tuning
@@ -130,7 +133,7 @@ def test_autotune_step_takes_process_0s_decision_from_the_slowest_times(job):
   decides, and every process returns the same plan and reason."""
   times = [{"xla": 1.00, "pipelined_ce": 0.90}, {"xla": 1.10, "pipelined_ce": 0.95},
            {"xla": 1.00, "pipelined_ce": 0.99}]
-  got = job.run(lambda p: step_tuning._agree(9, 1, times[p]))
+  got = job.run(lambda p: step_tuning.agree_on_step(9, 1, times[p], timeout=5))
   assert got[0] == got[1] == got[2]
   plan, why = got[0]
   assert plan == "pipelined_ce" and "all pipelined_ce 990.000 ms" in why
@@ -152,12 +155,10 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
   fused_wins = Problem(RS, 4096, 256, 512, "bfloat16", False, 2)
   cache_file = tmp_path / "autotune.json"
   tuning.save_cache(str(cache_file), {"sig": {cached.text(): ["ring", "measured: before"]}})
-  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", str(cache_file))
-  monkeypatch.setattr(REGISTRY, "_status", Capability(True, "stand-in"))
-  monkeypatch.setattr(REGISTRY, "comm_id", lambda mesh, axis: 7)
+  plan_lib.publish(stand_in_plan(autotune_cache=str(cache_file)))
+  monkeypatch.setattr(tuning, "tunable", lambda mesh, axis, plan: None)
   monkeypatch.setattr(REGISTRY, "next_attempt", lambda key: 1)
   monkeypatch.setattr(REGISTRY, "wanted", lambda: [])
-  monkeypatch.setattr(REGISTRY, "_decisions", {})
   monkeypatch.setattr(tuning, "comm_id", lambda mesh, axis: 7)
   monkeypatch.setattr(tuning, "signature", lambda: "sig")
   monkeypatch.setattr(tuning, "_runnables", lambda mesh, axis, p, seconds: p)
@@ -182,4 +183,4 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
       cached: "ring", slow_fused: "xla", fused_wins: "pipelined_ce"}
   saved = tuning.load_cache(str(cache_file))["sig"]
   assert saved[slow_fused.text()][0] == "xla" and saved[cached.text()][0] == "ring"
-  assert REGISTRY.decision(fused_wins)[0] == "pipelined_ce"
+  assert REGISTRY.plan().decision(fused_wins)[0] == "pipelined_ce"

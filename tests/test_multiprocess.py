@@ -30,16 +30,31 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(process_id: int, port: int) -> subprocess.Popen:
-  env = dict(os.environ)
+def _launch(process_id: int, port: int, *args, **settings) -> subprocess.Popen:
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMM_GEMM_")}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(
-                 p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p))
-  env.pop("JAX_COMM_GEMM_BACKEND", None)
+                 p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p), **settings)
   return subprocess.Popen([sys.executable, os.path.join(TESTS, "mp_worker.py"),
-                           str(process_id), str(port)],
+                           str(process_id), str(port), *args],
                           cwd=TESTS, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
+
+
+def _run_both(procs, timeout_s: float) -> list:
+  deadline = time.monotonic() + timeout_s
+  outputs = []
+  try:
+    for proc in procs:
+      outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the worker processes did not finish within {timeout_s} s")
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+  return [_result(i, proc, *out) for i, (proc, out) in enumerate(zip(procs, outputs))]
 
 
 def _result(process_id: int, proc: subprocess.Popen, stdout: str, stderr: str) -> dict:
@@ -58,24 +73,26 @@ def test_two_processes():
   processes agree with the reference on every process's shards, and both
   processes end with the leader's unique id."""
   port = _free_port()
-  procs = [_launch(i, port) for i in range(2)]
-  deadline = time.monotonic() + TIMEOUT_S
-  outputs = []
-  try:
-    for proc in procs:
-      outputs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic())))
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"the worker processes did not finish within {TIMEOUT_S} s")
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-        proc.communicate()
-
-  results = [_result(i, proc, *out) for i, (proc, out) in enumerate(zip(procs, outputs))]
+  results = _run_both([_launch(i, port) for i in range(2)], TIMEOUT_S)
   for result in results:
     # 4 layers checked (2 MLP routings, column, row), each output and gradient.
     assert len(result["checks"]) == 2 * 6 + 2 * 4 + 2 + (result["process"] == 0), \
         result["checks"]
   assert results[0]["unique_id"] == results[1]["unique_id"]
   assert len(bytes.fromhex(results[0]["unique_id"])) == 128
+
+
+@pytest.mark.timeout(90)
+def test_processes_that_disagree_on_a_setting_fail_at_connect_on_cpu():
+  """Two CPU processes with different JAX_COMM_GEMM_BACKEND values: connect
+  raises a DisagreementError in both, naming the setting and the processes,
+  before any collective (before, they stalled 30 s and failed in jax's Gloo
+  set-up)."""
+  port = _free_port()
+  start = time.monotonic()
+  results = _run_both([_launch(i, port, "disagree", JAX_COMM_GEMM_BACKEND=backend)
+                       for i, backend in enumerate(("xla", "ring"))], 60)
+  for result in results:
+    assert ("JAX_COMM_GEMM_BACKEND differs (process 0: 'xla'; process 1: 'ring')"
+            in result["message"]), result["message"]
+  assert time.monotonic() - start < 30

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm.backends.pallas as pallas
 import jax_comm_gemm.backends.tuning as autotune
-from conftest import cpu_mesh
+from conftest import stand_in_plan, cpu_mesh
 from jax_comm_gemm.backends import auto
 from jax_comm_gemm.backends.auto import AG, RS, Problem
 from jax_comm_gemm.config import CommGemmConfig
@@ -108,9 +108,9 @@ def test_auto_knows_it_only_for_the_all_gather():
   assert isinstance(auto.implementation(pallas.NAME, None), pallas.PallasBackend)
 
 
-def test_forcing_it_where_it_cannot_run_says_so(monkeypatch):
-  monkeypatch.setenv(settings.AUTOTUNE, pallas.NAME)
-  name, why = auto.choose(Problem(AG, 2048, 4096, 2048, "bfloat16", True, 2), "xla")
+def test_forcing_it_where_it_cannot_run_says_so():
+  name, why = auto.choose(Problem(AG, 2048, 4096, 2048, "bfloat16", True, 2), "xla",
+                          stand_in_plan(autotune=pallas.NAME))
   assert name == pallas.NAME
   assert why == (f"forced by {settings.AUTOTUNE}={pallas.NAME}, which runs XLA's ops here: "
                  "the kernel takes w as [k, m]; w is transposed")

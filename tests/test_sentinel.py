@@ -44,8 +44,8 @@ def test_the_thread_calls_leave():
   assert ABORTED["error"] in messages[0]
 
 
-def test_settings(monkeypatch):
-  assert settings.on_abort() == "exit" and settings.abort_grace_s() == 60.0
-  monkeypatch.setenv(settings.ON_ABORT, "ignore")
+def test_settings():
+  assert settings.Settings.from_environ({}).on_abort == "exit"
+  assert settings.Settings.from_environ({}).abort_grace_s == 60.0
   with pytest.raises(ValueError, match=r"JAX_COMM_GEMM_ON_ABORT='ignore': allowed values"):
-    settings.on_abort()
+    settings.Settings.from_environ({settings.ON_ABORT: "ignore"})

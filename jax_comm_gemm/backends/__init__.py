@@ -14,7 +14,7 @@ A new backend is one module here implementing ``base.Backend``.
 """
 
 from jax_comm_gemm.backends.auto import AutoBackend
-from jax_comm_gemm.backends.step_tuning import autotune_step
+from jax_comm_gemm.backends.step_tuning import TunedStep, autotune_step
 from jax_comm_gemm.backends.tuning import autotune
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
@@ -22,10 +22,11 @@ from jax_comm_gemm.backends.pallas import PallasBackend
 from jax_comm_gemm.backends.select import Choice, choose_backend, resolve_backend
 from jax_comm_gemm.backends.xla import (RingBackend, XlaBackend, all_gather_tokens,
                                         gathered_matmul_t, local_matmul, ring_all_gather_matmul,
-                                        ring_matmul_reduce_scatter)
+                                        ring_matmul_reduce_scatter, weight_gradient)
 from jax_comm_gemm.runtime.capability import Capability
 
 __all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "PallasBackend",
-           "RingBackend", "XlaBackend", "all_gather_tokens", "autotune", "autotune_step",
-           "choose_backend", "gathered_matmul_t", "local_matmul", "resolve_backend",
-           "ring_all_gather_matmul", "ring_matmul_reduce_scatter"]
+           "RingBackend", "TunedStep", "XlaBackend", "all_gather_tokens", "autotune",
+           "autotune_step", "choose_backend", "gathered_matmul_t", "local_matmul",
+           "resolve_backend", "ring_all_gather_matmul", "ring_matmul_reduce_scatter",
+           "weight_gradient"]

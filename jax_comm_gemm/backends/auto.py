@@ -3,16 +3,17 @@
 A problem is one op at one shape: (op, local rows, k, local m, dtype,
 transpose, group size). Its implementation comes from, in order:
 
-1. ``$JAX_COMM_GEMM_AUTOTUNE`` naming an implementation (forced);
+1. ``JAX_COMM_GEMM_AUTOTUNE`` naming an implementation (forced);
 2. the choice ``autotune`` measured (once per process, cached on disk, the
-   same on every rank: see tuning.py), read from the registry;
+   same on every rank: see tuning.py), read from the routing plan in force;
 3. a rule of thumb where nothing was measured (or measuring is off): XLA for
    per-GPU GEMMs under ``FUSED_FROM_FLOP`` (there the fused op's fixed cost
-   outweighs the hidden all-gather: 1.45x slower than XLA at 4096^3 on 2xH200),
-   else the configured cuBLASMp algorithm. The problem is then noted as
-   wanted, so that the next ``autotune`` measures it.
+   outweighs the hidden all-gather), else the configured algorithm. The
+   problem is then noted as wanted, so that the next ``autotune`` measures it.
 
-Every step is a dict read at trace time, the same in every process.
+Every step reads the plan (runtime/plan.py) at trace time, the same in every
+process. Why per problem, and the measurements behind the rule of thumb:
+docs/design.md#backendauto-and-autotuning.
 """
 
 from __future__ import annotations
@@ -26,26 +27,27 @@ import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
-from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
+from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # What autotune measures, per op. "cublasmp_<algorithm>" runs cuBLASMp's fused
 # op; the project's own algorithms (OWN_ALGORITHMS) run by their names;
 # "pallas_mgpu" is jax's Mosaic GPU kernel (pallas.py), measured only where it
-# can run (runnable()). The own "pipelined" GEMM+ReduceScatter is left out:
-# slower than XLA and than "pipelined_ce" at every shape measured (GPU runs 30
-# and 32, results README). XLA comes first: autotune checks the others'
-# results against its (tuning.against_xla).
+# can run (runnable()). XLA comes first: autotune checks the others' results
+# against its (verify.against_xla).
 CANDIDATES = {
     AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
          "pipelined_ce", pallas.NAME),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
 }
-IMPLEMENTATIONS = tuple(sorted(set(CANDIDATES[AG]) | set(CANDIDATES[RS])))
+# Every name JAX_COMM_GEMM_AUTOTUNE may force (settings.py checks it; a test
+# holds the two equal).
+IMPLEMENTATIONS = settings.IMPLEMENTATIONS
 # 2 * rows * k * m per GPU: 4096^3 at TP 2 is 0.69e11 (XLA won), 8192x4096x4096
-# and 2048x8192x8192 are 1.37e11 (fused won), DESIGN.md "Measured against peers".
+# and 2048x8192x8192 are 1.37e11 (fused won): docs/performance.md.
 FUSED_FROM_FLOP = 1.0e11
 
 
@@ -61,8 +63,8 @@ class Problem:
   # AllGather+GEMM: the gathered operand is an output too. Layers ask for it
   # where the weight gradient reuses it, and it costs the implementations
   # unlike amounts (free for XLA, a copy out of the workspace for cuBLASMp,
-  # an assembly for the ring: in GPU run 44's MLP step 180 us a call), so
-  # such calls are their own problem, measured as they are made.
+  # an assembly for the ring), so such calls are their own problem, measured
+  # as they are made.
   gathered: bool = False
 
   def flop(self) -> float:
@@ -90,14 +92,19 @@ def runnable(name: str, p: Problem) -> Capability:
   return Capability(True, f"{name} runs every problem")
 
 
-def choose(p: Problem, default: str) -> tuple[str, str]:
-  """(implementation, why) for `p`; `default` is the configured fused one."""
-  mode = settings.autotune(IMPLEMENTATIONS)
+def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
+  """(implementation, why) for `p` under `plan` (default: the plan in
+  force); `default` is the configured fused one."""
+  plan = current_plan() if plan is None else plan
+  mode = plan.settings.autotune
   if mode in CANDIDATES[p.op]:
     verdict = runnable(mode, p)
     return mode, f"forced by {settings.AUTOTUNE}={mode}" + (
         "" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}")
-  decided = REGISTRY.decision(p) if mode == "on" else None
+  decided = None
+  if mode == "on":
+    decided = plan.decision(p)
+    REGISTRY.note(p, decided is not None)
   if decided is not None:
     return decided
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"

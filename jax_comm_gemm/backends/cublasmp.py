@@ -11,26 +11,29 @@ from jax import lax
 import jax_comm_gemm.backends.primitives as primitives
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.xla import XlaBackend, ring_matmul_reduce_scatter
-from jax_comm_gemm.runtime import REGISTRY
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
 from jax_comm_gemm.runtime.constants import ALGORITHMS
+from jax_comm_gemm.runtime.registry import current_plan
 
 
 @dataclasses.dataclass(frozen=True)
 class CublasMpBackend(Backend):
   """The fused ops on the communicators that ``connect`` set up.
 
+  Its fields are the fused ops' options, and their defaults are the
+  project's: ``CommGemmConfig`` takes its own defaults from here
+  (config.py), so each is written once.
+
   Attributes:
     all_gather_algorithm: algorithm of the AllGather+GEMM (config.py).
-    reduce_scatter: ``"xla"``, ``"ring"``, a cuBLASMp algorithm or
-      ``"pipelined"`` (config.py).
-    gathered_layout: where the gathered operand sits in the workspace; None
-      for what the cuBLASMp version documents.
+    reduce_scatter: ``"xla"``, ``"ring"``, or an algorithm (config.py).
+
+  >>> CublasMpBackend().all_gather_algorithm
+  'split_p2p'
   """
 
   all_gather_algorithm: str = "split_p2p"
   reduce_scatter: str = "xla"
-  gathered_layout: str | None = None
 
   name = "cublasmp"
 
@@ -51,7 +54,7 @@ class CublasMpBackend(Backend):
     outs = primitives.all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w,
         return_gathered=return_gathered or needs_gathered,
-        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=self._layout())
+        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout())
     return tuple(outs) if return_gathered else outs[0]
 
   def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
@@ -62,7 +65,7 @@ class CublasMpBackend(Backend):
                          f"{verdict.reason}")
     return primitives.all_gather_matmul_weight_gradient(
         x, w, h, axis_name, transpose_w=transpose_w,
-        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=self._layout())
+        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout())
 
   def weight_gradient_fusion(self, x, w, axis_name, transpose_w):
     if lax.axis_size(axis_name) == 1:
@@ -83,9 +86,11 @@ class CublasMpBackend(Backend):
                                             algorithm=ALGORITHMS[self.reduce_scatter])
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):
-    return REGISTRY.verdict(VerdictKey(int(axis_size), self.all_gather_algorithm,
-                                       jnp.dtype(dtype).name, bool(transpose_w),
-                                       self._layout()))
+    plan = current_plan()
+    return plan.verdict(VerdictKey(int(axis_size), self.all_gather_algorithm,
+                                   jnp.dtype(dtype).name, bool(transpose_w), plan.layout))
 
-  def _layout(self) -> str:
-    return self.gathered_layout or REGISTRY.default_layout()
+
+def _layout() -> str:
+  """Where the gathered operand is, in the plan in force."""
+  return current_plan().layout

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.backends.xla import XlaBackend, gathered_matmul_t
+from jax_comm_gemm.backends.xla import XlaBackend, weight_gradient
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS, TARGETS
 
@@ -116,9 +116,10 @@ def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
 
 
 def _agw_elsewhere(x, w, h, *, axis_name, transpose_w, **_):
+  # The dgrad's w is the layer's, transposed the other way; h is the layer's input.
   y, g = XlaBackend().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
                                         return_gathered=True)
-  return [y, gathered_matmul_t(h, g) if transpose_w else gathered_matmul_t(g, h)]
+  return [y, weight_gradient(h, g, not transpose_w)]
 
 
 def _rs_elsewhere(x, w, *, axis_name, transpose_w, **_):

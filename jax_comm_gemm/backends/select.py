@@ -1,5 +1,6 @@
-"""Which backend runs a layer here and now, and why (trace time; a few dict
-reads after the first call). The per-layer report asks the same function."""
+"""Which backend runs a layer under the routing plan in force, and why (trace
+time: reads of the plan, runtime/plan.py). The per-layer report asks the same
+function."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from jax_comm_gemm.backends.auto import AutoBackend
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
-from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime import settings
+from jax_comm_gemm.runtime.registry import current_plan
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
+  """A backend, and why it runs the layer."""
   backend: Backend
   reason: str
 
@@ -24,10 +27,17 @@ class Choice:
 def choose_backend(config, axis_name: str, mesh=None) -> Choice:
   """The backend for `config` (a ``CommGemmConfig``) on `axis_name` of `mesh`
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
-  reason. Says once if the config's cuBLASMp options do nothing there."""
-  choice = _choose(config, axis_name, mesh)
+  reason, under the routing plan in force. Says once if the config's fused-op
+  options do nothing there.
+
+  >>> import jax, numpy as np, jax_comm_gemm as jcg
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> choose_backend(jcg.CommGemmConfig(backend="xla"), "tp", mesh).reason
+  "backend='xla' was requested"
+  """
+  choice = _choose(config, axis_name, mesh, current_plan())
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
-    unused = [f"{name}={getattr(config, name)!r}" for name, default in _FUSED_OPTIONS
+    unused = [f"{name}={getattr(config, name)!r}" for name, default in fused_defaults()
               if getattr(config, name) != default]
     if unused:
       warnings.warn(f"jax_comm_gemm: CommGemmConfig({', '.join(unused)}) has no effect: "
@@ -36,45 +46,52 @@ def choose_backend(config, axis_name: str, mesh=None) -> Choice:
   return choice
 
 
-# The config fields that only the cuBLASMp backend reads, with their defaults.
-_FUSED_OPTIONS = (("all_gather_algorithm", "split_p2p"), ("reduce_scatter", "xla"),
-                  ("gathered_layout", None))
+def fused_defaults() -> tuple[tuple[str, object], ...]:
+  """(field, default) of the options only the fused ops read: the fields of
+  ``CublasMpBackend``, whose defaults ``CommGemmConfig`` takes too."""
+  return tuple((f.name, f.default) for f in dataclasses.fields(CublasMpBackend))
 
 
-def _choose(config, axis_name, mesh) -> Choice:
-  forced = settings.backend_override()
+def _choose(config, axis_name, mesh, plan) -> Choice:
+  forced = plan.settings.backend
   requested = forced or config.backend
+  asked = (f"{settings.BACKEND}={forced}" if forced else f"backend={requested!r}")
   if forced in PLAIN_BACKENDS:
-    return Choice(PLAIN_BACKENDS[forced](), f"forced by {settings.BACKEND}={forced}")
+    return Choice(PLAIN_BACKENDS[forced](), f"forced by {asked}")
   if isinstance(requested, Backend):
     return Choice(requested, "a Backend instance was given")
   if requested in PLAIN_BACKENDS:
-    return Choice(PLAIN_BACKENDS[requested](), f"backend={requested!r} was requested")
-  status = REGISTRY.cublasmp_status()
-  if not status.ok:
+    return Choice(PLAIN_BACKENDS[requested](), f"{asked} was requested")
+  if not plan.cublasmp.ok:
     if requested == "cublasmp":
       raise RuntimeError(
-          f"backend='cublasmp' was requested but cuBLASMp is unavailable: {status.reason}")
-    return Choice(XlaBackend(), f"cuBLASMp is unavailable: {status.reason}")
+          f"{asked} was requested but cuBLASMp is unavailable: {plan.cublasmp.reason}")
+    return Choice(XlaBackend(), f"cuBLASMp is unavailable: {plan.cublasmp.reason}")
   mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
   if axis_name in mesh.axis_names and mesh.shape[axis_name] == 1:
     return Choice(XlaBackend(), f"axis {axis_name!r} has size 1: nothing to communicate")
-  if axis_name not in mesh.axis_names or REGISTRY.comm_id(mesh, axis_name) is None:
+  if axis_name not in mesh.axis_names or plan.comm_id(mesh, axis_name) is None:
     why = (f"mesh axis {axis_name!r} is not connected: call "
-           f"jax_comm_gemm.connect(mesh, {axis_name!r}) in every process before tracing")
+           f"jax_comm_gemm.connect(mesh, {axis_name!r}) in every process; a program "
+           "traced before it traces again at its next call")
     if requested == "cublasmp":
-      raise RuntimeError(f"backend='cublasmp': {why}")
-    warnings.warn(f"jax_comm_gemm: {why}; using XLA's collectives", RuntimeWarning,
-                  stacklevel=3)
+      raise RuntimeError(f"{asked}: {why}")
+    warnings.warn(f"jax_comm_gemm: {why}; using XLA's collectives until then",
+                  RuntimeWarning, stacklevel=3)
     return Choice(XlaBackend(), why)
-  fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter,
-                          config.gathered_layout)
+  fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
   if requested == "cublasmp":
-    return Choice(fused, f"backend='cublasmp': {status.reason}, axis {axis_name!r} connected")
-  return Choice(AutoBackend(fused), f"backend='auto': per problem, the fastest measured "
-                                    f"({status.reason}, axis {axis_name!r} connected)")
+    return Choice(fused, f"{asked}: {plan.cublasmp.reason}, axis {axis_name!r} connected")
+  return Choice(AutoBackend(fused), f"{asked}: per problem, the fastest measured "
+                                    f"({plan.cublasmp.reason}, axis {axis_name!r} connected)")
 
 
 def resolve_backend(config, axis_name: str = "tp", mesh=None) -> Backend:
-  """The backend of :func:`choose_backend`, without the reason."""
+  """The backend of :func:`choose_backend`, without the reason.
+
+  >>> import jax, numpy as np, jax_comm_gemm as jcg
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> resolve_backend(jcg.CommGemmConfig(backend="ring"), "tp", mesh).name
+  'ring'
+  """
   return choose_backend(config, axis_name, mesh).backend

@@ -3,40 +3,88 @@ measured per-op choices, every op on XLA, or every op on one implementation?
 
 ``autotune`` times each op alone. Inside a step XLA's scheduler overlaps its
 own collectives with independent GEMMs, which an op timed alone cannot show:
-on 2xH200 every op of the byte-level GPT measured faster fused, yet the step
-was 3-5% slower (GPU run 16). And the reverse: in the SP MLP step at
-8192x8192x7168 the per-op choices were 1.215 of the GEMM-only floor and XLA
-1.229, while every op on ``pipelined_ce`` was 1.170 (GPU run 37). So this
-times the step itself under each plan (``step_plans``), interleaved, and
-takes the fastest plan only where it leads the all-XLA step by more than the
-noise of the measurement (``KEEP_MARGIN``); otherwise the step runs on XLA.
+every op of a step may measure faster fused while the step is slower, and the
+reverse (docs/design.md#whole-step-tuning-autotune_step). So this times the
+step itself under each plan (``step_plans``), interleaved, and takes the
+fastest plan only where it leads the all-XLA step by more than the noise of
+the measurement (``KEEP_MARGIN``); otherwise the step runs on XLA.
 Collective like ``autotune``: process 0 decides from the slowest process's
 times and publishes the decision.
+
+It returns a :class:`TunedStep`: the step, jitted, under a routing plan of its
+own that carries the decisions (runtime/plan.py). Nothing else changes: the
+process's plan and every program compiled under it stay as they were.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+from typing import Any, Callable
 
 import jax
 
 import jax_comm_gemm.runtime.kv as kv
+import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
-from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, autotune, load_cache, save_cache,
-                                           signature, time_candidates, union_of_failures)
+from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, fastest, load_cache, measure,
+                                           save_cache, signature, time_candidates, tunable,
+                                           union_of_failures)
 from jax_comm_gemm.backends.verify import against_xla
-from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
+from jax_comm_gemm.runtime import comm_id
+from jax_comm_gemm.runtime.plan import Plan
+from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
 
 # A plan other than XLA is taken only if the step is this much faster with it,
-# XLA (the safe default) taking the tie. Runs 20-21 saw autotune_step and a
-# later benchmark of the same steps differ by up to 2%; in run 39 the two put
-# the same plan first at all four MLP shapes, and the 2% margin of then kept
-# XLA at 8192x8192x28672 where every op on pipelined_ce led by 1.7% in
-# autotune_step and 3.1% in the benchmark. 10 rounds (from 6) since, against
-# the noise a smaller margin lets through.
+# XLA (the safe default) taking the tie: whole-step measurements of the same
+# plans repeat within about 1-2% (docs/design.md#whole-step-tuning-autotune_step).
 KEEP_MARGIN = 0.01
 TUNED, XLA = "tuned", "xla"
+_TAGS = itertools.count(1)  # makes each collecting trace's plan a new one
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedStep:
+  """A step function that carries its routing decisions.
+
+  Calling it runs `step` jitted (or as given, if it is already a jitted
+  function) under ``routes``, the plan that holds the decisions; ``lower``
+  lowers it alike. The process's own plan, and the programs compiled under
+  it, are not touched.
+
+  Attributes:
+    step: the step function, as given to ``autotune_step``.
+    routes: the routing plan its calls run under.
+    plan: which plan was kept: ``"tuned"`` (the per-op choices), ``"xla"``,
+      or the one implementation every op runs.
+    why: the measurement, or why nothing was measured.
+
+  >>> import jax.numpy as jnp
+  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "tuned", "nothing to choose")
+  >>> float(tuned(jnp.float32(3)))
+  6.0
+  """
+
+  step: Callable
+  routes: Plan
+  plan: str
+  why: str
+  _jitted: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+  def __post_init__(self):
+    jitted = self.step if hasattr(self.step, "lower") else jax.jit(self.step)
+    object.__setattr__(self, "_jitted", jitted)
+
+  def __call__(self, *args, **kwargs):
+    with plan_lib.use(self.routes):
+      return self._jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    """The step lowered under its routes (``jax.jit(...).lower``)."""
+    with plan_lib.use(self.routes):
+      return self._jitted.lower(*args, **kwargs)
 
 
 def step_plans(problems, chosen: dict, implementations=None) -> dict[str, dict]:
@@ -71,8 +119,7 @@ def decide_step(times: dict[str, list[float]],
   """(plan, why) from each plan's seconds per step in every process: the
   fastest by the slowest process, unless XLA's step is within `margin` of it."""
   label = lambda plan: "per-op choices" if plan == TUNED else f"all {plan}"
-  worst = {plan: max(per_process) for plan, per_process in times.items()}
-  best = min(worst, key=lambda plan: (worst[plan], plan))
+  best, worst = fastest(times)
   if best != XLA and worst[best] > worst[XLA] * (1.0 - margin):
     best, verdict = XLA, f"XLA kept: a lead under {margin:.0%} is noise"
   else:
@@ -84,90 +131,100 @@ def decide_step(times: dict[str, list[float]],
 
 
 def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds: int = 10,
-                  seconds_per_problem: float = 1.0, implementations=None) -> tuple[str, str]:
-  """Tunes every op `step(*args)` meets (``autotune``), then times the step
-  under each plan of ``step_plans`` (`implementations` limits the plans of
-  one implementation for every op: each costs a compile of the step) and
-  records the plan taken for every op. The plan is kept in autotune's disk
-  cache, keyed by the step's problems and plans, and taken from it without
-  compiling or timing the next time. Returns (plan, why): ``"tuned"`` (the
-  per-op choices), ``"xla"``, or the one implementation every op runs;
-  ("tuned", why) without timing where there is nothing to choose. Call it in
-  every process, before compiling the step for real; it clears jax's caches."""
+                  seconds_per_problem: float = 1.0, implementations=None) -> TunedStep:
+  """Tunes every op `step(*args)` meets (as ``autotune`` does), then times the
+  step under each plan of ``step_plans`` (`implementations` limits the plans
+  of one implementation for every op: each costs a compile of the step), and
+  returns the step with the plan taken, as a :class:`TunedStep`. The plan is
+  kept in autotune's disk cache, keyed by the step's problems and plans, and
+  taken from it without compiling or timing the next time. Where there is
+  nothing to choose (no cuBLASMp, measuring off, an axis of size 1, a step
+  with no op to choose for), the step comes back with the plan in force and
+  the reason. Call it in every process: it is collective. It leaves the
+  process's plan, and every program compiled under it, as they were.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> tuned = autotune_step(mesh, "tp", lambda x: x + 1, jnp.zeros(2))
+  >>> tuned.why
+  "nothing to choose: axis 'tp' has size 1: nothing to communicate"
+  >>> tuned(jnp.zeros(2)).tolist()
+  [1.0, 1.0]
+  """
   _plan_names(implementations)  # bad input fails here, before any device work
-  if settings.autotune(IMPLEMENTATIONS) != "on" or not REGISTRY.cublasmp_status().ok:
-    return TUNED, "nothing to choose: measuring is off or cuBLASMp cannot run"
-  REGISTRY.forget_seen()
-  jax.eval_shape(step, *args)
-  size = int(mesh.shape[axis_name])
-  problems = [p for p in REGISTRY.seen() if p.axis_size == size]  # autotune's, too
-  autotune(mesh, axis_name, seconds_per_problem=seconds_per_problem)
-  jax.clear_caches()
+  base = current_plan()
+  why_not = tunable(mesh, axis_name, base)
+  if why_not is not None:
+    return TunedStep(step, base, TUNED, f"nothing to choose: {why_not}")
+  problems = collect_problems(step, args, base, int(mesh.shape[axis_name]))
   if not problems:
-    return TUNED, "the step meets no op that auto chooses for"
-  plans = step_plans(problems, {p: REGISTRY.decision(p) for p in problems}, implementations)
+    return TunedStep(step, base, TUNED, "the step meets no op that auto chooses for")
+  chosen = measure(mesh, axis_name, problems, base,
+                   seconds_per_problem=seconds_per_problem)
+  plans = step_plans(problems, chosen, implementations)
   ident = comm_id(mesh, axis_name)
   attempt = REGISTRY.next_attempt(("autotune_step", ident))
+  timeout = base.settings.connect_timeout_s
+  path = base.settings.autotune_cache
   key = (f"autotune_step margin={KEEP_MARGIN} plans={','.join(plans)} problems="
          + "; ".join(sorted(p.text() for p in problems)))
-  cached = _cached(ident, attempt, key)
+  cached = kv.from_leader(ident, attempt, "step", "cached", timeout_s=timeout,
+                          make=lambda: load_cache(path).get(signature(), {}).get(key)
+                          if path else None)
+  routes = {name: base.with_decisions(decisions) for name, decisions in plans.items()}
   if cached is not None and cached[0] in plans:
     plan, why = cached[0], f"{cached[1]} (cached)"
   else:
-    plan, why = _measure(ident, attempt, plans, step, args, iterations, rounds)
-    _remember(key, plan, why)
-  for p, (name, reason) in plans[plan].items():
-    REGISTRY.record_decision(p, (name, reason if plan == TUNED else why))
-  jax.clear_caches()
-  return plan, why
+    plan, why = _measure(ident, attempt, routes, step, args, iterations, rounds, timeout)
+    _remember(path, key, plan, why)
+  if plan != TUNED:
+    routes[plan] = base.with_decisions({p: (name, why) for p, (name, _) in plans[plan].items()})
+  return TunedStep(step, routes[plan], plan, why)
 
 
-def _measure(ident, attempt, plans, step, args, iterations, rounds) -> tuple[str, str]:
+def collect_problems(step, args, plan: Plan, axis_size: int) -> list:
+  """The problems `step(*args)` meets on an axis of `axis_size`: it is
+  traced under a copy of `plan` that no trace saw before, so that the
+  library's trace-time code runs (and notes them) even where `step` was
+  traced already."""
+  REGISTRY.forget_seen()
+  with plan_lib.use(dataclasses.replace(plan, tag=next(_TAGS))):
+    jax.eval_shape(step, *args)
+  return [p for p in REGISTRY.seen() if p.axis_size == axis_size]
+
+
+def _measure(ident, attempt, routes: dict[str, Plan], step, args, iterations, rounds,
+             timeout) -> tuple[str, str]:
   """Compiles the step under each plan, times them all interleaved, and
   returns process 0's decision."""
   runs = {}
+  jitted = step if hasattr(step, "lower") else jax.jit(step)
   # XLA's step first: the others' results are checked against its (against_xla).
-  for plan, decisions in sorted(plans.items(), key=lambda item: item[0] != XLA):
-    for p, decision in decisions.items():
-      REGISTRY.record_decision(p, decision)
-    jax.clear_caches()
-    # Compiled ahead of time: each executable keeps the choices it was traced
-    # with, whatever the caches hold later.
-    compiled = jax.jit(step).lower(*args).compile()
-    runs[plan] = (lambda compiled=compiled: compiled(*args), iterations)
+  for name, plan in sorted(routes.items(), key=lambda item: item[0] != XLA):
+    # Compiled ahead of time under its plan: each executable keeps its choices.
+    with plan_lib.use(plan):
+      compiled = jitted.lower(*args).compile()
+    runs[name] = (lambda compiled=compiled: compiled(*args), iterations)
   # Every process skips a plan that failed to run in any (a collective plan
   # that one process skipped would leave the others waiting in it).
-  agree = union_of_failures(ident, attempt, "step", "failed",
-                            timeout=settings.connect_timeout_s())
+  agree = union_of_failures(ident, attempt, "step", "failed", timeout=timeout)
   mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
                          verify=against_xla())
-  return _agree(ident, attempt, mine)
+  return agree_on_step(ident, attempt, mine, timeout)
 
 
-def _cached(ident, attempt, key: str):
-  """[plan, why] from the disk cache, or None: process 0 reads it, every
-  process takes its answer."""
-  lead = jax.process_index() == 0
-  path = settings.autotune_cache()
-  entry = load_cache(path).get(signature(), {}).get(key) if lead and path else None
-  return kv.broadcast(ident, attempt, "step", "cached", value=entry,
-                      timeout_s=settings.connect_timeout_s())
+def agree_on_step(ident, attempt, mine: dict[str, float], timeout: float) -> tuple[str, str]:
+  """Process 0 decides from every process's times (``decide_step``); all
+  take its decision."""
+  plan, why = kv.leader_decides(
+      ident, attempt, "step", value=mine, timeout_s=timeout,
+      decide=lambda times: list(decide_step({name: [t[name] for t in times]
+                                             for name in mine})))
+  return plan, why
 
 
-def _remember(key: str, plan: str, why: str) -> None:
-  path = settings.autotune_cache()
+def _remember(path: str, key: str, plan: str, why: str) -> None:
   if jax.process_index() == 0 and path:
     cache = load_cache(path)
     cache.setdefault(signature(), {})[key] = [plan, why]
     save_cache(path, cache)
-
-
-def _agree(ident, attempt, mine: dict[str, float]) -> tuple[str, str]:
-  """Process 0 decides from every process's times; all take its decision."""
-  timeout = settings.connect_timeout_s()
-  times = kv.gather(ident, attempt, "step", value=mine, timeout_s=timeout)
-  decision = None if times is None else decide_step(
-      {plan: [t[plan] for t in times] for plan in mine})
-  plan, why = kv.broadcast(ident, attempt, "step", "decision", value=decision,
-                           timeout_s=timeout)
-  return plan, why

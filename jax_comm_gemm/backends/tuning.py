@@ -8,8 +8,9 @@ leads: it says which problems to measure (those not in its disk cache), every
 process times every candidate on its devices, interleaved (A B C A B C ...,
 medians, so that clock changes under the power cap hit all alike), process 0
 takes the slowest process's time per candidate, picks the fastest candidate
-and publishes the choices through the key-value store. The choices go to the
-registry and to the disk cache, keyed by GPU model and versions. A candidate
+and publishes the choices through the key-value store. The choices go into
+the routing plan (runtime/plan.py) and the disk cache, keyed by GPU model and
+versions. A candidate
 that fails to run, or whose result differs from XLA's on the same inputs, is
 left out in every process.
 """
@@ -32,16 +33,28 @@ from jax_comm_gemm.backends.auto import (AG, CANDIDATES, IMPLEMENTATIONS, Proble
                                          runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.verify import against_xla
-from jax_comm_gemm.runtime import REGISTRY, comm_id, settings
+from jax_comm_gemm.runtime import comm_id, settings
+from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
 log = logging.getLogger("jax_comm_gemm.autotune")
 
 
+def fastest(times: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
+  """(the fastest, each one's time) where each one's time is its slowest
+  process's: a collective step runs at the pace of its slowest rank. Ties go
+  to the first name in order, so every process would pick alike."""
+  worst = {name: max(per_process) for name, per_process in times.items()}
+  return min(worst, key=lambda name: (worst[name], name)), worst
+
+
 def decide(times: dict[str, list[float]]) -> tuple[str, str]:
   """(fastest candidate, why) from each candidate's time (seconds) in every
-  process; a candidate that failed has ``inf``. The slowest process counts."""
-  worst = {name: max(per_process) for name, per_process in times.items()}
-  chosen = min(worst, key=lambda name: (worst[name], name))
+  process; a candidate that failed has ``inf``. The slowest process counts.
+
+  >>> decide({"xla": [1e-3, 2e-3], "ring": [1.5e-3, 1.5e-3]})
+  ('ring', 'measured: ring 1.500 ms, xla 2.000 ms')
+  """
+  chosen, worst = fastest(times)
   if not math.isfinite(worst[chosen]):
     return "xla", "every candidate failed to run; XLA is the fallback"
   parts = ", ".join(f"{name} {t * 1e3:.3f} ms" if math.isfinite(t) else f"{name} failed"
@@ -67,18 +80,21 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   throughput of back-to-back calls, as in a training step (waiting after
   every call would add the host's launch latency to each, which made the
   fused op look faster than XLA at 4096^3 on 2xH200 while it was slower back
-  to back: GPU run 16). A runnable that raises
+  to back). A runnable that raises
   gets ``inf`` (caught once per candidate at tuning time, never per call of a
   program). `agree` turns this process's set of candidates that failed to warm
   up into the set every process skips (a collective candidate that one
   process skipped would leave the others waiting in it).
 
-  Rounds alternate in order (a b c, then c b a), as the benchmark's do. In
-  one fixed order the ring always followed XLA, and timed 5% faster than the
-  benchmark's alternating rounds timed the same program (GPU run 43: not the
-  batch size, which was tried alike); enough to pick it over cuBLASMp
-  `default` at 16384x8192x8192 (runs 41-42). Likely the power cap: a batch's
-  clock depends on the batch before it, and XLA's has its AllGather exposed."""
+  Rounds alternate in order (a b c, then c b a), as the benchmark's do: under
+  the power cap a batch's clock depends on the batch before it, and in one
+  fixed order a candidate that always follows another is timed unlike the
+  same program in the benchmark (docs/design.md#backendauto-and-autotuning).
+
+  >>> times = time_candidates({"a": (lambda: 1, 2)}, rounds=3, wait=lambda out: None)
+  >>> sorted(times)
+  ['a']
+  """
   samples = {name: [] for name in runs}
   failed = set()
   for name, run in runs.items():  # compile and warm up, untimed
@@ -122,10 +138,8 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
 
 # Untimed rounds before the timed ones: with `iterations`' batches of about a
 # tenth of `seconds_per_problem` each, 3 rounds of 6 candidates are about 2 s
-# of load at the default second, as long as the benchmark's own warm-up.
-# (They did not change the order measured in GPU run 41: there autotune still
-# timed the ring 0.5% ahead of cuBLASMp default at 16384x8192x8192, where the
-# benchmark's rounds had it 7.7% behind; that gap is not the clocks.)
+# of load at the default second, as long as the benchmark's own warm-up, so
+# that the timed rounds run at the clocks of steady state.
 WARMUP_ROUNDS = 3
 
 
@@ -202,10 +216,10 @@ METHOD = 3
 
 
 def signature() -> str:
-  """The disk cache's section for this GPU model, these versions and settings."""
+  """The disk cache's section for this GPU model, these versions and candidates."""
   native = REGISTRY.native()
   return (f"{jax.devices()[0].device_kind}|timing {METHOD}|jax {jax.__version__}|cuBLASMp "
-          f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|{settings.fence()}|"
+          f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|"
           # New candidates make old choices stale.
           f"{';'.join(','.join(names) for names in CANDIDATES.values())}")
 
@@ -228,57 +242,79 @@ def save_cache(path: str, cache: dict) -> None:
   os.replace(temporary, path)
 
 
-def autotune(mesh, axis_name: str = "tp", problems=(), *,
-             seconds_per_problem: float = 1.0) -> dict[Problem, tuple[str, str]]:
-  """Measures the problems traced without a choice, and `problems`; returns
-  the choices made (collective: every process calls it; see the module
-  docstring). Does nothing where cuBLASMp cannot run, or with
-  ``JAX_COMM_GEMM_AUTOTUNE`` other than "on". Call ``jax.clear_caches()`` or
-  trace anew afterwards so that programs traced before see the choices."""
-  if settings.autotune(IMPLEMENTATIONS) != "on" or not REGISTRY.cublasmp_status().ok:
-    return {}
-  if REGISTRY.comm_id(mesh, axis_name) is None:
+def tunable(mesh, axis_name: str, plan) -> str | None:
+  """Why nothing can be tuned on `axis_name` under `plan`, or None.
+  Raises where the axis could be tuned but is not connected."""
+  if int(mesh.shape[axis_name]) == 1:
+    return f"axis {axis_name!r} has size 1: nothing to communicate"
+  if plan.settings.autotune != "on":
+    return f"measuring is off ({settings.AUTOTUNE}={plan.settings.autotune})"
+  if not plan.cublasmp.ok:
+    return f"cuBLASMp cannot run here: {plan.cublasmp.reason}"
+  if plan.comm_id(mesh, axis_name) is None:
     raise RuntimeError(f"autotune: mesh axis {axis_name!r} is not connected; call "
                        f"jax_comm_gemm.connect(mesh, {axis_name!r}) first")
+  return None
+
+
+def autotune(mesh, axis_name: str = "tp", problems=(), *,
+             seconds_per_problem: float = 1.0) -> dict[Problem, tuple[str, str]]:
+  """Measures the problems traced without a choice, and `problems`, and
+  publishes a routing plan with the choices (collective: every process calls
+  it; see the module docstring). Programs traced before it trace again at
+  their next call, with the choices. Returns the choices made; does nothing
+  where nothing can be tuned (no cuBLASMp, ``JAX_COMM_GEMM_AUTOTUNE`` other
+  than "on", an axis of size 1).
+
+  >>> import jax, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> autotune(mesh, "tp")  # on a CPU: nothing to tune
+  {}
+  """
+  plan = current_plan()
+  if tunable(mesh, axis_name, plan) is not None:
+    return {}
   size = int(mesh.shape[axis_name])
+  wanted = [q for q in [*REGISTRY.wanted(), *problems] if q.axis_size == size]
+  choices = measure(mesh, axis_name, wanted, plan, seconds_per_problem=seconds_per_problem)
+  REGISTRY.record_decisions(choices)
+  return choices
+
+
+def measure(mesh, axis_name: str, problems, plan, *,
+            seconds_per_problem: float = 1.0) -> dict[Problem, tuple[str, str]]:
+  """The choice for each of `problems` (process 0's list counts), from the
+  disk cache or measured; collective, publishes nothing."""
   ident = comm_id(mesh, axis_name)
   attempt = REGISTRY.next_attempt(("autotune", ident))
-  leader = jax.process_index() == 0
-  timeout = settings.connect_timeout_s()
-  path, section = settings.autotune_cache(), signature()
-  cache = load_cache(path) if leader and path else {}
-  known = cache.get(section, {})
-  # The leader's view rules: which problems, and which the cache answers.
-  plan = None
-  if leader:
-    wanted = [q for q in [*REGISTRY.wanted(), *problems] if q.axis_size == size]
-    plan = {"measure": [], "cached": []}
-    for q in dict.fromkeys(wanted):
+  timeout = plan.settings.connect_timeout_s
+  path = plan.settings.autotune_cache
+  section = signature()
+
+  def split():  # process 0's view rules: which problems, and which the cache answers
+    known = load_cache(path).get(section, {}) if path else {}
+    found = {"measure": [], "cached": []}
+    for q in dict.fromkeys(problems):
       entry = known.get(q.text())
-      plan["cached" if entry else "measure"].append([vars(q), entry])
-  plan = kv.broadcast(ident, attempt, "autotune", "plan", value=plan, timeout_s=timeout)
-  choices = {Problem(**q): tuple(entry) for q, entry in plan["cached"]}
-  measured = []  # (problem, every process's times: process 0's list, else None)
-  for index, (q, _) in enumerate(plan["measure"]):
+      found["cached" if entry else "measure"].append([vars(q), entry])
+    return found
+
+  work = kv.from_leader(ident, attempt, "autotune", "plan", make=split, timeout_s=timeout)
+  choices = {Problem(**q): tuple(entry) for q, entry in work["cached"]}
+  for index, (q, _) in enumerate(work["measure"]):
     p = Problem(**q)
-    log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(plan["measure"]))
+    log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(work["measure"]))
     runs = _runnables(mesh, axis_name, p, seconds_per_problem)
     agree = union_of_failures(ident, attempt, "autotune", index, "failed", timeout=timeout)
     mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree,
                            verify=against_xla())
-    measured.append((p, kv.gather(ident, attempt, "autotune", index, value=mine,
-                                  timeout_s=timeout)))
-  decided = None
-  if leader:
-    decided = [[vars(p), list(decide({name: [t[name] for t in per_process]
-                                      for name in per_process[0]}))]
-               for p, per_process in measured]
-    if path and measured:
-      known.update({Problem(**q).text(): choice for q, choice in decided})
-      cache[section] = known
+    choice = kv.leader_decides(
+        ident, attempt, "autotune", index, value=mine, timeout_s=timeout,
+        decide=lambda times: list(decide({name: [t[name] for t in times]
+                                          for name in times[0]})))
+    choices[p] = tuple(choice)
+    if jax.process_index() == 0 and path:
+      cache = load_cache(path)
+      cache.setdefault(section, {})[p.text()] = list(choice)
       save_cache(path, cache)
-  decided = kv.broadcast(ident, attempt, "autotune", "choices", value=decided, timeout_s=timeout)
-  choices.update({Problem(**q): tuple(choice) for q, choice in decided})
-  for p, choice in choices.items():
-    REGISTRY.record_decision(p, choice)
   return choices

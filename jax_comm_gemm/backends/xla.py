@@ -20,8 +20,24 @@ def local_matmul(x, w, transpose_w: bool, precision=None):
 
 
 def gathered_matmul_t(g, dy, precision=None):
-  """g.T @ dy: the weight gradient from a gathered operand."""
+  """g.T @ dy, contracting the token rows of both."""
   return lax.dot_general(g, dy, (((0,), (0,)), ((), ())), precision=precision)
+
+
+def weight_gradient(inputs, grads, transpose_w: bool, precision=None):
+  """The gradient of w in ``y = inputs @ w`` (w [k, m]) or ``inputs @ w.T``
+  (w [m, k], `transpose_w`), from the layer's inputs [n, k] and the gradient
+  of its output [n, m], all n token rows present: ``inputs.T @ grads``, or
+  ``grads.T @ inputs``. The one home of this rule: every backward pass and
+  the fused weight gradient's XLA lowering call it.
+
+  >>> import jax.numpy as jnp
+  >>> weight_gradient(jnp.ones((4, 2)), jnp.ones((4, 3)), transpose_w=False).shape
+  (2, 3)
+  """
+  if transpose_w:
+    return gathered_matmul_t(grads, inputs, precision)
+  return gathered_matmul_t(inputs, grads, precision)
 
 
 def all_gather_tokens(x, axis_name: str):

@@ -20,8 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_comm_gemm.runtime.constants import (ALGORITHMS, GATHERED_LAYOUTS,
-                                             MULTICAST_ALGORITHMS, TARGETS)
+from jax_comm_gemm.runtime.constants import ALGORITHMS, GATHERED_LAYOUTS, TARGETS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +41,10 @@ class VerdictKey:
 
 
 # cuBLASMp 0.11.0 documents the gathered B at the start of its workspace; 0.10
-# leaves it at the tail (measured, DESIGN.md).
+# leaves it at the tail (measured: docs/design.md#the-gathered-operand-and-its-layout).
 FRONT_LAYOUT_SINCE = 1100
-# The algorithms an AllGather+GEMM can run: the atomic ones accumulate a
-# reduce-scatter (cuBLASMp answers NOT_SUPPORTED for them here), and the
-# multicast ones are never run by the self-test.
-SELF_TESTED_ALGORITHMS = tuple(a for a in ALGORITHMS
-                               if a not in MULTICAST_ALGORITHMS and not a.startswith("atomic"))
+# Every AllGather+GEMM algorithm the project offers may hand out its operand.
+SELF_TESTED_ALGORITHMS = tuple(ALGORITHMS)
 SELF_TESTED_DTYPES = ("bfloat16", "float16", "float32")
 # (local tokens, features, local outputs): aligned, and not a multiple of 128.
 PROBE_SHAPES = ((256, 1024, 512), (200, 520, 264))
@@ -64,10 +60,9 @@ def version_text(version: int) -> str:
 
 
 def untested(key: VerdictKey) -> Capability:
-  why = ("the self-test never runs the NVLink-multicast algorithms"
-         if key.algorithm in MULTICAST_ALGORITHMS else "no self-test covered it")
   return Capability(False, f"reuse not verified for {key.algorithm}, {key.dtype}, "
-                           f"{'TN' if key.transpose_w else 'NN'}, {key.layout!r} layout: {why}")
+                           f"{'TN' if key.transpose_w else 'NN'}, {key.layout!r} layout: "
+                           "no self-test covered it (is the mesh axis connected?)")
 
 
 def _pattern(rows: int, cols: int, row0, dtype):

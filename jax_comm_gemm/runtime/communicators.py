@@ -6,8 +6,8 @@ registry), after checking that every process agrees on its settings, and then
 runs the layout self-test. Every process calls it for the same mesh axis,
 before the first program that uses the axis runs.
 
-Why here, and not while lowering (as before) or in the FFI handler's
-instantiate/prepare stage (README, "Decisions"): set-up is collective, so it
+Why here, and not while lowering or in the FFI handler's instantiate/prepare
+stage (docs/design.md#explicit-set-up-connect): set-up is collective, so it
 must run exactly when every process runs it. Lowering and compiling are not
 that: one process may lower alone (to dump HLO), and it then waited for peers
 that never came. The handler stages run inside XLA without jax.distributed's
@@ -28,10 +28,10 @@ import numpy as np
 
 import jax_comm_gemm.runtime.agreement as agreement
 import jax_comm_gemm.runtime.kv as kv
-import jax_comm_gemm.runtime.settings as settings
 from jax_comm_gemm.runtime.capability import Capability, self_test
 from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS
 from jax_comm_gemm.runtime.registry import REGISTRY, Registry
+from jax_comm_gemm.runtime.settings import Settings
 
 
 def stable_key(value) -> int:
@@ -55,20 +55,18 @@ def comm_id(mesh, axis_name: str) -> int:
   return stable_key(("axis", tuple(tuple(d.id for d in g) for g in groups)))
 
 
-def _fingerprint(native, fence: str) -> dict[str, str]:
+def fingerprint(settings: Settings, native=None) -> dict[str, str]:
+  """What every process of a group must share: versions and settings."""
   try:
     package = importlib.metadata.version("jax-comm-gemm")
   except importlib.metadata.PackageNotFoundError:
     package = "unknown"
-  return {
-      "jax_comm_gemm version": package,
-      "jax version": jax.__version__,
-      "cuBLASMp version": str(native.cublasmp_version()),
-      "NCCL version": str(native.nccl_version()),
-      settings.FENCE: fence,
-      settings.BACKEND: settings.backend_override(),
-      settings.CALL_TIMEOUT: f"{settings.call_timeout_s():g}",
-  }
+  found = {"jax_comm_gemm version": package, "jax version": jax.__version__,
+           **settings.fingerprint()}
+  if native is not None:
+    found.update({"cuBLASMp version": str(native.cublasmp_version()),
+                  "NCCL version": str(native.nccl_version())})
+  return found
 
 
 def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Capability:
@@ -79,59 +77,74 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
   cuBLASMp backend on that axis; again for each other mesh axis. Without it
   ``backend="auto"`` runs XLA and ``backend="cublasmp"`` raises.
 
+  On every platform it first reads the ``JAX_COMM_GEMM_*`` settings (a bad
+  value is a ValueError naming the variable) and compares them, with the
+  versions, across the processes that hold the mesh's devices (a
+  ``DisagreementError`` naming the setting and the processes), before any
+  collective. Then, where cuBLASMp can run, it makes the communicators and
+  runs the layout self-test. It publishes a new routing plan: programs traced
+  before it trace again at their next call (docs/design.md#routing-plan).
+
   Returns whether the axis can use cuBLASMp and why not: where cuBLASMp cannot
-  run (no GPU, no extension) this does nothing and says so. Raises
-  ``agreement.DisagreementError`` when the processes were set up differently,
+  run (no GPU, no extension) it does nothing more and says so. Raises
   TimeoutError when a peer does not come, RuntimeError when NCCL or cuBLASMp
   fail (with the library's message). A failed connect can be called again.
+
+  >>> import jax, numpy as np, jax_comm_gemm as jcg
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> jcg.connect(mesh, "tp").ok  # on a CPU: cuBLASMp cannot run here
+  False
   """
   if axis_name not in mesh.axis_names:
     raise ValueError(f"connect: axis_name={axis_name!r} is not an axis of the mesh, whose "
                      f"axes are {tuple(mesh.axis_names)}")
+  settings = Settings.from_environ()  # bad values fail here, before any collective
+  ident = comm_id(mesh, axis_name)
+  processes = sorted({d.process_index for d in np.asarray(mesh.devices).flat})
   status = registry.cublasmp_status()
-  if not status.ok:
-    return status
-  if mesh.shape[axis_name] == 1:
-    return Capability(True, f"axis {axis_name!r} has size 1: nothing to communicate")
   with registry.connect_lock:
-    ident = comm_id(mesh, axis_name)
+    attempt = registry.next_attempt(ident)
+    native = registry.native() if status.ok else None
+    agreement.check(fingerprint(settings, native), comm_id=ident, attempt=attempt,
+                    processes=processes, timeout_s=settings.connect_timeout_s)
+    registry.adopt(settings)
+    if not status.ok:
+      return status
+    if mesh.shape[axis_name] == 1:
+      return Capability(True, f"axis {axis_name!r} has size 1: nothing to communicate")
     if registry.comm_id(mesh, axis_name) == ident:
       return status
-    native = registry.native()
-    fence = settings.fence()  # bad values fail here, before any collective
-    connect_s, call_s = settings.connect_timeout_s(), settings.call_timeout_s()
-    time_gemms = settings.measuring()
-    on_abort, grace_s = settings.on_abort(), settings.abort_grace_s()
-    attempt = registry.next_attempt(ident)
-    me = jax.process_index()
-    groups = axis_groups(mesh, axis_name)
-    processes = sorted({d.process_index for d in groups.flat})
-    agreement.check(_fingerprint(native, fence), comm_id=ident, attempt=attempt,
-                    processes=processes, timeout_s=connect_s)
-    known = registry.known_groups()
-    new_groups, device_groups = [], []
-    for group in groups:
-      local = [(int(d.local_hardware_id), rank) for rank, d in enumerate(group)
-               if d.process_index == me]
-      if not local:
-        continue
-      key = stable_key(("group", tuple(d.id for d in group)))
-      device_groups += [(device, key) for device, _ in local]
-      if key not in known:
-        unique_id = _unique_id(native, ident, attempt, key, group[0].process_index == me,
-                               connect_s)
-        new_groups.append((key, unique_id, len(group), local))
-    if new_groups:
-      native.connect(new_groups, fence, connect_s, call_s, time_gemms)
-    native.bind(ident, device_groups)
-    layout = registry.default_layout()
-    verdicts = {}
-    for tested in sorted(GATHERED_LAYOUTS, key=lambda name: name != layout):
-      verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version()))
-    registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
-    if on_abort == "exit":
-      registry.watch(grace_s)
+    _make_communicators(mesh, axis_name, ident, attempt, native, settings, registry)
     return status
+
+
+def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Settings,
+                        registry: Registry) -> None:
+  me = jax.process_index()
+  known = registry.known_groups()
+  new_groups, device_groups = [], []
+  for group in axis_groups(mesh, axis_name):
+    local = [(int(d.local_hardware_id), rank) for rank, d in enumerate(group)
+             if d.process_index == me]
+    if not local:
+      continue
+    key = stable_key(("group", tuple(d.id for d in group)))
+    device_groups += [(device, key) for device, _ in local]
+    if key not in known:
+      unique_id = _unique_id(native, ident, attempt, key, group[0].process_index == me,
+                             settings.connect_timeout_s)
+      new_groups.append((key, unique_id, len(group), local))
+  if new_groups:
+    native.connect(new_groups, settings.connect_timeout_s, settings.call_timeout_s,
+                   settings.measuring)
+  native.bind(ident, device_groups)
+  layout = registry.plan().layout
+  verdicts = {}
+  for tested in sorted(GATHERED_LAYOUTS, key=lambda name: name != layout):
+    verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version()))
+  registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
+  if settings.on_abort == "exit":
+    registry.watch(settings.abort_grace_s)
 
 
 def _unique_id(native, ident: int, attempt: int, group_key: int, is_leader: bool,

@@ -14,7 +14,10 @@ from __future__ import annotations
 import json
 
 import jax
-from jax._src import distributed  # no public key-value API yet
+# jax has no public key-value API: this is the project's one private jax
+# import (a test holds it here). Tested with jax 0.10.2 and 0.11.2, where
+# jax.distributed.initialize() sets distributed.global_state.client.
+from jax._src import distributed
 
 
 def _client():
@@ -91,3 +94,20 @@ def broadcast(comm_id: int, attempt: int, *parts, value, timeout_s: float):
     publish(name, json.dumps(value))
     return _as_sent(value)
   return json.loads(fetch(name, timeout_s))
+
+
+def from_leader(comm_id: int, attempt: int, *parts, make, timeout_s: float):
+  """``make()`` in process 0, its value in every process (the others do not
+  call it): one view of a file or a cache for all, where each could differ."""
+  value = make() if jax.process_index() == 0 else None
+  return broadcast(comm_id, attempt, *parts, value=value, timeout_s=timeout_s)
+
+
+def leader_decides(comm_id: int, attempt: int, *parts, value, decide, timeout_s: float):
+  """Every process's `value` goes to process 0, which calls
+  ``decide(values in process order)``; every process returns that decision.
+  Deciding in one place and publishing it keeps every rank on the same
+  choice even where their own measurements disagree."""
+  values = gather(comm_id, attempt, *parts, value=value, timeout_s=timeout_s)
+  decision = None if values is None else decide(values)
+  return broadcast(comm_id, attempt, *parts, "decision", value=decision, timeout_s=timeout_s)

@@ -4,12 +4,12 @@ It holds what this process knows about the cuBLASMp runtime, and nothing else:
 
 * the C++ extension, loaded once (``native.py``), and whether cuBLASMp can run
   here at all (``cublasmp_status``);
-* the mesh axes that ``connect`` set up, and the NCCL groups behind them (the
-  communicators themselves live in the C++ registry, which owns every context);
-* the capability verdicts of the self-test (``verdict``), which the custom_vjp
-  rules read at trace time;
-* the choices of ``backend="auto"`` per problem (``decision``), measured by
-  ``backends.autotune``, and the problems traced without one (``wanted``).
+* the NCCL groups that ``connect`` made (the communicators themselves live in
+  the C++ registry, which owns every context);
+* the routing plan in force (``plan``, ``plan.py``): what ``connect`` and
+  ``autotune`` learnt, published as one immutable value that jax.jit keys on;
+* the problems that tracing met (``seen``), and those without a measured
+  choice (``wanted``), for ``autotune`` to measure.
 
 Reading it never touches NCCL: tracing, lowering and ``jax.eval_shape`` only
 read. Everything collective happens in ``communicators.connect``.
@@ -26,16 +26,12 @@ from types import ModuleType
 import jax
 
 import jax_comm_gemm.runtime.native as native
-from jax_comm_gemm.runtime.sentinel import Sentinel
-from jax_comm_gemm.runtime.capability import (Capability, VerdictKey, default_layout,
-                                              untested, version_text)
+import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.capability import Capability, default_layout, version_text
 from jax_comm_gemm.runtime.constants import TARGETS
-
-
-def axis_key(mesh, axis_name: str) -> tuple:
-  """What trace time can see of a mesh axis (the abstract mesh inside
-  shard_map has names and sizes, not devices)."""
-  return (axis_name, tuple(mesh.axis_names), tuple(int(s) for s in mesh.shape.values()))
+from jax_comm_gemm.runtime.plan import Plan
+from jax_comm_gemm.runtime.sentinel import Sentinel
+from jax_comm_gemm.runtime.settings import Settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +39,7 @@ class CallCounters:
   """The fused calls this process's contexts ran, and the host time they took
   (each context counts its own: two GPUs in one process count a call twice).
   Subtract an earlier read for a span: at small GEMMs the host, not the GPU,
-  sets the pace of back-to-back calls (GPU run 53)."""
+  sets the pace of back-to-back calls (docs/performance.md)."""
   calls: int = 0
   host_seconds: float = 0.0
   contexts: int = 0
@@ -68,11 +64,9 @@ class Registry:
     self.connect_lock = threading.Lock()  # one connect at a time: each is collective
     self._native: ModuleType | None = None
     self._status: Capability | None = None
-    self._axes: dict[tuple, int] = {}         # axis_key -> comm_id
+    self._first: Plan | None = None           # the plan before any was published
     self._groups: set[int] = set()            # NCCL groups made on this process
-    self._attempts: dict[int, int] = {}       # comm_id -> connect attempts so far
-    self._verdicts: dict[VerdictKey, Capability] = {}
-    self._decisions: dict = {}                # problem key -> (implementation, reason)
+    self._attempts: dict = {}                 # exchange name -> attempts so far
     self._wanted: dict = {}                   # traced problems without a decision, in order
     self._seen: dict = {}                     # every problem traced since forget_seen()
     self._sentinel: Sentinel | None = None    # ends the process after an abort (sentinel.py)
@@ -113,30 +107,52 @@ class Registry:
     """major*10000 + minor*100 + patch, or 0 where cuBLASMp cannot run."""
     return self.native().cublasmp_version() if self.cublasmp_status().ok else 0
 
-  def default_layout(self) -> str:
-    return default_layout(self.cublasmp_version())
+  # --- the routing plan -----------------------------------------------------------
+
+  def plan(self) -> Plan:
+    """The plan in force: the published (or used) one, else this process's
+    first plan, whose settings are read from the environment at this first use."""
+    found = plan_lib.published()
+    if found is not None:
+      return found
+    status = self.cublasmp_status()
+    layout = default_layout(self.cublasmp_version())
+    with self._lock:
+      if self._first is None:
+        self._first = Plan(Settings.from_environ(), status, layout)
+      return self._first
+
+  def adopt(self, settings: Settings) -> None:
+    """Publishes the plan in force with `settings` and what this process
+    knows of cuBLASMp now (connect, once the settings are agreed). An equal
+    plan leaves every compiled program as it is."""
+    status = self.cublasmp_status()
+    layout = default_layout(self.cublasmp_version())
+    plan_lib.publish(dataclasses.replace(self.plan(), settings=settings, cublasmp=status,
+                                         layout=layout))
 
   # --- what connect() set up ----------------------------------------------------
 
   def comm_id(self, mesh, axis_name: str) -> int | None:
-    """The comm_id of a connected mesh axis, or None (trace time: a dict read)."""
-    with self._lock:
-      return self._axes.get(axis_key(mesh, axis_name))
+    """The comm_id of a connected mesh axis in the plan in force, or None."""
+    return self.plan().comm_id(mesh, axis_name)
 
-  def next_attempt(self, comm_id: int) -> int:
+  def next_attempt(self, name) -> int:
+    """How many exchanges named `name` this process began, this one included
+    (the key-value store's keys carry it: a retry never reads an old value)."""
     with self._lock:
-      self._attempts[comm_id] = self._attempts.get(comm_id, 0) + 1
-      return self._attempts[comm_id]
+      self._attempts[name] = self._attempts.get(name, 0) + 1
+      return self._attempts[name]
 
   def known_groups(self) -> set[int]:
     with self._lock:
       return set(self._groups)
 
   def record(self, mesh, axis_name: str, comm_id: int, groups, verdicts) -> None:
+    """Publishes a plan with the connected axis and its verdicts."""
     with self._lock:
       self._groups.update(groups)
-      self._verdicts.update(verdicts)
-      self._axes[axis_key(mesh, axis_name)] = comm_id
+    plan_lib.publish(self.plan().with_axis(mesh, axis_name, comm_id, verdicts))
 
   def watch(self, grace_s: float) -> None:
     """Starts the sentinel over this process's contexts (once)."""
@@ -144,26 +160,22 @@ class Registry:
       if self._sentinel is None:
         self._sentinel = Sentinel(self.contexts, grace_s).start()
 
-  def verdict(self, key: VerdictKey) -> Capability:
-    """The self-test's verdict for `key`; a failing one where none was taken."""
-    with self._lock:
-      found = self._verdicts.get(key)
-    return found if found is not None else untested(key)
+  # --- autotune's problems and choices ---------------------------------------------
 
-  def decision(self, key):
-    """The measured choice for a problem, or None (and the problem is noted
-    as wanted, for the next autotune)."""
+  def note(self, problem, decided: bool) -> None:
+    """Notes a problem met while tracing (trace time): ``autotune`` measures
+    those traced without a decision, ``autotune_step`` those of its step."""
     with self._lock:
-      self._seen.setdefault(key, None)
-      found = self._decisions.get(key)
-      if found is None:
-        self._wanted.setdefault(key, None)
-      return found
+      self._seen.setdefault(problem, None)
+      if not decided:
+        self._wanted.setdefault(problem, None)
 
-  def record_decision(self, key, decision) -> None:
+  def record_decisions(self, decisions) -> None:
+    """Publishes a plan with `decisions` ({problem: (implementation, why)})."""
     with self._lock:
-      self._decisions[key] = decision
-      self._wanted.pop(key, None)
+      for problem in decisions:
+        self._wanted.pop(problem, None)
+    plan_lib.publish(self.plan().with_decisions(decisions))
 
   def wanted(self) -> list:
     with self._lock:
@@ -178,6 +190,8 @@ class Registry:
     with self._lock:
       self._seen.clear()
 
+  # --- the contexts -------------------------------------------------------------------
+
   def contexts(self) -> list[dict]:
     """One dict per context on this process (device, rank, workspace bytes...)."""
     return self._native.contexts() if self._native is not None else []
@@ -189,7 +203,8 @@ class Registry:
                         sum(c.get("host_seconds", 0.0) for c in contexts), len(contexts))
 
   def shutdown(self, timeout_s: float = 60.0) -> None:
-    """Destroys all contexts (at exit); collective, so all processes do it."""
+    """Destroys all contexts (at exit); collective, so all processes do it.
+    A plan published after it has no connected axes."""
     with self._lock:
       if self._sentinel is not None:
         self._sentinel.stop()
@@ -197,9 +212,16 @@ class Registry:
       if self._native is not None and not self._native.shutdown(timeout_s):
         warnings.warn("jax_comm_gemm: releasing the cuBLASMp contexts timed out "
                       f"after {timeout_s} s; leaving them to process exit")
+      had_groups = bool(self._groups)
       self._groups.clear()
-      self._axes.clear()
+    if had_groups:
+      plan_lib.publish(dataclasses.replace(self.plan(), axes=(), verdicts=()))
 
 
 REGISTRY = Registry()
 atexit.register(REGISTRY.shutdown)
+
+
+def current_plan() -> Plan:
+  """The routing plan in force (what tracing reads): ``REGISTRY.plan()``."""
+  return REGISTRY.plan()

@@ -1,119 +1,148 @@
-"""The environment variables that steer the runtime, read and checked in one place.
+"""The environment variables that steer the runtime: read, checked and frozen once.
 
-Each reader raises a ValueError that names the variable and what it allows,
-before any device work.
+:meth:`Settings.from_environ` reads every ``JAX_COMM_GEMM_*`` variable and
+raises a ValueError that names the first bad one and what it allows (an unknown
+``JAX_COMM_GEMM_*`` name included: a typo must not pass silently). It runs at
+``connect``, which then compares the settings across processes
+(``agreement.py``), or at first use where nothing connects. The result is an
+immutable value inside the routing plan (``plan.py``): nothing reads the
+environment while tracing, so a program's route never depends on when it was
+traced. Why: docs/design.md#routing-plan.
+
+>>> Settings.from_environ({"JAX_COMM_GEMM_BACKEND": "xla"}).backend
+'xla'
+>>> Settings.from_environ({"JAX_COMM_GEMM_TIMEOUT": "-1"})
+Traceback (most recent call last):
+...
+ValueError: environment variable JAX_COMM_GEMM_TIMEOUT='-1' must be a positive number of seconds (default 300)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import warnings
+from collections.abc import Mapping
 
-from jax_comm_gemm.runtime.constants import FENCES, UNSAFE_FENCES
-
+PREFIX = "JAX_COMM_GEMM_"
 BACKEND = "JAX_COMM_GEMM_BACKEND"              # overrides every config's backend
-FENCE = "JAX_COMM_GEMM_FENCE"                  # how calls are ordered against XLA
-ALLOW_UNSAFE_FENCE = "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE"
 CONNECT_TIMEOUT = "JAX_COMM_GEMM_CONNECT_TIMEOUT"  # seconds for communicator set-up
 CALL_TIMEOUT = "JAX_COMM_GEMM_TIMEOUT"         # seconds a call may wait for its peers
 ON_ABORT = "JAX_COMM_GEMM_ON_ABORT"            # "exit" (default) or "wait": sentinel.py
 ABORT_GRACE = "JAX_COMM_GEMM_ABORT_GRACE"      # seconds between an abort and the exit
 AUTOTUNE = "JAX_COMM_GEMM_AUTOTUNE"            # "on", "off", or an implementation to force
 AUTOTUNE_CACHE = "JAX_COMM_GEMM_AUTOTUNE_CACHE"  # the JSON file of measured choices
+VARIABLES = (BACKEND, CONNECT_TIMEOUT, CALL_TIMEOUT, ON_ABORT, ABORT_GRACE, AUTOTUNE,
+             AUTOTUNE_CACHE)
+# Variables of earlier versions, and why they are gone (docs/design.md#options-removed-and-why).
+REMOVED = {
+    "JAX_COMM_GEMM_FENCE": "every cuBLASMp call is now ordered the one safe way (own "
+                           "stream and a barrier); the other fences gave wrong results",
+    "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE": "the unsafe fences are gone",
+}
 
 BACKENDS = ("auto", "cublasmp", "xla", "ring")
+# What backend="auto" may choose from, by name (backends/auto.py's CANDIDATES
+# holds the same names per op; a test compares them). Here so that
+# JAX_COMM_GEMM_AUTOTUNE can be checked without importing the backends.
+IMPLEMENTATIONS = ("cublasmp_default", "cublasmp_split_p2p", "pallas_mgpu", "pipelined",
+                   "pipelined_ce", "ring", "xla")
 
 
-def backend_override() -> str:
-  """The backend $JAX_COMM_GEMM_BACKEND forces on every layer (for A/B runs),
-  or "" when it is unset."""
-  value = os.environ.get(BACKEND, "").strip().lower()
-  if value and value not in BACKENDS:
-    raise ValueError(f"environment variable {BACKEND}={value!r}: allowed values are "
-                     f"{BACKENDS}")
+def _default_cache() -> str:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+  return os.path.join(base, "jax_comm_gemm", "autotune.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Every runtime setting, validated; hashable, so it can be part of a plan.
+
+  Attributes:
+    backend: ``JAX_COMM_GEMM_BACKEND``: "" (unset) or a backend name that
+      overrides every config's ``backend``, for A/B runs.
+    autotune: ``JAX_COMM_GEMM_AUTOTUNE``: "on" (measure), "off" (a rule of
+      thumb decides, and the own algorithms keep cuBLASLt's first GEMM
+      algorithm), or an implementation that ``backend="auto"`` then takes
+      wherever it can run.
+    autotune_cache: ``JAX_COMM_GEMM_AUTOTUNE_CACHE``: the JSON file of measured
+      choices; "" keeps them in memory.
+    connect_timeout_s: ``JAX_COMM_GEMM_CONNECT_TIMEOUT``: how long ``connect``
+      (and autotune's exchanges) wait for the peers.
+    call_timeout_s: ``JAX_COMM_GEMM_TIMEOUT``: how long a fused call may wait
+      for its peers before the watchdog aborts the group.
+    on_abort: ``JAX_COMM_GEMM_ON_ABORT``: "exit" (the sentinel ends a process
+      left stuck by an abort) or "wait".
+    abort_grace_s: ``JAX_COMM_GEMM_ABORT_GRACE``: seconds between an abort and
+      the sentinel's exit.
+
+  >>> Settings().autotune
+  'on'
+  """
+
+  backend: str = ""
+  autotune: str = "on"
+  autotune_cache: str = dataclasses.field(default_factory=_default_cache)
+  connect_timeout_s: float = 300.0
+  call_timeout_s: float = 300.0
+  on_abort: str = "exit"
+  abort_grace_s: float = 60.0
+
+  @classmethod
+  def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+    """The settings `environ` (default ``os.environ``) asks for; a ValueError
+    naming the variable for any bad value or unknown ``JAX_COMM_GEMM_*`` name."""
+    env = os.environ if environ is None else environ
+    for name in sorted(env):
+      if name.startswith(PREFIX) and name not in VARIABLES:
+        why = REMOVED.get(name)
+        raise ValueError(
+            f"environment variable {name} is not a jax_comm_gemm setting"
+            + (f" any more: {why}" if why else "")
+            + f"; the settings are {', '.join(VARIABLES)}")
+    default = cls()
+    return cls(
+        backend=_choice(env, BACKEND, "", ("", *BACKENDS)),
+        autotune=_choice(env, AUTOTUNE, "on", ("on", "off", *IMPLEMENTATIONS)),
+        autotune_cache=env.get(AUTOTUNE_CACHE, default.autotune_cache),
+        connect_timeout_s=_seconds(env, CONNECT_TIMEOUT, default.connect_timeout_s),
+        call_timeout_s=_seconds(env, CALL_TIMEOUT, default.call_timeout_s),
+        on_abort=_choice(env, ON_ABORT, "exit", ("exit", "wait")),
+        abort_grace_s=_seconds(env, ABORT_GRACE, default.abort_grace_s),
+    )
+
+  @property
+  def measuring(self) -> bool:
+    """Whether anything is timed: autotune's choices, and each own GEMM's
+    algorithm (the fastest of cuBLASLt's candidates, at its plan's first
+    call). Only ``JAX_COMM_GEMM_AUTOTUNE=off`` turns both off."""
+    return self.autotune != "off"
+
+  def fingerprint(self) -> dict[str, str]:
+    """The settings every process of a group must share, by variable name:
+    those that change what a rank enqueues or when it gives up on a peer.
+    (Paths and the abort policy may differ per process.)"""
+    return {BACKEND: self.backend, AUTOTUNE: self.autotune,
+            CALL_TIMEOUT: f"{self.call_timeout_s:g}"}
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str, ...]) -> str:
+  value = env.get(name, "").strip().lower() or default
+  if value not in allowed:
+    shown = tuple(a for a in allowed if a)
+    raise ValueError(f"environment variable {name}={env[name]!r}: allowed values are "
+                     f"{shown}, or leave it unset")
   return value
 
 
-def fence() -> str:
-  """The fence new communicators take: $JAX_COMM_GEMM_FENCE, else the default.
-
-  The unsafe ones (see constants.UNSAFE_FENCES) need
-  $JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE=1 and warn every time they are taken."""
-  value = os.environ.get(FENCE, "").strip() or FENCES[0]
-  if value not in FENCES:
-    raise ValueError(f"{FENCE}={value!r} is not a fence; use one of {', '.join(FENCES)} "
-                     f"(or leave it unset for {FENCES[0]!r})")
-  if value in UNSAFE_FENCES:
-    if os.environ.get(ALLOW_UNSAFE_FENCE) != "1":
-      raise ValueError(
-          f"{FENCE}={value!r} {UNSAFE_FENCES[value]} (xla_ffi/constants.h, Fence); it is "
-          f"kept for investigation only: set {ALLOW_UNSAFE_FENCE}=1 to take it anyway")
-    warnings.warn(f"jax_comm_gemm: {FENCE}={value!r} is unsafe: results can be wrong",
-                  RuntimeWarning, stacklevel=3)
-  return value
-
-
-def _seconds(name: str, default: float) -> float:
-  raw = os.environ.get(name, "").strip()
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+  raw = env.get(name, "").strip()
   if not raw:
     return default
   try:
     value = float(raw)
   except ValueError:
     value = -1.0
-  if not value > 0:
+  if not 0 < value < float("inf"):
     raise ValueError(f"environment variable {name}={raw!r} must be a positive number of "
                      f"seconds (default {default:g})")
   return value
-
-
-def connect_timeout_s() -> float:
-  return _seconds(CONNECT_TIMEOUT, 300.0)
-
-
-def call_timeout_s() -> float:
-  return _seconds(CALL_TIMEOUT, 300.0)
-
-
-def on_abort() -> str:
-  """What the sentinel does when a communicator was aborted: "exit" or "wait"."""
-  value = os.environ.get(ON_ABORT, "").strip().lower() or "exit"
-  if value not in ("exit", "wait"):
-    raise ValueError(f"environment variable {ON_ABORT}={value!r}: allowed values are "
-                     "('exit', 'wait')")
-  return value
-
-
-def abort_grace_s() -> float:
-  return _seconds(ABORT_GRACE, 60.0)
-
-
-def autotune(implementations) -> str:
-  """$JAX_COMM_GEMM_AUTOTUNE: "on" (measure, the default), "off" (no
-  measuring: the rule of thumb decides) or one of `implementations`, which
-  backend="auto" then takes for every op that can run it."""
-  value = _autotune_value()
-  allowed = ("on", "off", *implementations)
-  if value not in allowed:
-    raise ValueError(f"environment variable {AUTOTUNE}={value!r}: allowed values are "
-                     f"{allowed}")
-  return value
-
-
-def measuring() -> bool:
-  """Whether anything is timed: autotune's choices, and the algorithm of each
-  own GEMM (the fastest of cuBLASLt's candidates, at its plan's first call).
-  Only $JAX_COMM_GEMM_AUTOTUNE=off turns both off; a forced implementation
-  still has its GEMMs timed."""
-  return _autotune_value() != "off"
-
-
-def _autotune_value() -> str:
-  return os.environ.get(AUTOTUNE, "").strip().lower() or "on"
-
-
-def autotune_cache() -> str:
-  """Where measured choices are kept between runs ("" keeps them in memory)."""
-  default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-                         "jax_comm_gemm", "autotune.json")
-  return os.environ.get(AUTOTUNE_CACHE, default)

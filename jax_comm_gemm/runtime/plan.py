@@ -1,0 +1,143 @@
+"""The routing plan: everything that decides how a layer runs, as one immutable value.
+
+A layer's route (XLA, the ring, a cuBLASMp or own algorithm, whether the weight
+gradient reuses the gathered operand) is decided while jax traces it, from:
+
+* the settings (``settings.Settings``, read and checked once);
+* whether cuBLASMp can run here, and where it leaves the gathered operand;
+* the mesh axes that ``connect`` set up, and the self-test's verdicts;
+* the choices ``autotune`` measured per problem.
+
+A :class:`Plan` holds all of them and nothing else. It is hashable, and the
+plan in force is a ``jax.make_user_context`` value, which ``jax.jit`` makes
+part of its cache key: a program traced under one plan is never reused under
+another. So ``connect`` and ``autotune``, which publish a new plan, make
+programs traced before them trace again at their next call, with the new
+route, and nobody has to clear jax's caches; and :func:`use` runs code under a
+plan of its own (``autotune_step``'s tuned step does) without touching the
+programs compiled under the process's plan. Why: docs/design.md#routing-plan.
+
+>>> plan = Plan(Settings(), Capability(False, "no GPU"), "front")
+>>> plan.decision("a problem") is None
+True
+>>> tuned = plan.with_decisions({"a problem": ("xla", "measured")})
+>>> with use(tuned):
+...   published() is tuned
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from jax_comm_gemm.runtime.capability import Capability, VerdictKey, untested
+from jax_comm_gemm.runtime.settings import Settings
+
+
+def axis_key(mesh, axis_name: str) -> tuple:
+  """What trace time can see of a mesh axis (the abstract mesh inside
+  shard_map has names and sizes, not devices)."""
+  return (axis_name, tuple(mesh.axis_names), tuple(int(s) for s in mesh.shape.values()))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Plan:
+  """What decides every route; see the module docstring.
+
+  Attributes:
+    settings: the runtime settings in force.
+    cublasmp: whether the cuBLASMp backend can run in this process, and why not.
+    layout: where cuBLASMp leaves the gathered operand ("front" or "tail"),
+      from its version; the self-test's verdicts say whether that held.
+    axes: (axis_key, comm_id) of every connected mesh axis.
+    verdicts: (VerdictKey, Capability) of the layout self-test.
+    decisions: (problem, (implementation, why)) measured by autotune.
+    tag: a number that only makes two otherwise equal plans differ, so that
+      a trace under it runs the library's trace-time code afresh (autotune_step
+      collects the problems of a step that way).
+  """
+
+  settings: Settings
+  cublasmp: Capability
+  layout: str
+  axes: tuple = ()
+  verdicts: tuple = ()
+  decisions: tuple = ()
+  tag: int = 0
+
+  def __post_init__(self):
+    # jit hashes and compares the plan in force at every call: do it once.
+    key = (self.settings, self.cublasmp, self.layout, frozenset(self.axes),
+           frozenset(self.verdicts), frozenset(self.decisions), self.tag)
+    object.__setattr__(self, "_key", key)
+    object.__setattr__(self, "_hash", hash(key))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    return self is other or (isinstance(other, Plan) and self._hash == other._hash
+                             and self._key == other._key)
+
+  @functools.cached_property
+  def _axes(self) -> dict:
+    return dict(self.axes)
+
+  @functools.cached_property
+  def _verdicts(self) -> dict:
+    return dict(self.verdicts)
+
+  @functools.cached_property
+  def _decisions(self) -> dict:
+    return dict(self.decisions)
+
+  def comm_id(self, mesh, axis_name: str) -> int | None:
+    """The comm_id of a connected mesh axis, or None."""
+    return self._axes.get(axis_key(mesh, axis_name))
+
+  def verdict(self, key: VerdictKey) -> Capability:
+    """The self-test's verdict for `key`; a failing one where none was taken."""
+    found = self._verdicts.get(key)
+    return found if found is not None else untested(key)
+
+  def decision(self, problem) -> tuple[str, str] | None:
+    """The measured (implementation, why) for `problem`, or None."""
+    return self._decisions.get(problem)
+
+  def with_decisions(self, decisions: Mapping[Any, tuple[str, str]]) -> "Plan":
+    """This plan with `decisions` added (replacing any for the same problem)."""
+    merged = {**self._decisions, **{p: tuple(d) for p, d in decisions.items()}}
+    return dataclasses.replace(self, decisions=tuple(merged.items()))
+
+  def with_axis(self, mesh, axis_name: str, comm_id: int,
+                verdicts: Mapping[VerdictKey, Capability]) -> "Plan":
+    """This plan with a connected axis and its verdicts added."""
+    axes = {**self._axes, axis_key(mesh, axis_name): comm_id}
+    merged = {**self._verdicts, **verdicts}
+    return dataclasses.replace(self, axes=tuple(axes.items()), verdicts=tuple(merged.items()))
+
+
+# The plan in force. None until one is published or used: registry.current_plan
+# then builds the process's first plan (its settings read at that first use).
+_ROUTES = jax.make_user_context(default_value=None)
+
+
+def published() -> Plan | None:
+  """The plan in force here, or None before any was published or used."""
+  return _ROUTES.value
+
+
+def publish(plan: Plan) -> None:
+  """Makes `plan` the process's plan: programs traced under another one
+  trace again at their next call."""
+  _ROUTES.set_global(plan)
+
+
+def use(plan: Plan):
+  """A context manager that runs its body under `plan` (this thread only)."""
+  return _ROUTES(plan)
