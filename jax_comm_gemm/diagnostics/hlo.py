@@ -7,6 +7,12 @@ operand counts as one collective. The fused cuBLASMp ops are custom calls to
 the FFI targets named in ``runtime.constants``; jax's Pallas AllGather+GEMM
 (``backends.pallas``) is a Mosaic GPU custom call, counted apart since any
 Mosaic GPU kernel has that target.
+
+A collective over groups of one device moves no data. XLA's CPU compiler keeps
+such ops (an ``all_gather`` over a mesh axis of size 1 compiles to an
+``all-gather`` with ``replica_groups={{0}}``), while its GPU compiler removes
+them; so that a count means the same on every platform, these are left out of
+the collective counts and counted apart (``single_device``).
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ from jax_comm_gemm.runtime.constants import TARGETS
 MOSAIC_GPU_TARGET = "mosaic_gpu"
 # One HLO instruction per line: "  name = type opcode(operands), attrs".
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", re.M)
+# The collectives counted, with their async starts ("-done" carries no operands).
+_COLLECTIVES = ("all-gather", "all-gather-start", "reduce-scatter", "reduce-scatter-start",
+                "all-reduce", "all-reduce-start")
+# replica_groups as a list ({{0,1},{2,3}}) or in iota form ([4,2]<=[8], groups of 2).
+_GROUP_LIST = re.compile(r"replica_groups=\{\{([^}]*)\}")
+_GROUP_IOTA = re.compile(r"replica_groups=\[(?:\d+,)*?(\d+)\]<=")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +43,7 @@ class CollectiveCounts:
   fused_matmul_reduce_scatter: int
   fused_weight_gradient: int = 0  # AllGather+GEMMs that compute the weight gradient
   mosaic_gpu_kernels: int = 0  # Pallas Mosaic GPU kernels, the AllGather+GEMM's among them
+  single_device: int = 0  # collectives over groups of one device: in none of the above
 
 
 def _opcodes(hlo_text: str) -> list[tuple[str, str]]:
@@ -48,6 +61,8 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
   op_name contains `scope` (a ``jax.named_scope``)."""
   ops = [(op, line) for op, line in _opcodes(hlo_text)
          if scope is None or scope in _op_name(line)]
+  single = [(op, line) for op, line in ops if _single_device(op, line)]
+  ops = [(op, line) for op, line in ops if not _single_device(op, line)]
 
   def n(*names):
     return sum(_operand_count(line, op) for op, line in ops if op in names)
@@ -64,7 +79,8 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
                                + calls(TARGETS["all_gather_matmul_weight_gradient"])),
       fused_matmul_reduce_scatter=calls(TARGETS["matmul_reduce_scatter"]),
       fused_weight_gradient=calls(TARGETS["all_gather_matmul_weight_gradient"]),
-      mosaic_gpu_kernels=calls(MOSAIC_GPU_TARGET, prefix=True))
+      mosaic_gpu_kernels=calls(MOSAIC_GPU_TARGET, prefix=True),
+      single_device=sum(_operand_count(line, op) for op, line in single))
 
 
 def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:
@@ -88,6 +104,20 @@ def _operand_count(line: str, opcode: str) -> int:
     elif not ch.isspace():
       seen = True
   return count
+
+
+def _single_device(opcode: str, line: str) -> bool:
+  return opcode in _COLLECTIVES and _group_size(line) == 1
+
+
+def _group_size(line: str) -> int | None:
+  """Devices in each of the instruction's replica groups; None where the
+  groups are not written out (``replica_groups={}``: every device)."""
+  m = _GROUP_LIST.search(line)
+  if m:
+    return len(m.group(1).split(","))
+  m = _GROUP_IOTA.search(line)
+  return int(m.group(1)) if m else None
 
 
 def _op_name(line: str) -> str:

@@ -22,6 +22,12 @@ XLA_FALLBACK = "xla fallback"
 PALLAS_KERNEL = "pallas kernel"
 
 
+def single_device_reason(axis_name: str) -> str:
+  """Why nothing is fused or tuned on an axis of size 1."""
+  return (f"axis {axis_name!r} has size 1: a group of one has nothing to communicate, "
+          "so each layer is a plain GEMM on XLA")
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerPath:
   """How a layer runs (one of the four names above) and why."""
@@ -45,6 +51,8 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   """
   choice = choose_backend(config, axis_name, mesh)
   size = int(mesh.shape[axis_name])
+  if size == 1:  # whatever the backend: each layer is a plain GEMM
+    return LayerPath(XLA_FALLBACK, single_device_reason(axis_name))
   if isinstance(choice.backend, pallas.PallasBackend):
     # Its weight gradients gather again (the kernel hands out no gathered
     # operand), as XLA's do: the counts are the fallback's either way.
@@ -55,7 +63,7 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                                       "where its tiles divide the shape, else XLA's ops")
     return LayerPath(XLA_FALLBACK, f"{choice.reason}; the Pallas kernel cannot run it: "
                                    f"{verdict.reason}")
-  if not isinstance(choice.backend, (CublasMpBackend, AutoBackend)) or size == 1:
+  if not isinstance(choice.backend, (CublasMpBackend, AutoBackend)):
     return LayerPath(XLA_FALLBACK, choice.reason)
   # With "auto" each AllGather+GEMM runs fused or on XLA as measured for its
   # shape; the path below is the fused one, which the measured shapes take
@@ -74,10 +82,12 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
 
 @dataclasses.dataclass(frozen=True)
 class ExpectedCounts:
-  """Collectives in one forward + backward of a sequence-parallel MLP block.
+  """Collectives in one forward + backward, as
+  :func:`jax_comm_gemm.diagnostics.hlo.count_collectives` counts them.
 
-  ``standalone_all_gathers`` are ``all-gather`` ops in the compiled program;
-  ``fused_all_gather_matmuls`` are cuBLASMp AllGather+GEMM custom calls.
+  ``standalone_all_gathers`` are ``all-gather`` ops in the compiled program
+  (those over groups of one device left out); ``fused_all_gather_matmuls``
+  are cuBLASMp AllGather+GEMM custom calls.
   """
   standalone_all_gathers: int
   fused_all_gather_matmuls: int
@@ -86,6 +96,10 @@ class ExpectedCounts:
 def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                          keep_gathered_input: bool = False) -> ExpectedCounts:
   """The all-gathers of one SP-MLP block's forward + backward (a training step).
+
+  On an axis of size 1 there are none: nothing is gathered from a group of
+  one (XLA's CPU compiler still emits ``all-gather`` ops over groups of one
+  device, which the counts leave out; its GPU compiler removes them).
 
   With cuBLASMp, two AllGather+GEMMs run fused (fc1's forward, fc2's dgrad),
   and the weight gradients add a standalone ``lax.all_gather`` each unless the
@@ -96,9 +110,28 @@ def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   gather and fc2's dgrad gather, 2 in all (fc1's backward gather of the same
   input is merged with the forward's by XLA's CSE, as with plain autodiff).
   """
+  if int(mesh.shape[axis_name]) == 1:
+    return ExpectedCounts(0, 0)
   fc1 = layer_path(config, mesh, axis_name, dtype, keep_gathered_input=keep_gathered_input)
   fc2 = layer_path(config, mesh, axis_name, dtype, reduce_scatter_layer=True)
   if fc2.path == XLA_FALLBACK:
     return ExpectedCounts(2, 0)
   return ExpectedCounts(int(fc1.path != FUSED_WITH_REUSE) + int(fc2.path != FUSED_WITH_REUSE),
                         2)
+
+
+def expected_block_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
+                               keep_gathered_input: bool = False,
+                               remat: bool = False) -> ExpectedCounts:
+  """The all-gathers of one transformer block's forward + backward
+  (``layers.transformer``): twice the SP-MLP block's, since attention is a
+  column-parallel layer (QKV) then a row-parallel one (out-proj) as well.
+  With ``remat`` (``jax.checkpoint`` around the block) the backward pass
+  reruns QKV's and fc1's forward gathers: 2 more, fused where the forward's
+  are. None on an axis of size 1."""
+  mlp = expected_all_gathers(config, mesh, axis_name, dtype,
+                             keep_gathered_input=keep_gathered_input)
+  standalone, fused = 2 * mlp.standalone_all_gathers, 2 * mlp.fused_all_gather_matmuls
+  if remat and int(mesh.shape[axis_name]) > 1:
+    standalone, fused = (standalone, fused + 2) if fused else (standalone + 2, fused)
+  return ExpectedCounts(standalone, fused)
