@@ -114,18 +114,29 @@ class Trainer:
   def with_config(self, model: ByteGPT) -> "Trainer":
     return dataclasses.replace(self, model=model)
 
-  def train_step(self, params, opt_state, tokens, targets):
-    """Compiled ahead of time for these arguments: (params, opt_state, loss)."""
+  def step_function(self):
+    """The training step, (params, opt_state, tokens, targets) -> (params,
+    opt_state, loss), not yet jitted. Its outputs are pinned to the shardings
+    of its inputs, so that it keeps them however it is jitted (here with
+    shardings and donation; by ``jcg.autotune_step`` with neither)."""
 
     def step(params, opt_state, tokens, targets):
       loss, grads = jax.value_and_grad(loss_fn, argnums=1)(self.model, params, tokens,
                                                           targets)
       updates, opt_state = self.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, loss
+      pin = jax.lax.with_sharding_constraint
+      return (pin(optax.apply_updates(params, updates), self.param_shardings),
+              pin(opt_state, self.opt_shardings), loss)
 
+    return step
+
+  def train_step(self, params, opt_state, tokens, targets):
+    """The step compiled ahead of time for these arguments, donating the
+    parameters and optimizer state: (params, opt_state, loss)."""
     tokens_sharding = NamedSharding(self.mesh, TOKENS)
-    return jax.jit(step, in_shardings=(self.param_shardings, self.opt_shardings,
-                                       tokens_sharding, tokens_sharding),
+    return jax.jit(self.step_function(),
+                   in_shardings=(self.param_shardings, self.opt_shardings,
+                                 tokens_sharding, tokens_sharding),
                    out_shardings=(self.param_shardings, self.opt_shardings,
                                   NamedSharding(self.mesh, P())),
                    donate_argnums=(0, 1)).lower(params, opt_state, tokens, targets).compile()
@@ -135,19 +146,16 @@ class Trainer:
                                                            targets))
 
 
-def autotune(model: ByteGPT, mesh: Mesh, params, tokens, targets, say) -> None:
-  """What backend="auto" should do before training: measure each op of the
-  step (collective; cached on disk), then the step under each plan (those
-  choices, or every op on one implementation, XLA among them), and keep the
-  fastest (jcg.autotune_step)."""
+def autotune(trainer: Trainer, params, opt_state, tokens, targets, say):
+  """backend="auto" before training (``jcg.autotune_step``, collective): it
+  measures each op of the training step (cached on disk), then the whole step
+  under each plan (those choices, or every op on one implementation, XLA among
+  them), and returns the fastest as a jitted step that carries its routes."""
   start = time.perf_counter()
-  _, why = jcg.autotune_step(
-      mesh, "tp", lambda p, t, y: jax.grad(loss_fn, argnums=1)(model, p, t, y),
-      params, tokens, targets)
-  say(f"autotune in {time.perf_counter() - start:.1f} s: {why}")
-  for problem in jcg.REGISTRY.seen():
-    choice, reason = jcg.REGISTRY.decision(problem)
-    say(f"  {problem.text()}: {choice} ({reason})")
+  tuned = jcg.autotune_step(trainer.mesh, "tp", trainer.step_function(), params, opt_state,
+                            tokens, targets)
+  say(f"autotune in {time.perf_counter() - start:.1f} s: plan {tuned.plan!r}: {tuned.why}")
+  return tuned
 
 
 def to_device(mesh: Mesh, batch):

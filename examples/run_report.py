@@ -145,20 +145,22 @@ class Checkpoints:
 
 # --- the layer report ----------------------------------------------------------------
 
-def expected_per_block(config, mesh, dtype, keep: bool, remat: bool) -> tuple[int, int]:
-  """(standalone all-gathers, fused AllGather+GEMMs) of one block's forward +
-  backward: twice the SP MLP block's (attention is column -> row-parallel as
-  well); remat reruns QKV's and fc1's forward gathers (2 more)."""
-  mlp = report.expected_all_gathers(config, mesh, "tp", dtype, keep_gathered_input=keep)
-  standalone, fused = 2 * mlp.standalone_all_gathers, 2 * mlp.fused_all_gather_matmuls
-  if remat:
-    standalone, fused = (standalone, fused + 2) if fused else (standalone + 2, fused)
-  return standalone, fused
+def program_text(step_fn, *args) -> str:
+  """The HLO of the compiled training step: an ahead-of-time compiled step's
+  own, or a jitted one's (autotune_step's tuned step) compiled for `args`."""
+  return _compiled(step_fn, *args).as_text()
 
 
-def layer_report(step_fn, config, mesh, dtype, args, layers: int, say) -> dict:
+def _compiled(step_fn, *args):
+  return step_fn if hasattr(step_fn, "as_text") else step_fn.lower(*args).compile()
+
+
+def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
+                 routes=None) -> dict:
   """Prints and returns the path of every layer, why, and the collectives of
-  the compiled training step: counted inside the blocks, and expected."""
+  the compiled training step (its HLO, `step_text`): counted inside the
+  blocks, and expected (``diagnostics.report``, for every tp). `routes`: the
+  tuned step's routing plan, whose per-problem decisions are listed."""
   column = report.layer_path(config, mesh, "tp", dtype,
                              keep_gathered_input=args.keep_gathered_input)
   row = report.layer_path(config, mesh, "tp", dtype, reduce_scatter_layer=True)
@@ -169,12 +171,13 @@ def layer_report(step_fn, config, mesh, dtype, args, layers: int, say) -> dict:
   say(f"  qkv, fc1 (column-parallel): {column}")
   say(f"  out-proj, fc2 (row-parallel): {row}")
 
-  text = step_fn.as_text()
-  total, blocks = hlo.count_collectives(text), hlo.count_collectives(text, transformer.SCOPE)
-  standalone, fused = expected_per_block(config, mesh, dtype, args.keep_gathered_input,
-                                         args.remat)
-  expected = {"standalone_all_gathers": layers * standalone,
-              "fused_all_gather_matmuls": layers * fused}
+  total = hlo.count_collectives(step_text)
+  blocks = hlo.count_collectives(step_text, transformer.SCOPE)
+  block = report.expected_block_all_gathers(config, mesh, "tp", dtype,
+                                            keep_gathered_input=args.keep_gathered_input,
+                                            remat=args.remat)
+  expected = {"standalone_all_gathers": layers * block.standalone_all_gathers,
+              "fused_all_gather_matmuls": layers * block.fused_all_gather_matmuls}
   got = {"standalone_all_gathers": blocks.all_gather,
          "fused_all_gather_matmuls": total.fused_all_gather_matmul}
   # Under "auto" each op's implementation is autotune's choice for its shape,
@@ -185,7 +188,7 @@ def layer_report(step_fn, config, mesh, dtype, args, layers: int, say) -> dict:
     expected = None
     say("autotune's choice per problem (op, local shape, dtype, transpose, group size):")
     for problem in jcg.REGISTRY.seen():
-      chosen = jcg.REGISTRY.decision(problem)
+      chosen = routes.decision(problem) if routes is not None else None
       say(f"  {problem.text():<58} {chosen[0] if chosen else 'rule of thumb'}"
           f"{'  (' + chosen[1] + ')' if chosen else ''}")
   say(f"collectives of the compiled training step (forward + backward, {layers} blocks):")
@@ -200,12 +203,16 @@ def layer_report(step_fn, config, mesh, dtype, args, layers: int, say) -> dict:
   say(f"  {'reduce-scatters (XLA)':<30} counted {total.reduce_scatter:>3}")
   say(f"  {'fused GEMM+ReduceScatter calls':<30} counted {total.fused_matmul_reduce_scatter:>3}")
   say(f"  {'all-reduces':<30} counted {total.all_reduce:>3}")
+  if total.single_device:
+    say(f"  {'over a group of one device':<30} counted {total.single_device:>3}   (they move no "
+        "data: not in the counts above)")
   return {"paths": {"column_parallel": {"path": column.path, "reason": column.reason},
                     "row_parallel": {"path": row.path, "reason": row.reason}},
           "counts": {**got, "all_gathers_in_step": total.all_gather,
                      "reduce_scatters": total.reduce_scatter,
                      "fused_matmul_reduce_scatters": total.fused_matmul_reduce_scatter,
-                     "all_reduces": total.all_reduce},
+                     "all_reduces": total.all_reduce,
+                     "single_device_collectives": total.single_device},
           "expected": expected}
 
 
@@ -238,7 +245,7 @@ def ab_test(trainer, params, opt_state, steps, config, make_batch, tokens_per_st
       params, opt_state, loss = step_fn(params, opt_state, *b)
     jax.block_until_ready((params, loss))
     programs[backend] = step_fn
-    plan = step_fn.memory_analysis()
+    plan = _compiled(step_fn, params, opt_state, *first).memory_analysis()
     planned = 0 if plan is None else (plan.argument_size_in_bytes + plan.output_size_in_bytes
                                       + plan.temp_size_in_bytes - plan.alias_size_in_bytes)
     stats = [d.memory_stats() or {} for d in jax.local_devices()]
@@ -252,8 +259,8 @@ def ab_test(trainer, params, opt_state, steps, config, make_batch, tokens_per_st
                                          for c in jcg.REGISTRY.contexts()), default=0)}
   counted = {backend: None for backend in backends}  # the fused calls of its timed steps
   for r in range(rounds):
-    # ABBA: whichever runs first in a round would carry any drift alone (GPU
-    # run 19: auto 3% behind xla with the same choices as xla, auto first).
+    # ABBA: whichever runs first in a round would carry any drift alone (with
+    # the same choices as xla, auto has measured 3% behind it when always first).
     for backend in (backends if r % 2 == 0 else backends[::-1]):
       timed = [next(batches) for _ in range(steps)]
       before = jcg.REGISTRY.call_counters()

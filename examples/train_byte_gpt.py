@@ -9,9 +9,13 @@ embedding, ``--layers`` SequenceParallelTransformerBlocks over the mesh
 tied output layer. It prints the training and validation loss with tokens/s,
 then which path every layer took (cuBLASMp fused with reuse of the gathered
 operand, fused plus an all-gather, or the XLA fallback) and why, and the
-collectives of the compiled training step next to what the design expects. On
-GPUs it ends with an A/B in the same process: tokens/s and peak device memory
-with ``backend="auto"`` against ``backend="xla"``.
+collectives of the compiled training step next to what the design expects.
+With ``--backend auto`` on GPUs it first tunes the step (``jcg.autotune_step``)
+and trains with the tuned step, and it ends with an A/B in the same process:
+tokens/s and peak device memory with ``backend="auto"`` against
+``backend="xla"``. At tp = 1 (one GPU, or ``--tp 1``) a group of one has
+nothing to communicate: every layer is a plain GEMM on XLA, and the tuning and
+the A/B are skipped, with that reason printed.
 
   python examples/train_byte_gpt.py                     # CPU: 8 simulated devices, ~2 min
   python examples/train_byte_gpt.py --processes 2       # GPUs: one process per GPU
@@ -41,6 +45,7 @@ from jax.sharding import Mesh  # noqa: E402
 
 import jax_comm_gemm as jcg  # noqa: E402
 from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS  # noqa: E402
+from jax_comm_gemm.diagnostics import report  # noqa: E402
 
 import byte_gpt  # noqa: E402
 import launch  # noqa: E402
@@ -48,8 +53,12 @@ import run_report  # noqa: E402
 from stdlib_bytes import ByteCorpus, stdlib_dir  # noqa: E402
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The GPU preset's head size: what models of this width train with, and the
+# largest that cuDNN's fused attention takes.
+HEAD_DIM = 128
 # Model, batch and run length for each --size. "gpu": a size where the fused
-# path matters (8 heads per GPU of 256 dims; GEMMs of 8192 tokens per step).
+# path matters (GEMMs of 8192 tokens per step per batch of 4); its heads are
+# d_model / HEAD_DIM (32 at d_model 4096) and its batch 4 per data-parallel rank.
 PRESETS = {
     "cpu": dict(d_model=128, heads=4, layers=2, hidden=512, seq_len=128, batch=16,
                 steps=1000, lr=3e-3, dtype="float32"),
@@ -72,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
   size.add_argument("--size", choices=("auto", *PRESETS), default="auto",
                     help="preset: 'cpu' (d_model 128, 2 layers, 1000 steps: about 1.5 min on "
                          "2 cores) or 'gpu' "
-                         "(d_model 4096, 8 heads per GPU, seq 2048, bf16); 'auto' picks 'gpu' "
+                         "(d_model 4096, 32 heads of 128, seq 2048, bf16); 'auto' picks 'gpu' "
                          "when jax's default backend is a GPU")
   for name, kind, what in (("d-model", int, "model width"),
                            ("heads", int, "attention heads in all (a multiple of --tp)"),
@@ -85,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("lr", float, "peak learning rate (warm-up, then cosine decay)")):
     key = name.replace("-", "_")
     cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
-    gpu = {"heads": "8 x tp", "batch": "4 x dp"}.get(key, gpu)
+    gpu = {"heads": f"d_model / {HEAD_DIM}", "batch": "4 x dp"}.get(key, gpu)
     size.add_argument(f"--{name}", type=kind, help=f"{what} (default: {cpu} on CPU, {gpu} "
                                                     "on GPU)")
   size.add_argument("--dtype", choices=tuple(DTYPES),
@@ -103,10 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
   comm.add_argument("--remat", action="store_true",
                     help="recompute each block's forward in the backward pass (jax.checkpoint)")
   comm.add_argument("--attention", choices=("auto", "xla", "cudnn"), default="auto",
-                    help="jax.nn.dot_product_attention's implementation ('auto': jax chooses)")
+                    help="jax.nn.dot_product_attention's implementation ('auto': cuDNN's "
+                         "fused attention where it runs (a GPU, bfloat16, head size up to "
+                         f"{HEAD_DIM}), else XLA's, saying why)")
   comm.add_argument("--tp", type=int,
                     help="tensor-parallel size (default: every GPU; 2 on CPU); the rest of "
-                         "the devices is data-parallel")
+                         "the devices is data-parallel. At tp=1 every layer runs on XLA, "
+                         "with nothing to communicate")
   comm.add_argument("--processes", type=int, default=1,
                     help="run this many processes joined by jax.distributed on 127.0.0.1, "
                          "one per GPU (on CPU: the 8 simulated devices shared among them)")
@@ -134,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the last checkpoint in --checkpoint-dir")
   run.add_argument("--ab-steps", type=int,
                    help="timed steps per backend and round in the closing A/B of "
-                        "backend='auto' against 'xla' (2 rounds, alternating); 0: no A/B "
+                        "backend='auto' against 'xla' (2 rounds, alternating); 0: no A/B; "
+                        "none at tp=1, where both run XLA "
                         "(default: 20 on GPU, 0 on CPU, where both run XLA)")
   run.add_argument("--json-out", metavar="PATH",
                    help="write a JSON summary here (default: none)")
@@ -152,12 +165,65 @@ def parse_args(argv=None) -> argparse.Namespace:
 def resolve_size(args, platform: str, tp: int, dp: int) -> dict:
   """The run's sizes: the options given, else the preset of --size."""
   size = args.size if args.size != "auto" else ("gpu" if platform == "gpu" else "cpu")
-  preset = dict(PRESETS[size], heads=PRESETS[size]["heads"] or 8 * tp,
-                batch=PRESETS[size]["batch"] or 4 * dp)
+  preset = dict(PRESETS[size], batch=PRESETS[size]["batch"] or 4 * dp)
   out = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
          for k in SIZE_FIELDS}
+  if out["heads"] is None:  # the GPU preset: heads of HEAD_DIM of the model width given
+    out["heads"] = max(1, out["d_model"] // HEAD_DIM)
   out["size"] = size
   return out
+
+
+def skip_reasons(args, status, tp: int, platform: str) -> tuple[str | None, str | None]:
+  """(why autotuning is skipped, why the closing A/B is skipped), each None
+  where it runs. A group of one comes first: with nothing to communicate there
+  is nothing to tune or compare, whatever the backend."""
+  if tp == 1:
+    tune = ab = "tp=1: a group of one has nothing to communicate"
+  else:
+    tune = (f"--backend {args.backend} chooses no implementation" if args.backend != "auto"
+            else None if status.ok else f"cuBLASMp cannot run here: {status.reason}")
+    ab = None if _ab_steps(args, platform) > 0 else (
+        "--ab-steps 0" if args.ab_steps is not None
+        else "on CPU both backends run XLA's collectives; --ab-steps N runs it anyway")
+  return tune, ab
+
+
+def _ab_steps(args, platform: str) -> int:
+  return args.ab_steps if args.ab_steps is not None else (20 if platform == "gpu" else 0)
+
+
+def choose_attention(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str]:
+  """(implementation for jax.nn.dot_product_attention, why). 'auto' takes
+  cuDNN's fused attention where it runs, else XLA's; an explicit 'cudnn'
+  that cannot run is an error."""
+  if requested == "xla":
+    return "xla", "XLA's (--attention xla)"
+  problem = _cudnn_attention_problem(platform, dtype, head_dim)
+  if problem is None:
+    return "cudnn", f"cuDNN's fused attention (--attention {requested})"
+  if requested == "cudnn":
+    raise SystemExit(f"error: --attention cudnn cannot run here: {problem}")
+  return "xla", f"XLA's: cuDNN's fused attention cannot run here: {problem}"
+
+
+def _cudnn_attention_problem(platform: str, dtype, head_dim: int) -> str | None:
+  """Why cuDNN's fused attention cannot run this model here, or None: it
+  needs a GPU, 16-bit inputs and a head size of a multiple of 8 up to 128,
+  and a cuDNN that jax can use (tried on a small causal problem)."""
+  if platform != "gpu":
+    return f"it needs a GPU, and jax's default backend is {platform!r}"
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    return f"it needs bfloat16 or float16 inputs, and the model computes in {jnp.dtype(dtype)}"
+  if head_dim > HEAD_DIM or head_dim % 8:
+    return f"it needs a head size of a multiple of 8 up to {HEAD_DIM}, not {head_dim}"
+  q = jnp.zeros((1, 128, 1, head_dim), dtype)
+  try:
+    jax.block_until_ready(jax.jit(lambda q: jax.nn.dot_product_attention(
+        q, q, q, is_causal=True, implementation="cudnn"))(q))
+  except Exception as e:  # noqa: BLE001 (any failure means: use XLA's)
+    return f"a trial call failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  return None
 
 
 def make_mesh(tp: int | None, platform: str) -> Mesh:
@@ -207,12 +273,18 @@ def train(args) -> dict:
       f"{jax.process_count()} process(es); mesh dp={dp} tp={tp}; cuBLASMp: {status.reason}")
   say(f"data: {corpus}")
   say(f"model ({s['size']} size): {s['layers']} blocks, d_model {s['d_model']}, "
-      f"{s['heads']} heads ({s['heads'] // tp} per tp shard), hidden {s['hidden']}, "
-      f"seq {s['seq_len']} x batch {s['batch']} = {s['seq_len'] * s['batch']:,} tokens/step, "
-      f"{s['dtype']}, backend {args.backend!r}")
+      f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard), "
+      f"hidden {s['hidden']}, seq {s['seq_len']} x batch {s['batch']} = "
+      f"{s['seq_len'] * s['batch']:,} tokens/step, {s['dtype']}, backend {args.backend!r}")
+  attention, attention_why = choose_attention(args.attention, platform, dtype,
+                                              s["d_model"] // s["heads"])
+  say(f"attention: {attention_why}")
+  skip_tuning, skip_ab = skip_reasons(args, status, tp, platform)
+  if tp == 1:
+    say(f"tp=1: {report.single_device_reason('tp')}")
 
   model = byte_gpt.ByteGPT(model_config, mesh, dtype, args.keep_gathered_input, args.remat,
-                           config, None if args.attention == "auto" else args.attention)
+                           config, attention)
   trainer, params, opt_state = byte_gpt.Trainer.create(
       model, byte_gpt.optimizer(s["lr"], s["steps"]), mesh, args.seed)
   say(f"parameters: {sum(a.size for a in jax.tree.leaves(params)):,}")
@@ -224,11 +296,15 @@ def train(args) -> dict:
                                                  length=s["seq_len"] + 1, seed=args.seed))
 
   tokens, targets = batch("train", start)
-  if status.ok and args.backend == "auto":
-    byte_gpt.autotune(model, mesh, params, tokens, targets, say)
-  t0 = time.perf_counter()
-  step_fn = trainer.train_step(params, opt_state, tokens, targets)
-  say(f"compiled the training step in {time.perf_counter() - t0:.1f} s")
+  if skip_tuning is None:  # the tuned step, jitted with its routes
+    step_fn = byte_gpt.autotune(trainer, params, opt_state, tokens, targets, say)
+    tuning = {"plan": step_fn.plan, "why": step_fn.why}
+  else:
+    say(f"autotune: skipped ({skip_tuning})")
+    tuning = {"plan": None, "why": f"skipped: {skip_tuning}"}
+    t0 = time.perf_counter()
+    step_fn = trainer.train_step(params, opt_state, tokens, targets)
+    say(f"compiled the training step in {time.perf_counter() - t0:.1f} s")
   evaluate = trainer.eval_step()
   val_batches = [batch("validation", i) for i in range(args.eval_batches)]
 
@@ -258,16 +334,22 @@ def train(args) -> dict:
   tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
   say(run_report.loss_summary(history, tokens_per_s, start))
 
-  summary = run_report.layer_report(step_fn, config, mesh, dtype, args, s["layers"], say)
+  step_text = run_report.program_text(step_fn, params, opt_state, tokens, targets)
+  summary = run_report.layer_report(step_text, config, mesh, dtype, args, s["layers"], say,
+                                    routes=getattr(step_fn, "routes", None))
   summary.update(history=history, tokens_per_s=tokens_per_s, start_step=start,
                  final_step=max(start, s["steps"]), sizes=s, mesh={"dp": dp, "tp": tp},
                  platform=platform, process_count=jax.process_count(),
-                 checkpoint_steps=checkpoints.saved, jax_version=jax.__version__)
-  ab_steps = args.ab_steps if args.ab_steps is not None else (20 if platform == "gpu" else 0)
-  if ab_steps > 0:
-    summary["ab"] = run_report.ab_test(trainer, params, opt_state, ab_steps, config,
-                                       lambda i: batch("train", s["steps"] + i),
+                 checkpoint_steps=checkpoints.saved, jax_version=jax.__version__,
+                 autotune=tuning, attention={"implementation": attention,
+                                             "why": attention_why})
+  if skip_ab is None:
+    summary["ab"] = run_report.ab_test(trainer, params, opt_state, _ab_steps(args, platform),
+                                       config, lambda i: batch("train", s["steps"] + i),
                                        s["seq_len"] * s["batch"], say, trained_step=step_fn)
+  else:
+    say(f"A/B of backend='auto' against 'xla': skipped ({skip_ab})")
+    summary["ab_skipped"] = skip_ab
   if args.json_out and rank0:
     with open(args.json_out, "w") as f:
       json.dump(summary, f, indent=2, default=str)

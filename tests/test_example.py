@@ -8,6 +8,8 @@ layer takes the XLA fallback. Small sizes keep each run to a few seconds.
   took after it, loss for loss.
 * Options (bfloat16, --keep-gathered-input, --remat, the A/B) and two
   processes joined by jax.distributed.
+* tp = 1 (one device, as on a machine with one GPU): the run trains on XLA,
+  skips the tuning and the A/B with the reason, and its report matches.
 * Help text and defaults for every option; clear errors.
 * diagnostics.report, which says what each layer runs and what a block should
   count, for every backend.
@@ -29,7 +31,7 @@ import pytest
 from conftest import cpu_mesh
 from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.backends import Capability, CublasMpBackend
-from jax_comm_gemm.diagnostics import report
+from jax_comm_gemm.diagnostics import hlo, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -43,9 +45,10 @@ SMALL = ("--d-model", "64", "--heads", "2", "--layers", "2", "--hidden", "128",
          "--seq-len", "64", "--batch", "8", "--eval-batches", "2")
 
 
-def run_example(tmp_path, *flags, name="summary"):
+def run_example(tmp_path, *flags, name="summary", devices=8):
   out = tmp_path / f"{name}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")])))
   env.pop("JAX_COMM_GEMM_BACKEND", None)
@@ -137,6 +140,44 @@ def test_two_processes(tmp_path):
   assert not errors, stderr
 
 
+def test_one_device_trains_on_xla_and_says_why(tmp_path):
+  """tp = 1, as on a machine with one GPU (here one CPU device), with
+  backend='auto': a group of one has nothing to communicate, so the run
+  trains on XLA, skips the tuning and the A/B (even when asked for) with that
+  reason, and its report expects no all-gather and counts none."""
+  stdout, _, summary = run_example(tmp_path, "--steps", "4", "--no-checkpoint",
+                                   "--ab-steps", "2", devices=1)
+  reason = ("axis 'tp' has size 1: a group of one has nothing to communicate, so each "
+            "layer is a plain GEMM on XLA")
+  assert summary["mesh"] == {"dp": 1, "tp": 1}
+  train = summary["history"]["train"]
+  assert [s for s, _ in train] == [1, 2, 3, 4] and train[-1][1] < 0.97 * train[0][1], train
+  assert summary["tokens_per_s"] > 0
+  assert f"tp=1: {reason}" in stdout
+  skipped = "tp=1: a group of one has nothing to communicate"
+  assert f"autotune: skipped ({skipped})" in stdout
+  assert summary["autotune"] == {"plan": None, "why": f"skipped: {skipped}"}
+  assert f"A/B of backend='auto' against 'xla': skipped ({skipped})" in stdout
+  assert "ab" not in summary and summary["ab_skipped"] == skipped
+  for i in range(2):
+    assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
+                     r"fallback +fc2 xla fallback", stdout), stdout
+  assert f"qkv, fc1 (column-parallel): xla fallback ({reason})" in stdout
+  assert f"out-proj, fc2 (row-parallel): xla fallback ({reason})" in stdout
+  assert "MISMATCH" not in stdout
+  assert re.search(r"all-gathers in the blocks +counted +0 +expected +0 +ok", stdout), stdout
+  assert re.search(r"fused AllGather\+GEMM calls +counted +0 +expected +0 +ok", stdout), stdout
+  assert summary["expected"] == {"standalone_all_gathers": 0, "fused_all_gather_matmuls": 0}
+  counts = summary["counts"]
+  assert (counts["all_gathers_in_step"], counts["reduce_scatters"], counts["all_reduces"],
+          counts["fused_all_gather_matmuls"], counts["fused_matmul_reduce_scatters"]) == (
+              0, 0, 0, 0, 0), counts
+  # XLA's CPU compiler keeps the all-gathers over the group of one (no data
+  # moves); they are counted apart and said so.
+  assert counts["single_device_collectives"] > 0
+  assert "over a group of one device" in stdout
+
+
 def test_every_option_has_help_and_shows_its_default(capsys):
   parser = train_byte_gpt.build_parser()
   for action in parser._actions:
@@ -166,6 +207,23 @@ def test_errors(tmp_path, flags, match):
     train_byte_gpt.main([*SMALL, "--checkpoint-dir", str(tmp_path / "empty"), *flags])
 
 
+def test_counts_leave_out_collectives_over_a_group_of_one():
+  """A collective whose replica groups hold one device each moves no data: in
+  neither written form of the groups is it counted as one (XLA's CPU compiler
+  keeps such ops, its GPU compiler drops them)."""
+  def op(opcode, groups):
+    return (f"  %{opcode}.1 = f32[8,4]{{1,0}} {opcode}(f32[8,4]{{1,0}} %x), channel_id=1, "
+            f"replica_groups={groups}, dimensions={{0}}")
+
+  text = "\n".join([op("all-gather", "{{0}}"), op("all-gather", "[8,1]<=[8]"),
+                    op("all-gather", "{{0,1},{2,3}}"), op("all-gather-start", "[2,4]<=[8]"),
+                    op("all-reduce", "{{0},{1}}"), op("all-reduce", "{}"),
+                    op("reduce-scatter", "[4,2]<=[2,4]T(1,0)")])
+  counts = hlo.count_collectives(text)
+  assert (counts.all_gather, counts.all_reduce, counts.reduce_scatter) == (2, 1, 1)
+  assert counts.single_device == 3
+
+
 @dataclasses.dataclass(frozen=True)
 class _FakeCublasMp(CublasMpBackend):
   """The cuBLASMp backend as the report sees it, with a chosen reuse verdict."""
@@ -186,8 +244,13 @@ class _FakeCublasMp(CublasMpBackend):
         (_FakeCublasMp(reuse_ok=True), False, 4, "fused with all_gather",
          "fused with all_gather", "fused with all_gather", ((2, 2), (2, 2)),
          ((4, 4), (4, 4))),
+        # A group of one: no collective that moves data, whatever the backend.
         (_FakeCublasMp(reuse_ok=True), None, 1, "xla fallback", "xla fallback",
-         "xla fallback", ((2, 0), (2, 0)), ((4, 0), (4, 0))),
+         "xla fallback", ((0, 0), (0, 0)), ((0, 0), (0, 0))),
+        ("xla", None, 1, "xla fallback", "xla fallback", "xla fallback", ((0, 0), (0, 0)),
+         ((0, 0), (0, 0))),
+        ("auto", None, 1, "xla fallback", "xla fallback", "xla fallback", ((0, 0), (0, 0)),
+         ((0, 0), (0, 0))),
         ("xla", None, 2, "xla fallback", "xla fallback", "xla fallback", ((2, 0), (2, 0)),
          ((4, 0), (4, 0))),
     ])
@@ -202,9 +265,16 @@ def test_report(monkeypatch, backend, reuse_gathered, axis_size, column, keep, r
   expected = lambda keep: dataclasses.astuple(report.expected_all_gathers(
       config, mesh, "tp", jnp.bfloat16, keep_gathered_input=keep))
   assert (expected(False), expected(True)) == mlp
-  per_block = lambda keep, remat=False: run_report.expected_per_block(
-      config, mesh, jnp.bfloat16, keep, remat)
+  per_block = lambda keep, remat=False: dataclasses.astuple(
+      report.expected_block_all_gathers(config, mesh, "tp", jnp.bfloat16,
+                                        keep_gathered_input=keep, remat=remat))
   assert (per_block(False), per_block(True)) == block
-  # remat reruns QKV's and fc1's forward: fused where the forward is fused.
+  # remat reruns QKV's and fc1's forward: fused where the forward is fused;
+  # nothing at all on an axis of size 1.
   (standalone, fused), remat = block[0], per_block(False, remat=True)
-  assert remat == ((standalone, fused + 2) if fused else (standalone + 2, 0))
+  assert remat == ((0, 0) if axis_size == 1 else (standalone, fused + 2) if fused
+                   else (standalone + 2, 0))
+  if axis_size == 1:
+    assert report.layer_path(config, mesh, "tp", jnp.bfloat16).reason == (
+        "axis 'tp' has size 1: a group of one has nothing to communicate, so each layer "
+        "is a plain GEMM on XLA")
