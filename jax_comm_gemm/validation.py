@@ -21,7 +21,11 @@ _DTYPE_NAMES = "bfloat16, float16, float32"
 @dataclasses.dataclass(frozen=True)
 class Names:
   """What errors call the operation and its arguments: the names the user
-  wrote (a Flax module passes its class and ``inputs``)."""
+  wrote (a Flax module passes its class and ``inputs``).
+
+  >>> Names("RowParallelDense", x="inputs").x
+  'inputs'
+  """
   op: str
   x: str = "x"
   kernel: str = "kernel"
@@ -29,7 +33,13 @@ class Names:
 
 
 def bound_axis_size(op: str, axis_name) -> int:
-  """The size of `axis_name` in the enclosing shard_map, or a clear error."""
+  """The size of `axis_name` in the enclosing shard_map, or a clear error.
+
+  >>> bound_axis_size("f", "tp")
+  Traceback (most recent call last):
+  ...
+  ValueError: f: axis_name='tp' is not an axis of the enclosing jax.shard_map (no mesh axis is bound here); call it inside jax.shard_map over a mesh with that axis, or use the Flax modules, which take a mesh
+  """
   if not isinstance(axis_name, str):
     raise TypeError(
         f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
@@ -46,7 +56,11 @@ def bound_axis_size(op: str, axis_name) -> int:
 
 
 def mesh_axis_size(op: str, mesh, axis_name) -> int:
-  """The size of `axis_name` in `mesh`, or a clear error."""
+  """The size of `axis_name` in `mesh`, or a clear error.
+
+  >>> mesh_axis_size("f", jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), "tp")
+  1
+  """
   if not isinstance(axis_name, str):
     raise TypeError(
         f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
@@ -58,6 +72,10 @@ def mesh_axis_size(op: str, mesh, axis_name) -> int:
 
 
 def check_dtype(op: str, name: str, value) -> None:
+  """`value`'s dtype must be one the layers run.
+
+  >>> check_dtype("f", "x", np.ones(2, np.float32))
+  """
   dtype = jnp.result_type(value)
   if dtype not in SUPPORTED_DTYPES:
     raise TypeError(
@@ -65,9 +83,41 @@ def check_dtype(op: str, name: str, value) -> None:
 
 
 def check_rank(op: str, name: str, value, rank: int, what: str) -> None:
+  """`value` must have `rank` dimensions, none of them empty.
+
+  >>> check_rank("f", "w", np.ones((0, 2)), 2, "[in, out]")
+  Traceback (most recent call last):
+  ...
+  ValueError: f: `w` has shape (0, 2), with a dimension of size 0; every dimension must be at least 1
+  """
   if np.ndim(value) != rank:
     raise ValueError(
         f"{op}: `{name}` must be {rank}-D {what}, got shape {np.shape(value)}")
+  check_not_empty(op, name, value)
+
+
+def check_not_empty(op: str, name: str, value) -> None:
+  """No dimension of `value` may be 0: a layer of no tokens or no features has
+  nothing to compute, and the collectives cannot split nothing.
+
+  >>> check_not_empty("f", "x", np.ones((2, 3)))
+  """
+  if 0 in np.shape(value):
+    raise ValueError(
+        f"{op}: `{name}` has shape {np.shape(value)}, with a dimension of size 0; "
+        "every dimension must be at least 1")
+
+
+def check_callable(op: str, name: str, value) -> None:
+  """`value` (an activation, a dot_general) must be callable.
+
+  >>> check_callable("f", "activation", None)
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `activation` must be a function (e.g. jax.nn.gelu), got None
+  """
+  if not callable(value):
+    raise TypeError(f"{op}: `{name}` must be a function (e.g. jax.nn.gelu), got {value!r}")
 
 
 def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
@@ -75,6 +125,10 @@ def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
   """Checks a local x [tokens, k] against w [k, m] (or [m, k] when transposed).
 
   Returns (k, m).
+
+  >>> check_matmul("f", np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
+  ...              transpose_w=False)
+  (3, 4)
   """
   if not isinstance(transpose_w, (bool, np.bool_)):
     raise TypeError(f"{op}: transpose_w must be a bool, got {transpose_w!r}")
@@ -98,6 +152,10 @@ def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
 
 def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,
                     axis_size: int, hint: str = "") -> None:
+  """`size` (of `name`'s `what`) must split evenly over the axis.
+
+  >>> check_divisible("f", "x", "tokens", 8, "tp", 2)
+  """
   if size % axis_size:
     raise ValueError(
         f"{op}: `{name}` has {size} {what}, which is not divisible by the "
@@ -105,7 +163,10 @@ def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,
 
 
 def check_tokens(op: str, name: str, shape, axis_name: str, shards: int) -> None:
-  """The first dimension holds the tokens and must split over `shards`."""
+  """The first dimension holds the tokens and must split over `shards`.
+
+  >>> check_tokens("f", "x", (8, 3), "tp", 2)
+  """
   hint = ""
   if len(shape) > 2:
     hint = (f". The first dimension is the tokens: for [batch, seq, features] "
@@ -115,17 +176,52 @@ def check_tokens(op: str, name: str, shape, axis_name: str, shards: int) -> None
 
 
 def check_activations(op: str, name: str, value) -> None:
+  """Activations are ``[tokens, ..., features]``, no dimension empty.
+
+  >>> check_activations("f", "x", np.ones((0, 3)))
+  Traceback (most recent call last):
+  ...
+  ValueError: f: `x` has shape (0, 3), with a dimension of size 0; every dimension must be at least 1
+  """
   if np.ndim(value) < 2:
     raise ValueError(
         f"{op}: `{name}` must have at least 2 dimensions [tokens, ..., "
         f"features], got shape {np.shape(value)}")
+  check_not_empty(op, name, value)
 
 
-def check_bias(names: Names, bias, features: int) -> None:
-  if bias is not None and np.shape(bias) != (features,):
+def check_bias(names: Names, bias, features: int, x=None) -> None:
+  """`bias` is None, or ``[features]`` of `x`'s dtype (where `x` is given): a
+  bias of a wider dtype would silently widen the layer's output.
+
+  >>> check_bias(Names("f"), np.ones(4, np.float32), 4, np.ones((2, 3), np.float16))
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `bias` has dtype float32 but `x` has float16; cast the bias (bias.astype(x.dtype))
+  """
+  if bias is None:
+    return
+  if np.shape(bias) != (features,):
     raise ValueError(
         f"{names.op}: `{names.bias}` must have shape ({features},) to match the kernel's "
         f"output features, got {np.shape(bias)}")
+  if x is not None and jnp.result_type(bias) != jnp.result_type(x):
+    raise TypeError(
+        f"{names.op}: `{names.bias}` has dtype {jnp.result_type(bias)} but `{names.x}` has "
+        f"{jnp.result_type(x)}; cast the bias ({names.bias}.astype({names.x}.dtype))")
+
+
+def check_type(where: str, name: str, value, cls) -> None:
+  """Raises TypeError naming `name` unless `value` is a `cls`.
+
+  >>> check_type("f", "options", {}, Names)
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `options` must be a Names, got {} (dict)
+  """
+  if not isinstance(value, cls):
+    raise TypeError(f"{where}: `{name}` must be a {cls.__name__}, got {value!r} "
+                    f"({type(value).__name__})")
 
 
 def check_config(where: str, config) -> None:

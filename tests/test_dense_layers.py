@@ -113,3 +113,76 @@ def test_layers_without_bias():
   _run(mesh, local, (TOKENS, P(None, "tp"), P("tp", None)), TOKENS,
        lambda x, k1, k2: ((x @ k1) @ k2,), [(N, S, K), (K, F), (F, K)],
        jnp.float32, ("x", "fc1_kernel", "fc2_kernel"), _seed("no_bias"))
+
+
+# --- argument checks that name the argument -------------------------------------------
+
+def _trace_local(fn, in_specs, *arrays):
+  f = jax.shard_map(fn, mesh=cpu_mesh(2), in_specs=in_specs, out_specs=P(), check_vma=False)
+  return jax.eval_shape(f, *arrays)
+
+
+COLUMN_SPECS = (P("tp"), P(None, "tp"), P("tp"))
+
+
+@pytest.mark.parametrize("x_shape, kernel_shape, bias_shape, match", [
+    ((0, K), (K, F), (F,), r"`x` has shape \(0, 16\), with a dimension of size 0"),
+    ((N, 0), (0, F), (F,), r"`x` has shape \(8, 0\), with a dimension of size 0"),
+    ((N, K), (K, 0), (0,), r"`kernel` has shape \(16, 0\), with a dimension of size 0"),
+], ids=["no_tokens", "no_features", "no_outputs"])
+def test_zero_size_dimensions_are_named(x_shape, kernel_shape, bias_shape, match):
+  """Empty dimensions raise a ValueError naming the argument (they raised
+  ZeroDivisionError, or failed in MLIR's verifier)."""
+  arrays = [jax.ShapeDtypeStruct(s, jnp.float32) for s in (x_shape, kernel_shape, bias_shape)]
+  with pytest.raises(ValueError, match=r"column_parallel_dense: " + match):
+    _trace_local(lambda x, k, b: dense.column_parallel_dense(x, k, b, axis_name="tp"),
+                 COLUMN_SPECS, *arrays)
+
+
+def test_bias_of_another_dtype_is_refused():
+  """A float32 bias would make a bfloat16 layer's output float32."""
+  arrays = [jax.ShapeDtypeStruct(s, d) for s, d in [((N, K), jnp.bfloat16),
+                                                    ((K, F), jnp.bfloat16), ((F,), jnp.float32)]]
+  with pytest.raises(TypeError, match=r"column_parallel_dense: `bias` has dtype float32 but "
+                                      r"`x` has bfloat16"):
+    _trace_local(lambda x, k, b: dense.column_parallel_dense(x, k, b, axis_name="tp"),
+                 COLUMN_SPECS, *arrays)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(config="xla"), TypeError, r"`config` must be a jax_comm_gemm.CommGemmConfig"),
+    (dict(config=None), TypeError, r"`config` must be a jax_comm_gemm.CommGemmConfig"),
+    (dict(keep_gathered_input="no"), TypeError, r"`keep_gathered_input` must be True or False"),
+    (dict(activation=None), TypeError, r"`activation` must be a function"),
+])
+def test_mlp_options_are_named(kwargs, error, match):
+  arrays = [jax.ShapeDtypeStruct(s, jnp.float32) for s in [(N, K), (K, F), (F, K)]]
+  with pytest.raises(error, match=r"mlp: " + match):
+    _trace_local(lambda x, a, b: dense.mlp(x, a, b, axis_name="tp", **kwargs),
+                 (P("tp"), P(None, "tp"), P("tp")), *arrays)
+
+
+def test_injected_dot_general_runs_on_xla_collectives():
+  """An injected dot_general is called, after lax.all_gather (column) and
+  before lax.psum_scatter (row), and gives the plain layer's values."""
+  calls = []
+
+  def dot(*args, **kwargs):
+    calls.append(kwargs)
+    return jax.lax.dot_general(*args, **kwargs)
+
+  x, kernel, fc2 = random_inputs(0, [(N, S, K), (K, F), (F, K)], jnp.float32)
+
+  def layer(x, kernel, fc2):
+    h = dense.column_parallel_dense(x, kernel, axis_name="tp", dot_general=dot)
+    return dense.row_parallel_dense(h, fc2, axis_name="tp", dot_general=dot,
+                                    precision=jax.lax.Precision.HIGHEST)
+
+  f = jax.jit(jax.shard_map(layer, mesh=cpu_mesh(2), in_specs=(TOKENS, P(None, "tp"),
+                                                               P("tp", None)),
+                            out_specs=TOKENS))
+  jaxpr = str(jax.make_jaxpr(f)(x, kernel, fc2))
+  assert "all_gather" in jaxpr and "reduce_scatter" in jaxpr
+  assert [c["precision"] for c in calls] == [None, jax.lax.Precision.HIGHEST]
+  want = (x @ kernel) @ fc2
+  assert float(jnp.max(jnp.abs(f(x, kernel, fc2) - want))) < 1e-3

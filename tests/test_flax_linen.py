@@ -258,11 +258,11 @@ def test_local_mode_bfloat16():
     (lambda m: L.SequenceParallelMLP(0, mesh=m), K,
      r"SequenceParallelMLP\.hidden_features must be a positive int, got 0"),
     (lambda m: L.ColumnParallelDense(F, mesh=m, axis_name="model"), K,
-     r"ColumnParallelDense\.axis_name: 'model' is not an axis of the mesh"),
+     r"ColumnParallelDense: axis_name='model' is not an axis of the mesh"),
     (lambda m: L.ColumnParallelDense(F, mesh=m, data_axes=("tp",)), K,
-     r"ColumnParallelDense\.data_axes=\('tp',\) must not contain"),
+     r"ColumnParallelDense: data_axes=\('tp',\) must not contain"),
     (lambda m: L.RowParallelDense(K, mesh=m, data_axes=("dp",)), F,
-     r"RowParallelDense\.data_axes: 'dp' is not an axis of the mesh"),
+     r"RowParallelDense: data_axes=\('dp',\) names 'dp', which is not an axis of the mesh"),
     (lambda m: L.ColumnParallelDense(F), K, r"no mesh"),
 ])
 def test_config_errors(module, x_width, match):
@@ -283,3 +283,30 @@ def test_odd_features_on_two_shards():
   with pytest.raises(ValueError, match=r"ColumnParallelDense\.features=7 is not divisible by "
                                        r"the size 2 "):
     L.ColumnParallelDense(7, mesh=cpu_mesh(2)).init(jax.random.key(0), jnp.zeros((N, K)))
+
+
+@pytest.mark.parametrize("module, x_shape, error, match", [
+    (lambda m: L.SequenceParallelMLP(F, mesh=m), (N, K), ValueError,
+     r"SequenceParallelMLP: data_axes=\(\) leaves out the mesh axes \('dp',\)"),
+    (lambda m: L.ColumnParallelDense(F, mesh=m, data_axes="dp", config="xla"), (N, K),
+     TypeError, r"ColumnParallelDense: `config` must be a jax_comm_gemm.CommGemmConfig"),
+    (lambda m: L.ColumnParallelDense(F, mesh=m, data_axes="dp", keep_gathered_input="no"),
+     (N, K), TypeError, r"ColumnParallelDense: `keep_gathered_input` must be True or False"),
+    (lambda m: L.SequenceParallelMLP(F, None, mesh=m, data_axes="dp"), (N, K), TypeError,
+     r"SequenceParallelMLP: `activation` must be a function"),
+    (lambda m: L.RowParallelDense(K, mesh=m, data_axes="dp", dot_general=3), (N, F),
+     TypeError, r"RowParallelDense: `dot_general` must be a function"),
+    (lambda m: L.ColumnParallelDense(F, mesh=m, data_axes=("dp",)), (0, K), ValueError,
+     r"ColumnParallelDense: `inputs` has shape \(0, 16\), with a dimension of size 0"),
+], ids=["missing_data_axis", "config", "keep", "activation", "dot_general", "no_tokens"])
+def test_arguments_are_checked_and_named(module, x_shape, error, match):
+  with pytest.raises(error, match=match):
+    module(dp_tp_mesh()).init(jax.random.key(0), jnp.zeros(x_shape))
+
+
+def test_shared_options_follow_the_table():
+  """Every module's shared options default to the one table's values."""
+  from jax_comm_gemm.flax.common import DEFAULTS  # noqa: PLC0415
+  for module in (L.ColumnParallelDense(F), L.RowParallelDense(K), L.SequenceParallelMLP(F),
+                 L.SequenceParallelTransformerBlock(2, F)):
+    assert {name: getattr(module, name) for name in DEFAULTS} == DEFAULTS

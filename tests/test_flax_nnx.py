@@ -277,9 +277,9 @@ def test_dtype_promotion_like_flax_linear():
     (lambda m: N.RowParallelDense(F, -1, mesh=m, rngs=nnx.Rngs(0)),
      r"RowParallelDense\.out_features must be a positive int, got -1"),
     (lambda m: N.ColumnParallelDense(K, F, mesh=m, axis_name="model", rngs=nnx.Rngs(0)),
-     r"ColumnParallelDense\.axis_name: 'model' is not an axis of the mesh"),
+     r"ColumnParallelDense: axis_name='model' is not an axis of the mesh"),
     (lambda m: N.ColumnParallelDense(K, F, mesh=m, data_axes=("tp",), rngs=nnx.Rngs(0)),
-     r"ColumnParallelDense\.data_axes=\('tp',\) must not contain"),
+     r"ColumnParallelDense: data_axes=\('tp',\) must not contain"),
 ])
 def test_config_errors(build, match):
   with pytest.raises(ValueError, match=match):
@@ -290,3 +290,30 @@ def test_call_without_any_mesh_says_so():
   model = N.ColumnParallelDense(K, F, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"no mesh"):
     model(jnp.ones((T, K)))
+
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda m: N.SequenceParallelMLP(K, F, mesh=m, rngs=nnx.Rngs(0)), ValueError,
+     r"SequenceParallelMLP: data_axes=\(\) leaves out the mesh axes \('dp',\)"),
+    (lambda m: N.ColumnParallelDense(K, F, mesh=m, data_axes="dp", config=None,
+                                     rngs=nnx.Rngs(0)),
+     TypeError, r"ColumnParallelDense: `config` must be a jax_comm_gemm.CommGemmConfig"),
+    (lambda m: N.ColumnParallelDense(K, F, mesh=m, data_axes="dp", keep_gathered_input=0,
+                                     rngs=nnx.Rngs(0)),
+     TypeError, r"ColumnParallelDense: `keep_gathered_input` must be True or False"),
+    (lambda m: N.SequenceParallelMLP(K, F, mesh=m, data_axes="dp", activation=None,
+                                     rngs=nnx.Rngs(0)),
+     TypeError, r"SequenceParallelMLP: `activation` must be a function"),
+    (lambda m: N.RowParallelDense(F, K, mesh=m, data_axes="dp", axis="tp", rngs=nnx.Rngs(0)),
+     TypeError, r"RowParallelDense\(\) got an unexpected keyword argument 'axis'"),
+], ids=["missing_data_axis", "config", "keep", "activation", "unknown"])
+def test_arguments_are_checked_and_named(build, error, match):
+  with pytest.raises(error, match=match):
+    build(dp_tp_mesh())
+
+
+def test_zero_tokens_are_named():
+  model = N.ColumnParallelDense(K, F, mesh=cpu_mesh(2), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"ColumnParallelDense: `inputs` has shape \(0, 16\), "
+                                       r"with a dimension of size 0"):
+    model(jnp.zeros((0, K)))

@@ -124,3 +124,111 @@ def test_mlp_keep_gathered_input_under_set_mesh():
     (out,), _ = check_against_reference(fn, _mlp_reference, args, [(N, S, K)],
                                         jnp.float32, seed, arg_names=MLP_NAMES)
   assert out.sharding.is_equivalent_to(NamedSharding(mesh, _tokens(data)), out.ndim)
+
+
+# --- data axes, dot_general and the argument checks -------------------------------------
+
+def _spec(shape, dtype=jnp.float32):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+LAYERS = {
+    "column": lambda x, **kw: sharded.column_parallel_dense(x, _spec((K, F)), **kw),
+    "row": lambda x, **kw: sharded.row_parallel_dense(x, _spec((K, F)), **kw),
+    "mlp": lambda x, **kw: sharded.mlp(x, _spec((K, F)), _spec((F, K)), **kw),
+}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_a_missing_data_axis_is_an_error(layer):
+  """On a ('dp', 'tp') mesh, data_axes=() would replicate the layer over 'dp'
+  (gathering whatever the caller sharded over it): a ValueError names data_axes."""
+  mesh, _ = _mesh("dp_tp")
+  with pytest.raises(ValueError, match=r"data_axes=\(\) leaves out the mesh axes \('dp',\) "
+                                       r"\(sizes \(2,\)\).*Pass data_axes=\('dp',\)"):
+    jax.eval_shape(lambda x: LAYERS[layer](x, mesh=mesh), _spec((N, K)))
+
+
+def test_a_data_axis_of_size_one_may_be_left_out():
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:4]).reshape(1, 4), ("dp", "tp"))
+  out = jax.eval_shape(lambda x: LAYERS["mlp"](x, mesh=mesh), _spec((N, K)))
+  assert out.shape == (N, K)
+
+
+def test_data_axes_may_be_one_name():
+  """data_axes="dp" is the axis 'dp' (it was read as ('d', 'p'))."""
+  mesh, _ = _mesh("dp_tp")
+  x = jax.device_put(jnp.ones((N, K)), NamedSharding(mesh, P(("dp", "tp"))))
+  kernel = jax.device_put(jnp.ones((K, F)), NamedSharding(mesh, P(None, "tp")))
+  y = sharded.column_parallel_dense(x, kernel, mesh=mesh, data_axes="dp")
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, P("dp", "tp")), 2)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(config="xla"), TypeError, r"`config` must be a jax_comm_gemm.CommGemmConfig, got "
+                                    r"'xla' \(str\); e.g. config=CommGemmConfig\(backend='xla'\)"),
+    (dict(config={"backend": "xla"}), TypeError, r"`config` must be a jax_comm_gemm"),
+    (dict(config=1), TypeError, r"`config` must be a jax_comm_gemm"),
+    (dict(keep_gathered_input=np.True_), None, None),
+    (dict(keep_gathered_input=1), TypeError, r"`keep_gathered_input` must be True or False"),
+    (dict(data_axes=3), TypeError, r"data_axes must be a mesh axis name or a sequence"),
+    (dict(mesh="tp"), TypeError, r"`mesh` must be a jax.sharding.Mesh or None"),
+])
+def test_options_are_checked_and_named(kwargs, error, match):
+  call = lambda: jax.eval_shape(  # noqa: E731
+      lambda x: sharded.column_parallel_dense(x, _spec((K, F)), **({"mesh": cpu_mesh(2)}
+                                                                   | kwargs)), _spec((N, K)))
+  if error is None:
+    assert call().shape == (N, F)
+    return
+  with pytest.raises(error, match=r"sharded.column_parallel_dense: " + match):
+    call()
+
+
+@pytest.mark.parametrize("x_shape, kernel_shape, match", [
+    ((0, K), (K, F), r"`x` has shape \(0, 16\), with a dimension of size 0"),
+    ((N, 0), (0, F), r"`x` has shape \(16, 0\), with a dimension of size 0"),
+    ((N, K), (K, 0), r"`kernel` has shape \(16, 0\), with a dimension of size 0"),
+])
+def test_zero_size_dimensions_are_named(x_shape, kernel_shape, match):
+  with pytest.raises(ValueError, match=r"sharded.column_parallel_dense: " + match):
+    jax.eval_shape(lambda x, k: sharded.column_parallel_dense(x, k, mesh=cpu_mesh(2)),
+                   _spec(x_shape), _spec(kernel_shape))
+
+
+def test_bias_of_another_dtype_is_refused():
+  with pytest.raises(TypeError, match=r"sharded.row_parallel_dense: `bias` has dtype float32 "
+                                      r"but `h` has bfloat16"):
+    jax.eval_shape(lambda h, k, b: sharded.row_parallel_dense(h, k, b, mesh=cpu_mesh(2)),
+                   _spec((N, F), jnp.bfloat16), _spec((F, K), jnp.bfloat16), _spec((K,)))
+
+
+def test_mlp_activation_none_is_named():
+  with pytest.raises(TypeError, match=r"sharded.mlp: `activation` must be a function"):
+    jax.eval_shape(lambda x: LAYERS["mlp"](x, mesh=cpu_mesh(2), activation=None),
+                   _spec((N, K)))
+
+
+@pytest.mark.parametrize("layer", ["column", "row"])
+def test_injected_dot_general_on_global_arrays(layer):
+  """The injected dot_general is called on the global arrays (no shard_map,
+  so a Flax module can be the dot_general) and the output is sharded as the
+  fused layer's."""
+  mesh, data = _mesh("dp_tp")
+  calls = []
+
+  def dot(*args, **kwargs):
+    calls.append(1)
+    return jax.lax.dot_general(*args, **kwargs)
+
+  x_spec, out_spec = ((_tokens(data), P(data, None, "tp")) if layer == "column"
+                      else (P(data, None, "tp"), _tokens(data)))
+  width = K if layer == "column" else F
+  x, kernel = random_inputs(3, [(N, S, width), (width, K + F - width)], jnp.float32)
+  fn = sharded.column_parallel_dense if layer == "column" else sharded.row_parallel_dense
+  kernel_spec = P(None, "tp") if layer == "column" else P("tp", None)
+  x, kernel = _placed(mesh, [x, kernel], [x_spec, kernel_spec])
+  y = jax.jit(lambda x, k: fn(x, k, mesh=mesh, data_axes=data, dot_general=dot))(x, kernel)
+  assert calls == [1]
+  np.testing.assert_allclose(y, np.asarray(x) @ np.asarray(kernel), rtol=1e-4, atol=1e-4)
+  assert y.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), y.ndim)

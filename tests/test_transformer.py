@@ -372,7 +372,7 @@ def test_parameters_and_partitioning():
     (lambda m: L.SequenceParallelTransformerBlock(HEADS, F, mesh=m), (BATCH, SEQ, D),
      r"`inputs` has 2 positions .*not divisible by the size 4.* jnp\.swapaxes\(x, 0, 1\)"),
     (lambda m: L.SequenceParallelTransformerBlock(HEADS, F, mesh=m, axis_name="model"),
-     (SEQ, BATCH, D), r"SequenceParallelTransformerBlock\.axis_name: 'model' is not an axis"),
+     (SEQ, BATCH, D), r"SequenceParallelTransformerBlock: axis_name='model' is not an axis"),
 ])
 def test_config_errors(build, shape, match):
   with pytest.raises(ValueError, match=match):
@@ -383,3 +383,31 @@ def test_batch_must_split_over_the_data_axes():
   model = block(dp_tp_mesh())
   with pytest.raises(ValueError, match=r"`inputs` has 3 sequences .* 'dp'"):
     model.init(jax.random.key(0), jnp.zeros((SEQ, 3, D)))
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    (dict(data_axes=()), ValueError,
+     r"SequenceParallelTransformerBlock: data_axes=\(\) leaves out the mesh axes \('dp',\)"),
+    (dict(config="xla"), TypeError,
+     r"SequenceParallelTransformerBlock: `config` must be a jax_comm_gemm.CommGemmConfig"),
+    (dict(activation=None), TypeError,
+     r"SequenceParallelTransformerBlock: `activation` must be a function"),
+    (dict(keep_gathered_input="yes"), TypeError,
+     r"SequenceParallelTransformerBlock: `keep_gathered_input` must be True or False"),
+], ids=["missing_data_axis", "config", "activation", "keep"])
+def test_block_arguments_are_checked_and_named(kw, error, match):
+  mesh = dp_tp_mesh()
+  with pytest.raises(error, match=match):
+    jax.eval_shape(block(mesh, **kw).init, jax.random.key(0), jnp.zeros((SEQ, BATCH, D)))
+
+
+def test_block_options_are_checked():
+  with pytest.raises(TypeError, match=r"BlockOptions: `activation` must be a function"):
+    transformer.BlockOptions(num_heads=HEADS, activation=None)
+  with pytest.raises(TypeError, match=r"BlockOptions: `config` must be a jax_comm_gemm"):
+    transformer.BlockOptions(num_heads=HEADS, config={"backend": "xla"})
+  assert transformer.BlockOptions(num_heads=HEADS, causal=np.False_).causal is False
+  with pytest.raises(TypeError, match=r"sharded_transformer_block: `options` must be a "
+                                      r"BlockOptions"):
+    transformer.sharded_transformer_block(jnp.zeros((SEQ, BATCH, D)), {}, mesh=cpu_mesh(2),
+                                          options={"num_heads": HEADS})

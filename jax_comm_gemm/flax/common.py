@@ -1,85 +1,190 @@
-"""What the linen and NNX modules share: the mode a call runs in, and the
-checks of module fields and inputs, each naming the module and its field."""
+"""What the linen and NNX modules share: the table of their options and
+defaults, the checks of those options, and why a dense layer leaves the fused
+path.
+
+The options common to every module live once, in :class:`Options`: the linen
+modules inherit them as keyword-only dataclass fields (:class:`LinenOptions`,
+built from ``dataclasses.fields(Options)``), and the NNX modules fill their
+``**options`` from the same table (:func:`nnx_options`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Sequence
+
 import jax
-import numpy as np
+import jax.numpy as jnp
+from flax import linen as nn
+from flax.linen import initializers
+from flax.typing import Dtype, Initializer, PrecisionLike
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.layers.sharded import resolve_mesh
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.layers import placement
+
+default_kernel_init = initializers.lecun_normal()
+default_bias_init = initializers.zeros_init()
 
 
-def inside_shard_map(axis_name: str) -> bool:
-  """Whether we are tracing inside a ``jax.shard_map`` that binds `axis_name`
-  (local mode), read from the abstract mesh without raising anything."""
-  manual = getattr(jax.sharding.get_abstract_mesh(), "manual_axes", None)
-  if manual is not None:
-    return axis_name in manual
-  try:  # a jax whose AbstractMesh lacks manual_axes
-    jax.lax.axis_size(axis_name)
-    return True
-  except NameError:
-    return False
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The options every module takes (keyword-only), with their defaults.
+
+  Attributes:
+    axis_name: the tensor-parallel mesh axis.
+    mesh: the mesh in global mode; None takes the one set by ``jax.set_mesh``.
+    data_axes: mesh axes that also shard the tokens (the batch, for the
+      transformer block): a name or a sequence of names. Every mesh axis of
+      size > 1 other than ``axis_name`` must be among them; a missing one is a
+      ValueError naming ``data_axes`` (the layer would otherwise silently
+      replicate its work over that axis).
+    use_bias: whether the dense layers add a bias.
+    dtype: the dtype of the computation (default: from inputs and params, as
+      Flax's ``promote_dtype``: a float32 bias makes a bfloat16 input's output
+      float32 unless ``dtype`` is set).
+    param_dtype: the dtype passed to the initializers.
+    precision: ``lax.Precision`` of every GEMM the layer runs through XLA, the
+      weight-gradient GEMMs included (cuBLASMp always accumulates in float32).
+    kernel_init: initializer of the kernels (global shapes).
+    bias_init: initializer of the biases.
+    config: a :class:`~jax_comm_gemm.CommGemmConfig`: backend and algorithms.
+
+  >>> Options().axis_name
+  'tp'
+  """
+  axis_name: str = "tp"
+  mesh: jax.sharding.Mesh | None = None
+  data_axes: Sequence[str] = ()
+  use_bias: bool = True
+  dtype: Dtype | None = None
+  param_dtype: Dtype = jnp.float32
+  precision: PrecisionLike = None
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = default_bias_init
+  config: CommGemmConfig = DEFAULT_CONFIG
 
 
-def placement(owner: str, axis_name: str, mesh) -> tuple[bool, int]:
-  """``(local, P)``: the mode and the size of the tensor-parallel axis."""
-  if inside_shard_map(axis_name):
-    return True, int(jax.lax.axis_size(axis_name))
-  mesh = resolve_mesh(owner, mesh)
-  return False, validation.mesh_axis_size(owner, mesh, axis_name)
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Options)}
 
 
-def known_mesh(mesh):
-  """`mesh`, or the one set by ``jax.set_mesh``, or None."""
-  if mesh is not None:
-    return mesh
-  context = jax.sharding.get_abstract_mesh()
-  return None if context.empty else context
+def kw_only(default):
+  """A keyword-only linen field with `default`.
+
+  >>> kw_only(1).kw_only
+  True
+  """
+  return dataclasses.field(default=default, kw_only=True)
 
 
-def check_fields(owner: str, *, features: dict[str, int], axis_name, data_axes,
-                 mesh) -> None:
-  """Errors for module arguments, each naming the field."""
+# The linen modules' base: every field of Options, keyword-only, so that each
+# module's own positional fields (features, ...) come first.
+LinenOptions = type("LinenOptions", (nn.Module,), {
+    "__module__": __name__,
+    "__doc__": "A linen module with :class:`Options`' fields (keyword-only).",
+    "__annotations__": {f.name: f.type for f in dataclasses.fields(Options)},
+    **{f.name: kw_only(f.default) for f in dataclasses.fields(Options)}})
+
+
+def options_of(module) -> dict:
+  """The table's options as `module` (linen or NNX) holds them.
+
+  >>> options_of(Options(axis_name="model"))["axis_name"]
+  'model'
+  """
+  return {name: getattr(module, name) for name in DEFAULTS}
+
+
+def nnx_options(owner: str, given: dict, extra: dict) -> dict:
+  """An NNX module's options: the table's and `extra`'s defaults, overridden by
+  `given`; an unknown name is a TypeError, as for any Python function.
+
+  >>> nnx_options("M", {"axis_name": "model"}, {})["axis_name"]
+  'model'
+  >>> nnx_options("M", {"axis": "model"}, {})
+  Traceback (most recent call last):
+  ...
+  TypeError: M() got an unexpected keyword argument 'axis'
+  """
+  allowed = DEFAULTS | extra
+  for name in given:
+    if name not in allowed:
+      raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+  return allowed | given
+
+
+def check_options(owner: str, options: dict, *, features: dict[str, int]) -> tuple:
+  """Checks a module's options and sizes, each error naming its field; returns
+  the data axes as a tuple. With a mesh given, its axes are checked too.
+
+  >>> check_options("M", DEFAULTS | {"data_axes": "dp"}, features={"features": 4})
+  ('dp',)
+  >>> check_options("M", DEFAULTS | {"config": "xla"}, features={})
+  Traceback (most recent call last):
+  ...
+  TypeError: M: `config` must be a jax_comm_gemm.CommGemmConfig, got 'xla' (str); e.g. config=CommGemmConfig(backend='xla')
+  """
   for field, value in features.items():
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
       raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}")
-  if not isinstance(axis_name, str):
-    raise TypeError(
-        f"{owner}.axis_name must be a mesh axis name (str), got {axis_name!r}")
-  if isinstance(data_axes, str) or not all(isinstance(a, str) for a in data_axes):
-    raise TypeError(
-        f"{owner}.data_axes must be a sequence of mesh axis names, got {data_axes!r}")
-  if axis_name in data_axes:
-    raise ValueError(
-        f"{owner}.data_axes={tuple(data_axes)} must not contain the "
-        f"tensor-parallel axis {axis_name!r}")
-  if mesh is not None:
-    names = tuple(mesh.axis_names)
-    for field, name in [("axis_name", axis_name)] + [("data_axes", a) for a in data_axes]:
-      if name not in names:
-        raise ValueError(
-            f"{owner}.{field}: {name!r} is not an axis of the mesh, whose "
-            f"axes are {names}")
+  validation.check_config(owner, options["config"])
+  validation.check_flag(owner, "use_bias", options["use_bias"])
+  for name in ("keep_gathered_input", "causal"):
+    if name in options:
+      validation.check_flag(owner, name, options[name])
+  for name in ("activation", "kernel_init", "bias_init", "scale_init"):
+    if name in options:
+      validation.check_callable(owner, name, options[name])
+  data = placement.as_axes(owner, options["axis_name"], options["data_axes"])
+  if options["mesh"] is not None:
+    placement.check_mesh(owner, placement.resolve_mesh(owner, options["mesh"]),
+                         options["axis_name"], data)
+  return data
 
 
 def check_split(subject: str, value: int, axis_name: str, size: int) -> None:
-  """`subject` (such as ``"ColumnParallelDense.features"``) must split over the axis."""
+  """`subject` (such as ``"ColumnParallelDense.features"``) must split over the axis.
+
+  >>> check_split("M.features", 6, "tp", 4)
+  Traceback (most recent call last):
+  ...
+  ValueError: M.features=6 is not divisible by the size 4 of the tensor-parallel mesh axis 'tp'
+  """
   if value % size:
     raise ValueError(
         f"{subject}={value} is not divisible by the size {size} of the "
         f"tensor-parallel mesh axis {axis_name!r}")
 
 
-def check_token_inputs(owner: str, inputs, *, local: bool, axis_name: str, size: int,
-                       data_axes, mesh) -> None:
+def check_token_inputs(owner: str, inputs, where: placement.Placement) -> None:
   """A module whose `inputs` are sharded along tokens: at least 2-D, and the
-  tokens split over every shard (globally) or gather cleanly (locally)."""
+  tokens split over every shard (globally) or gather cleanly (locally).
+
+  >>> check_token_inputs("M", jnp.ones((3, 4)), placement.Placement(True, "tp", 2))
+  """
   validation.check_activations(owner, "inputs", inputs)
-  if local:
-    return
-  mesh = resolve_mesh(owner, mesh)
-  axes = (*data_axes, axis_name)
-  shards = int(np.prod([mesh.shape[a] for a in axes]))
-  validation.check_tokens(owner, "inputs", np.shape(inputs), "*".join(axes), shards)
+  if not where.local:
+    validation.check_tokens(owner, "inputs", jnp.shape(inputs),
+                            "*".join((*where.data_axes, where.axis_name)), where.shards)
+
+
+def path_reason(kind: str, injected: str | None, preferred_element_type=None) -> str | None:
+  """Why a dense layer of `kind` (``"column"`` or ``"row"``) runs on XLA's
+  collectives rather than on the configured backend, or None where the backend
+  decides (the usual case). `injected` names the injected argument, if any.
+
+  >>> path_reason("column", None) is None
+  True
+  >>> path_reason("row", "dot_general")
+  "dot_general is injected: the fused kernels cannot call it, so the layer runs on XLA's collectives (the dot, then lax.psum_scatter)"
+  """
+  if injected is not None:
+    why = f"{injected} is injected: the fused kernels cannot call it"
+  elif preferred_element_type is not None:
+    why = (f"preferred_element_type={jnp.dtype(preferred_element_type).name} is set: the "
+           "fused kernels write the computation dtype")
+  else:
+    return None
+  steps = ("lax.all_gather, then the dot" if kind == "column"
+           else "the dot, then lax.psum_scatter")
+  return f"{why}, so the layer runs on XLA's collectives ({steps})"

@@ -24,6 +24,15 @@ Each module runs in one of two modes, decided at trace time:
   Initialise in global mode: an init inside the shard_map would give every
   shard the same random values.
 
+The options every module shares (``axis_name``, ``mesh``, ``data_axes``,
+``use_bias``, ``dtype``, ``param_dtype``, ``precision``, ``kernel_init``,
+``bias_init``, ``config``) are keyword-only, as described in
+:class:`jax_comm_gemm.flax.common.Options`. The dense modules also take what
+:class:`flax.linen.Dense` takes, with its meaning: ``promote_dtype``,
+``dot_general`` and ``dot_general_cls`` (how Flax's FP8 ops are injected). An
+injected dot product cannot run inside the fused kernels, so such a layer runs
+on XLA's collectives around it; :meth:`ColumnParallelDense.path_reason` says so.
+
 Partitioning metadata (``nn.Partitioned``, mesh axis names):
 
 =====================  ======================  ==============
@@ -36,49 +45,39 @@ RowParallelDense       ``(axis_name, None)``   ``(None,)``
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
-from flax.linen import initializers
 from flax.linen.dtypes import promote_dtype
-from flax.typing import Array, Dtype, Initializer, PrecisionLike
+from flax.typing import Array
 
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.flax.common import (check_fields, check_split, check_token_inputs,
-                                       placement)
-from jax_comm_gemm.layers import local as local_layers
-from jax_comm_gemm.layers import sharded
+from jax_comm_gemm import validation
+from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split,
+                                       check_token_inputs, kw_only, options_of, path_reason)
+from jax_comm_gemm.layers import dispatch, placement
 from jax_comm_gemm.validation import Names
 
-default_kernel_init = initializers.lecun_normal()
-default_bias_init = initializers.zeros_init()
 
+class _ParallelDense(LinenOptions):
+  """What the two dense layers share: Flax Dense's arguments, the parameters,
+  and the call. ``_kind`` says which layer a subclass is."""
 
-# --- modules --------------------------------------------------------------------
+  _kind = "column"
+  promote_dtype: Callable = kw_only(promote_dtype)
+  dot_general: Callable | None = kw_only(None)
+  dot_general_cls: Any = kw_only(None)
 
-class _ParallelDense(nn.Module):
-  """Fields and parameter handling shared by the two dense layers."""
+  def path_reason(self) -> str | None:
+    """Why this layer runs on XLA's collectives and not on the configured
+    backend (an injected dot product), or None where the backend decides.
 
-  features: int
-  axis_name: str = "tp"
-  mesh: jax.sharding.Mesh | None = None
-  data_axes: Sequence[str] = ()
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: PrecisionLike = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = default_bias_init
-  config: CommGemmConfig = DEFAULT_CONFIG
-
-  def _setup(self, inputs) -> tuple[bool, int, Names]:
-    owner = type(self).__name__
-    check_fields(owner, features={"features": self.features},
-                 axis_name=self.axis_name, data_axes=self.data_axes, mesh=self.mesh)
-    local, size = placement(owner, self.axis_name, self.mesh)
-    return local, size, Names(owner, x="inputs")
+    >>> ColumnParallelDense(4).path_reason() is None
+    True
+    """
+    injected = ("dot_general_cls" if self.dot_general_cls is not None else
+                "dot_general" if self.dot_general is not None else None)
+    return path_reason(self._kind, injected)
 
   def _param(self, name, init, shape, names, local):
     boxed = self.param(name, nn.with_partitioning(init, names), shape,
@@ -87,6 +86,42 @@ class _ParallelDense(nn.Module):
       return boxed
     # Locally, a sharding constraint naming the manual axis would be wrong.
     return boxed.value if local else boxed.unbox()
+
+  @nn.compact
+  def __call__(self, inputs: Array) -> Array:
+    owner = type(self).__name__
+    options = options_of(self) | {"keep_gathered_input": self._keep()}
+    data = check_options(owner, options, features={"features": self.features})
+    for name in ("promote_dtype", "dot_general", "dot_general_cls"):
+      if getattr(self, name) is not None:
+        validation.check_callable(owner, name, getattr(self, name))
+    where = placement.place(owner, self.mesh, self.axis_name, data)
+    validation.check_activations(owner, "inputs", inputs)
+    in_features, axis = jnp.shape(inputs)[-1], self.axis_name
+    if self._kind == "column":
+      check_split(f"{owner}.features", self.features, axis, where.size)
+      out = self.features // where.size if where.local else self.features
+      kernel_names, bias_names = (None, axis), (axis,)
+    else:
+      if not where.local:
+        check_split(f"{owner}: the input features, inputs.shape[-1]", in_features, axis,
+                    where.size)
+      out, kernel_names, bias_names = self.features, (axis, None), (None,)
+    kernel = self._param("kernel", self.kernel_init, (in_features, out), kernel_names,
+                         where.local)
+    bias = (self._param("bias", self.bias_init, (out,), bias_names, where.local)
+            if self.use_bias else None)
+    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    dot_general = (self.dot_general_cls() if self.dot_general_cls is not None
+                   else self.dot_general)
+    layer = dict(precision=self.precision, config=self.config, dot_general=dot_general)
+    if self._kind == "column":
+      layer["keep_gathered_input"] = self.keep_gathered_input
+    return dispatch.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
+                        **layer)
+
+  def _keep(self) -> bool:
+    return getattr(self, "keep_gathered_input", False)
 
 
 class ColumnParallelDense(_ParallelDense):
@@ -99,43 +134,22 @@ class ColumnParallelDense(_ParallelDense):
   Attributes:
     features: the number of output features (global), divisible by the size
       of ``axis_name``.
-    axis_name: the tensor-parallel mesh axis.
-    mesh: the mesh in global mode; None takes the one set by ``jax.set_mesh``.
-    data_axes: mesh axes that also shard the tokens (data parallelism).
-    use_bias: whether to add a bias.
-    dtype: the dtype of the computation (default: from inputs and params).
-    param_dtype: the dtype passed to the initializers.
-    precision: ``lax.Precision`` of every GEMM the layer runs through XLA, the
-      weight-gradient GEMMs included (cuBLASMp always accumulates in float32).
-    kernel_init: initializer of the kernel (global shape ``[K, features]``).
-    bias_init: initializer of the bias.
     keep_gathered_input: keep the gathered input for the weight gradient
       instead of gathering it again in the backward pass (``n*K`` memory).
-    config: backend and algorithm choices.
+    promote_dtype, dot_general, dot_general_cls: as :class:`flax.linen.Dense`;
+      an injected dot product runs after XLA's ``all_gather``.
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only.
+
+  >>> import jax, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> layer = ColumnParallelDense(4, mesh=mesh)
+  >>> params = layer.init(jax.random.key(0), jnp.ones((2, 3)))
+  >>> layer.apply(params, jnp.ones((2, 3))).shape
+  (2, 4)
   """
 
-  keep_gathered_input: bool = False
-
-  @nn.compact
-  def __call__(self, inputs: Array) -> Array:
-    local, size, names = self._setup(inputs)
-    check_split(f"{names.op}.features", self.features, self.axis_name, size)
-    out = self.features // size if local else self.features
-    kernel = self._param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], out),
-                         (None, self.axis_name), local)
-    bias = (self._param("bias", self.bias_init, (out,), (self.axis_name,), local)
-            if self.use_bias else None)
-    inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    if local:
-      local_layers.check_column(names, inputs, kernel, bias)
-      return local_layers.column_parallel(
-          inputs, kernel, bias, axis_name=self.axis_name,
-          keep_gathered_input=self.keep_gathered_input, precision=self.precision,
-          config=self.config)
-    return sharded.column_parallel_dense(
-        inputs, kernel, bias, mesh=self.mesh, axis_name=self.axis_name,
-        data_axes=tuple(self.data_axes), keep_gathered_input=self.keep_gathered_input,
-        precision=self.precision, config=self.config, names=names)
+  features: int
+  keep_gathered_input: bool = kw_only(False)
 
 
 class RowParallelDense(_ParallelDense):
@@ -147,32 +161,21 @@ class RowParallelDense(_ParallelDense):
   The input features ``F`` must be divisible by the size of ``axis_name``.
 
   Attributes: as :class:`ColumnParallelDense`, without ``keep_gathered_input``;
-  ``features`` (the output) is not split, and the bias is replicated.
+  ``features`` (the output) is not split, the bias is replicated, and an
+  injected dot product runs before XLA's ``psum_scatter``.
+
+  >>> import jax, numpy as np
+  >>> with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))):
+  ...   y, _ = RowParallelDense(3).init_with_output(jax.random.key(0), jnp.ones((2, 4)))
+  >>> y.shape
+  (2, 3)
   """
 
-  @nn.compact
-  def __call__(self, inputs: Array) -> Array:
-    local, size, names = self._setup(inputs)
-    in_features = jnp.shape(inputs)[-1]
-    if not local:
-      check_split(f"{names.op}: the input features, inputs.shape[-1]",
-                  in_features, self.axis_name, size)
-    kernel = self._param("kernel", self.kernel_init, (in_features, self.features),
-                         (self.axis_name, None), local)
-    bias = (self._param("bias", self.bias_init, (self.features,), (None,), local)
-            if self.use_bias else None)
-    inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    if local:
-      local_layers.check_row(names, inputs, kernel, bias, self.axis_name, size)
-      return local_layers.row_parallel(inputs, kernel, bias, axis_name=self.axis_name,
-                                       precision=self.precision, config=self.config)
-    return sharded.row_parallel_dense(
-        inputs, kernel, bias, mesh=self.mesh, axis_name=self.axis_name,
-        data_axes=tuple(self.data_axes), precision=self.precision, config=self.config,
-        names=names)
+  _kind = "row"
+  features: int
 
 
-class SequenceParallelMLP(nn.Module):
+class SequenceParallelMLP(LinenOptions):
   """``fc2(activation(fc1(x)))``: a column-parallel then a row-parallel dense.
 
   Input and output ``[n, ..., K]`` sharded along tokens; the hidden activations
@@ -182,40 +185,34 @@ class SequenceParallelMLP(nn.Module):
     hidden_features: the hidden width (fc1's output), divisible by the size of
       ``axis_name``.
     activation: applied elementwise between fc1 and fc2.
-    the rest: as :class:`ColumnParallelDense`, passed to both submodules
-      (``keep_gathered_input`` to fc1).
+    keep_gathered_input: passed to fc1.
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only,
+      passed to both submodules.
+
+  >>> import jax, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> mlp = SequenceParallelMLP(8, mesh=mesh)
+  >>> mlp.apply(mlp.init(jax.random.key(0), jnp.ones((2, 3))), jnp.ones((2, 3))).shape
+  (2, 3)
   """
 
   hidden_features: int
   activation: Callable[[Array], Array] = nn.gelu
-  axis_name: str = "tp"
-  mesh: jax.sharding.Mesh | None = None
-  data_axes: Sequence[str] = ()
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: PrecisionLike = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = default_bias_init
-  keep_gathered_input: bool = False
-  config: CommGemmConfig = DEFAULT_CONFIG
+  keep_gathered_input: bool = kw_only(False)
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    check_fields(owner, features={"hidden_features": self.hidden_features},
-                 axis_name=self.axis_name, data_axes=self.data_axes, mesh=self.mesh)
-    local, size = placement(owner, self.axis_name, self.mesh)
-    check_token_inputs(owner, inputs, local=local, axis_name=self.axis_name, size=size,
-                       data_axes=tuple(self.data_axes), mesh=self.mesh)
-    check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name, size)
-    common = dict(axis_name=self.axis_name, mesh=self.mesh, data_axes=self.data_axes,
-                  use_bias=self.use_bias, dtype=self.dtype,
-                  param_dtype=self.param_dtype, precision=self.precision,
-                  kernel_init=self.kernel_init, bias_init=self.bias_init,
-                  config=self.config)
+    options = options_of(self)
+    data = check_options(owner, options | {"activation": self.activation,
+                                           "keep_gathered_input": self.keep_gathered_input},
+                         features={"hidden_features": self.hidden_features})
+    where = placement.place(owner, self.mesh, self.axis_name, data)
+    check_token_inputs(owner, inputs, where)
+    check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name,
+                where.size)
     h = ColumnParallelDense(self.hidden_features, name="fc1",
-                            keep_gathered_input=self.keep_gathered_input,
-                            **common)(inputs)
-    return RowParallelDense(jnp.shape(inputs)[-1], name="fc2", **common)(
+                            keep_gathered_input=self.keep_gathered_input, **options)(inputs)
+    return RowParallelDense(jnp.shape(inputs)[-1], name="fc2", **options)(
         self.activation(h))
+

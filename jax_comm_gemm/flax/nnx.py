@@ -3,19 +3,21 @@
 The NNX counterparts of :mod:`jax_comm_gemm.linen`: ``ColumnParallelDense``,
 ``RowParallelDense`` and ``SequenceParallelMLP``, built like
 :class:`flax.nnx.Linear`. Parameters are created with their global shapes and
-``out_sharding`` metadata naming the tensor-parallel mesh axis (see
-:func:`flax.nnx.get_partition_spec`):
-
-=====================  ======================  ==============
-module                 kernel                  bias
-=====================  ======================  ==============
-ColumnParallelDense    ``(None, axis_name)``   ``(axis_name,)``
-RowParallelDense       ``(axis_name, None)``   ``(None,)``
-=====================  ======================  ==============
+``out_sharding`` metadata naming the tensor-parallel mesh axis, as the linen
+modules' partitioning table says (see :func:`flax.nnx.get_partition_spec`).
 
 With a mesh (``mesh=`` or ``jax.set_mesh``) the parameters are placed on it
 when they are created (flax's eager sharding); without one they are left
 unplaced, with the metadata, for the caller to place.
+
+The options every module shares are keyword-only and described in
+:class:`jax_comm_gemm.flax.common.Options`. The dense modules also take what
+:class:`flax.nnx.Linear` takes, with its meaning: ``dot_general``,
+``promote_dtype``, ``preferred_element_type``, ``kernel_metadata`` and
+``bias_metadata`` (the layer sets ``out_sharding`` itself; metadata naming it
+is refused). An injected ``dot_general``, or a ``preferred_element_type``,
+cannot run inside the fused kernels: such a layer runs on XLA's collectives
+around the dot, and :meth:`ColumnParallelDense.path_reason` says so.
 
 A call runs in one of two modes, decided at trace time:
 
@@ -38,89 +40,129 @@ A call runs in one of two modes, decided at trace time:
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from types import MappingProxyType
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import dtypes, initializers
-from flax.typing import Array, Dtype, Initializer, PrecisionLike
+from flax.nnx.nn import dtypes
+from flax.typing import Array
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.flax.common import (check_fields, check_split, check_token_inputs,
-                                       known_mesh, placement)
-from jax_comm_gemm.layers import local as local_layers
-from jax_comm_gemm.layers import sharded
+from jax_comm_gemm.flax.common import (DEFAULTS, check_options, check_split,
+                                       check_token_inputs, nnx_options, path_reason)
+from jax_comm_gemm.layers import dispatch, placement
 from jax_comm_gemm.validation import Names
 
-default_kernel_init = initializers.lecun_normal()
-default_bias_init = initializers.zeros_init()
+# Flax Linear's own arguments, with its defaults.
+LINEAR_DEFAULTS = dict(dot_general=jax.lax.dot_general, promote_dtype=dtypes.promote_dtype,
+                       preferred_element_type=None, kernel_metadata=MappingProxyType({}),
+                       bias_metadata=MappingProxyType({}))
 
 
-def _check_init(owner: str, features: dict[str, int], split_field: str,
-                axis_name, data_axes, mesh) -> None:
-  """Checks the arguments; the split one against the axis size if a mesh is known."""
-  check_fields(owner, features=features, axis_name=axis_name, data_axes=data_axes,
-               mesh=mesh)
-  if (known := known_mesh(mesh)) is not None:
-    size = validation.mesh_axis_size(owner, known, axis_name)
-    check_split(f"{owner}.{split_field}", features[split_field], axis_name, size)
+def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],
+                 split: str) -> dict:
+  """A module's options at construction, checked; where a mesh is known (given
+  or from ``jax.set_mesh``), `split` (a key of `features`) must split over it.
+
+  >>> init_options("M", {}, {}, {"features": 4}, "features")["axis_name"]
+  'tp'
+  """
+  options = nnx_options(owner, given, extra)
+  options["data_axes"] = check_options(owner, options, features=features)
+  known = _known_mesh(options["mesh"])
+  if known is not None:
+    size, _ = placement.check_mesh(owner, known, options["axis_name"], options["data_axes"])
+    check_split(f"{owner}.{split}", features[split], options["axis_name"], size)
+  return options
 
 
-def _param(init, key, shape, dtype, names, mesh) -> nnx.Param:
-  metadata = {"out_sharding": names}
+def _known_mesh(mesh):
+  """`mesh`, or the one set by ``jax.set_mesh``, or None."""
+  if mesh is not None:
+    return mesh
+  context = jax.sharding.get_abstract_mesh()
+  return None if context.empty else context
+
+
+def make_param(init, key, shape, dtype, names, mesh, metadata=MappingProxyType({})):
+  """An ``nnx.Param`` with ``out_sharding`` `names` (and `metadata`), placed on
+  the mesh if one is known.
+
+  >>> make_param(nnx.initializers.ones, jax.random.key(0), (2,), "float32", (None,),
+  ...            None).get_metadata("out_sharding")
+  (None,)
+  """
+  metadata = {**metadata, "out_sharding": names}
   if mesh is not None:
     metadata["mesh"] = mesh
   # Flax shards a variable with out_sharding metadata when it is created, and
   # that needs a mesh; without one, keep the metadata and place it later.
-  quiet = (contextlib.nullcontext() if known_mesh(mesh) is not None
+  quiet = (contextlib.nullcontext() if _known_mesh(mesh) is not None
            else nnx.use_eager_sharding(False))
   with quiet:
     return nnx.Param(init(key, shape, dtype), **metadata)
 
 
 class _ParallelDense(nnx.Module):
-  """Parameters and checks shared by the two dense layers."""
+  """What the two dense layers share: Flax Linear's arguments, the parameters,
+  and the call. ``_kind`` says which layer a subclass is."""
 
-  def __init__(self, in_features: int, out_features: int, *, split: int,
-               axis_name: str, mesh, data_axes: Sequence[str], use_bias: bool,
-               dtype: Dtype | None, param_dtype: Dtype, precision: PrecisionLike,
-               kernel_init: Initializer, bias_init: Initializer, config: CommGemmConfig,
-               rngs: nnx.Rngs):
-    _check_init(type(self).__name__, {"in_features": in_features,
-                                      "out_features": out_features},
-                ("in_features", "out_features")[split], axis_name, data_axes, mesh)
-    kernel_names = (None, axis_name) if split == 1 else (axis_name, None)
-    self.kernel = _param(kernel_init, rngs.params(), (in_features, out_features),
-                         param_dtype, kernel_names, mesh)
-    self.bias: nnx.Param | None
-    if use_bias:
-      bias_names = (axis_name,) if split == 1 else (None,)
-      self.bias = _param(bias_init, rngs.params(), (out_features,), param_dtype,
-                         bias_names, mesh)
-    else:
-      self.bias = nnx.data(None)
-    self.in_features = in_features
-    self.out_features = out_features
-    self.axis_name = axis_name
-    self.mesh = mesh
-    self.data_axes = tuple(data_axes)
-    self.use_bias = use_bias
-    self.dtype = dtype
-    self.param_dtype = param_dtype
-    self.precision = precision
-    self.config = config
+  _kind = "column"
 
-  def _operands(self, inputs):
-    """(local, size, names, inputs, kernel, bias), promoted to the computation dtype."""
+  def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, **given):
     owner = type(self).__name__
-    local, size = placement(owner, self.axis_name, self.mesh)
+    column = self._kind == "column"
+    extra = LINEAR_DEFAULTS | ({"keep_gathered_input": False} if column else {})
+    o = init_options(owner, given, extra, {"in_features": in_features,
+                                           "out_features": out_features},
+                     "out_features" if column else "in_features")
+    for name in ("dot_general", "promote_dtype"):
+      validation.check_callable(owner, name, o[name])
+    for name in ("kernel_metadata", "bias_metadata"):
+      if {"out_sharding", "sharding_names", "mesh"} & set(o[name]):
+        raise ValueError(f"{owner}: `{name}` must not set out_sharding or mesh: the layer "
+                         "shards its parameters along axis_name itself")
+    axis = o["axis_name"]
+    self.kernel = make_param(o["kernel_init"], rngs.params(), (in_features, out_features),
+                             o["param_dtype"], (None, axis) if column else (axis, None),
+                             o["mesh"], o["kernel_metadata"])
+    self.bias: nnx.Param | None = nnx.data(None)
+    if o["use_bias"]:
+      self.bias = make_param(o["bias_init"], rngs.params(), (out_features,),
+                             o["param_dtype"], (axis,) if column else (None,), o["mesh"],
+                             o["bias_metadata"])
+    self.in_features, self.out_features = in_features, out_features
+    for name, value in o.items():
+      if name not in ("kernel_init", "bias_init", "kernel_metadata", "bias_metadata"):
+        setattr(self, name, value)
+
+  def path_reason(self) -> str | None:
+    """Why this layer runs on XLA's collectives and not on the configured
+    backend (an injected dot_general, a preferred_element_type), or None
+    where the backend decides.
+
+    >>> ColumnParallelDense(3, 4, rngs=nnx.Rngs(0)).path_reason() is None
+    True
+    """
+    injected = "dot_general" if self.dot_general is not jax.lax.dot_general else None
+    return path_reason(self._kind, injected, self.preferred_element_type)
+
+  def __call__(self, inputs: Array) -> Array:
+    owner = type(self).__name__
+    where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
-    inputs, kernel, bias = dtypes.promote_dtype((inputs, kernel, bias),
-                                                dtype=self.dtype)
-    return local, size, Names(owner, x="inputs"), inputs, kernel, bias
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    layer = dict(precision=self.precision, config=self.config)
+    if self._kind == "column":
+      layer["keep_gathered_input"] = self.keep_gathered_input
+    if self.path_reason() is not None:  # Flax Linear's call of its dot_general
+      kwargs = {"out_sharding": None}
+      if self.preferred_element_type is not None:
+        kwargs["preferred_element_type"] = self.preferred_element_type
+      layer.update(dot_general=self.dot_general, dot_kwargs=tuple(kwargs.items()))
+    return dispatch.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
+                        **layer)
 
 
 class ColumnParallelDense(_ParallelDense):
@@ -134,48 +176,18 @@ class ColumnParallelDense(_ParallelDense):
     in_features: the number of input features.
     out_features: the number of output features, divisible by the size of
       ``axis_name``.
-    axis_name: the tensor-parallel mesh axis.
-    mesh: the mesh; None takes the one set by ``jax.set_mesh``.
-    data_axes: mesh axes that also shard the tokens (data parallelism).
-    use_bias: whether to add a bias.
-    dtype: the dtype of the computation (default: from inputs and params).
-    param_dtype: the dtype passed to the initializers.
-    precision: ``lax.Precision`` of every GEMM the layer runs through XLA, the
-      weight-gradient GEMMs included (cuBLASMp always accumulates in float32).
-    kernel_init: initializer of the kernel, ``[in_features, out_features]``.
-    bias_init: initializer of the bias.
+    rngs: random number generators.
     keep_gathered_input: keep the gathered input for the weight gradient
       instead of gathering it again in the backward pass (``n*K`` memory).
-    config: backend and algorithm choices.
-    rngs: random number generators.
+    dot_general, promote_dtype, preferred_element_type, kernel_metadata,
+      bias_metadata: as :class:`flax.nnx.Linear` (see the module docstring).
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only.
+
+  >>> import numpy as np, jax.numpy as jnp
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> ColumnParallelDense(3, 4, mesh=mesh, rngs=nnx.Rngs(0))(jnp.ones((2, 3))).shape
+  (2, 4)
   """
-
-  def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tp",
-               mesh: jax.sharding.Mesh | None = None, data_axes: Sequence[str] = (),
-               use_bias: bool = True, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
-               kernel_init: Initializer = default_kernel_init,
-               bias_init: Initializer = default_bias_init,
-               keep_gathered_input: bool = False,
-               config: CommGemmConfig = DEFAULT_CONFIG, rngs: nnx.Rngs):
-    super().__init__(in_features, out_features, split=1, axis_name=axis_name,
-                     mesh=mesh, data_axes=data_axes, use_bias=use_bias, dtype=dtype,
-                     param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
-                     bias_init=bias_init, config=config, rngs=rngs)
-    self.keep_gathered_input = keep_gathered_input
-
-  def __call__(self, inputs: Array) -> Array:
-    local, _, names, inputs, kernel, bias = self._operands(inputs)
-    if local:
-      local_layers.check_column(names, inputs, kernel, bias)
-      return local_layers.column_parallel(
-          inputs, kernel, bias, axis_name=self.axis_name,
-          keep_gathered_input=self.keep_gathered_input, precision=self.precision,
-          config=self.config)
-    return sharded.column_parallel_dense(
-        inputs, kernel, bias, mesh=self.mesh, axis_name=self.axis_name,
-        data_axes=self.data_axes, keep_gathered_input=self.keep_gathered_input,
-        precision=self.precision, config=self.config, names=names)
 
 
 class RowParallelDense(_ParallelDense):
@@ -188,30 +200,14 @@ class RowParallelDense(_ParallelDense):
   Args: as :class:`ColumnParallelDense`, without ``keep_gathered_input``;
   ``in_features`` must be divisible by the size of ``axis_name``, and the bias
   (``[out_features]``) is replicated.
+
+  >>> import numpy as np, jax.numpy as jnp
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> RowParallelDense(4, 3, mesh=mesh, rngs=nnx.Rngs(0))(jnp.ones((2, 4))).shape
+  (2, 3)
   """
 
-  def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tp",
-               mesh: jax.sharding.Mesh | None = None, data_axes: Sequence[str] = (),
-               use_bias: bool = True, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
-               kernel_init: Initializer = default_kernel_init,
-               bias_init: Initializer = default_bias_init,
-               config: CommGemmConfig = DEFAULT_CONFIG, rngs: nnx.Rngs):
-    super().__init__(in_features, out_features, split=0, axis_name=axis_name,
-                     mesh=mesh, data_axes=data_axes, use_bias=use_bias, dtype=dtype,
-                     param_dtype=param_dtype, precision=precision, kernel_init=kernel_init,
-                     bias_init=bias_init, config=config, rngs=rngs)
-
-  def __call__(self, inputs: Array) -> Array:
-    local, size, names, inputs, kernel, bias = self._operands(inputs)
-    if local:
-      local_layers.check_row(names, inputs, kernel, bias, self.axis_name, size)
-      return local_layers.row_parallel(inputs, kernel, bias, axis_name=self.axis_name,
-                                       precision=self.precision, config=self.config)
-    return sharded.row_parallel_dense(
-        inputs, kernel, bias, mesh=self.mesh, axis_name=self.axis_name,
-        data_axes=self.data_axes, precision=self.precision, config=self.config,
-        names=names)
+  _kind = "row"
 
 
 class SequenceParallelMLP(nnx.Module):
@@ -223,37 +219,33 @@ class SequenceParallelMLP(nnx.Module):
   Args:
     in_features: the width of the input and the output.
     hidden_features: fc1's output width, divisible by the size of ``axis_name``.
-    activation: applied elementwise between fc1 and fc2.
-    the rest: as :class:`ColumnParallelDense`, passed to both submodules
-      (``keep_gathered_input`` to fc1).
+    rngs: random number generators.
+    activation: applied elementwise between fc1 and fc2 (default: gelu).
+    keep_gathered_input: passed to fc1.
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only,
+      passed to both submodules.
+
+  >>> import numpy as np, jax.numpy as jnp
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> SequenceParallelMLP(3, 8, mesh=mesh, rngs=nnx.Rngs(0))(jnp.ones((2, 3))).shape
+  (2, 3)
   """
 
-  def __init__(self, in_features: int, hidden_features: int, *,
-               activation: Callable[[Array], Array] = jax.nn.gelu,
-               axis_name: str = "tp", mesh: jax.sharding.Mesh | None = None,
-               data_axes: Sequence[str] = (), use_bias: bool = True,
-               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
-               precision: PrecisionLike = None,
-               kernel_init: Initializer = default_kernel_init,
-               bias_init: Initializer = default_bias_init,
-               keep_gathered_input: bool = False,
-               config: CommGemmConfig = DEFAULT_CONFIG, rngs: nnx.Rngs):
-    _check_init(type(self).__name__, {"in_features": in_features,
-                                      "hidden_features": hidden_features},
-                "hidden_features", axis_name, data_axes, mesh)
-    common = dict(axis_name=axis_name, mesh=mesh, data_axes=data_axes,
-                  use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                  precision=precision, kernel_init=kernel_init, bias_init=bias_init,
-                  config=config, rngs=rngs)
-    self.fc1 = ColumnParallelDense(in_features, hidden_features,
-                                   keep_gathered_input=keep_gathered_input, **common)
-    self.fc2 = RowParallelDense(hidden_features, in_features, **common)
-    self.activation = activation
+  def __init__(self, in_features: int, hidden_features: int, *, rngs: nnx.Rngs, **given):
+    owner = type(self).__name__
+    o = init_options(owner, given, {"activation": jax.nn.gelu, "keep_gathered_input": False},
+                     {"in_features": in_features, "hidden_features": hidden_features},
+                     "hidden_features")
+    common = {name: o[name] for name in DEFAULTS}
+    self.fc1 = ColumnParallelDense(in_features, hidden_features, rngs=rngs,
+                                   keep_gathered_input=o["keep_gathered_input"], **common)
+    self.fc2 = RowParallelDense(hidden_features, in_features, rngs=rngs, **common)
+    self.activation = o["activation"]
 
   def __call__(self, inputs: Array) -> Array:
-    owner = type(self).__name__
     fc1 = self.fc1
-    local, size = placement(owner, fc1.axis_name, fc1.mesh)
-    check_token_inputs(owner, inputs, local=local, axis_name=fc1.axis_name, size=size,
-                       data_axes=fc1.data_axes, mesh=fc1.mesh)
+    owner = type(self).__name__
+    where = placement.place(owner, fc1.mesh, fc1.axis_name, fc1.data_axes)
+    check_token_inputs(owner, inputs, where)
     return self.fc2(self.activation(fc1(inputs)))
+

@@ -25,27 +25,27 @@ Parameters (``nn.Partitioned``, mesh axis names)::
   mlp/fc1          kernel [d, F],  bias     (None, axis_name), (axis_name,)
   mlp/fc2          kernel [F, d],  bias     (axis_name, None), (None,)
 
-The QKV kernel's columns are ordered ``(head, {q, k, v}, head_dim)``. It works
+The options shared with the dense modules (``axis_name``, ``mesh``,
+``data_axes``, ``use_bias``, ``dtype``, ``param_dtype``, ``precision``,
+``kernel_init``, ``bias_init``, ``config``) are keyword-only: see
+:class:`jax_comm_gemm.flax.common.Options`. The QKV kernel's columns are ordered ``(head, {q, k, v}, head_dim)``. It works
 under ``nn.remat`` and ``nn.scan`` (give ``nn.scan`` a module whose
 ``__call__`` takes and returns the carry, as usual).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import initializers
-from flax.typing import Array, Dtype, Initializer, PrecisionLike
+from flax.typing import Array, Dtype, Initializer
 
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.flax.common import check_fields, check_split, placement
-from jax_comm_gemm.layers import transformer
-
-default_kernel_init = initializers.lecun_normal()
-default_bias_init = initializers.zeros_init()
+from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split, kw_only,
+                                       options_of)
+from jax_comm_gemm.layers import dispatch, placement, transformer
+from jax_comm_gemm.validation import Names
 
 
 class _Params(nn.Module):
@@ -89,7 +89,7 @@ def _as_pairs(tree) -> tuple:
   return tree
 
 
-class SequenceParallelTransformerBlock(nn.Module):
+class SequenceParallelTransformerBlock(LinenOptions):
   """A pre-LayerNorm transformer block, sequence- and tensor-parallel over
   ``axis_name``: ``h = x + OutProj(Attention(QKV(LN(x))))``, then
   ``h + fc2(activation(fc1(LN(h))))``. Input and output ``[seq, batch, d]``.
@@ -101,23 +101,21 @@ class SequenceParallelTransformerBlock(nn.Module):
     activation: the MLP's activation.
     causal: mask attention to earlier positions (a decoder).
     epsilon: the LayerNorms' epsilon.
-    axis_name: the tensor-parallel mesh axis (the sequence is sharded over it).
-    mesh: the mesh in global mode; None takes the one set by ``jax.set_mesh``.
-    data_axes: mesh axes that shard the batch (data parallelism), global mode.
-    use_bias: whether the dense layers have biases (the LayerNorms always do).
-    dtype: the dtype of the computation (default: from inputs and params).
-    param_dtype: the dtype passed to the initializers.
-    precision: ``lax.Precision`` of every dense GEMM that XLA runs, the
-      weight-gradient GEMMs included (cuBLASMp always accumulates in float32;
-      attention's own products run at jax's default precision).
-    kernel_init: initializer of the dense kernels (global shapes).
-    bias_init: initializer of the dense biases.
     scale_init: initializer of the LayerNorm scales (their biases start at 0).
     keep_gathered_input: QKV and fc1 keep their gathered input for the weight
       gradient instead of gathering it again (``seq*batch*d`` memory each).
     attention_implementation: passed to ``jax.nn.dot_product_attention``
       (None: jax chooses; ``"xla"`` or ``"cudnn"``).
-    config: backend and algorithm choices.
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only;
+      ``data_axes`` shard the batch, ``precision`` reaches every dense GEMM
+      (attention's own products run at jax's default precision).
+
+  >>> import jax, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> block = SequenceParallelTransformerBlock(2, 16, mesh=mesh)
+  >>> x = jnp.ones((4, 1, 8))
+  >>> block.apply(block.init(jax.random.key(0), x), x).shape
+  (4, 1, 8)
   """
 
   num_heads: int
@@ -125,29 +123,21 @@ class SequenceParallelTransformerBlock(nn.Module):
   activation: Callable[[Array], Array] = nn.gelu
   causal: bool = True
   epsilon: float = 1e-6
-  axis_name: str = "tp"
-  mesh: jax.sharding.Mesh | None = None
-  data_axes: Sequence[str] = ()
-  use_bias: bool = True
-  dtype: Dtype | None = None
-  param_dtype: Dtype = jnp.float32
-  precision: PrecisionLike = None
-  kernel_init: Initializer = default_kernel_init
-  bias_init: Initializer = default_bias_init
-  scale_init: Initializer = initializers.ones_init()
-  keep_gathered_input: bool = False
-  attention_implementation: str | None = None
-  config: CommGemmConfig = DEFAULT_CONFIG
+  scale_init: Initializer = kw_only(initializers.ones_init())
+  keep_gathered_input: bool = kw_only(False)
+  attention_implementation: str | None = kw_only(None)
 
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    check_fields(owner, features={"num_heads": self.num_heads,
-                                  "hidden_features": self.hidden_features},
-                 axis_name=self.axis_name, data_axes=self.data_axes, mesh=self.mesh)
-    local, size = placement(owner, self.axis_name, self.mesh)
-    check_split(f"{owner}.num_heads", self.num_heads, self.axis_name, size)
-    check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name, size)
+    options = options_of(self) | {
+        name: getattr(self, name)
+        for name in ("activation", "causal", "scale_init", "keep_gathered_input")}
+    data = check_options(owner, options, features={"num_heads": self.num_heads,
+                                                   "hidden_features": self.hidden_features})
+    where = placement.place(owner, self.mesh, self.axis_name, data)
+    check_split(f"{owner}.num_heads", self.num_heads, self.axis_name, where.size)
+    check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name, where.size)
     if jnp.ndim(inputs) != 3:
       raise ValueError(f"{owner}: `inputs` must be 3-D [seq, batch, features], got "
                        f"shape {jnp.shape(inputs)}")
@@ -157,18 +147,12 @@ class SequenceParallelTransformerBlock(nn.Module):
     # LayerNorm biases start at zero whatever bias_init is, as in flax.
     norm = (("scale", self.scale_init), ("bias", initializers.zeros_init()))
     params = {name: _Params(_as_pairs(group), norm if name.startswith("ln") else dense,
-                            self.param_dtype, local, size, name=name)()
+                            self.param_dtype, where.local, where.size, name=name)()
               for name, group in layout.items()}
-    options = transformer.BlockOptions(
+    block_options = transformer.BlockOptions(
         num_heads=self.num_heads, activation=self.activation, causal=self.causal,
         epsilon=self.epsilon, dtype=self.dtype, precision=self.precision,
         keep_gathered_input=self.keep_gathered_input,
         attention_implementation=self.attention_implementation, config=self.config)
-    if local:
-      transformer.check_block(owner, "inputs", inputs, params, self.num_heads,
-                              self.axis_name, size, local=True)
-      return transformer.block(inputs, params, axis_name=self.axis_name, options=options)
-    return transformer.sharded_transformer_block(
-        inputs, params, mesh=self.mesh, axis_name=self.axis_name,
-        data_axes=tuple(self.data_axes), options=options, op=owner, x_name="inputs")
-
+    return dispatch.run("block", where, Names(owner, x="inputs"), inputs, params,
+                        options=block_options)

@@ -13,44 +13,54 @@ A call runs in global mode (outside any ``shard_map`` over ``axis_name``: the
 whole block in one ``jax.shard_map`` over the mesh) or in local mode (inside
 the caller's ``shard_map``, with the state split by
 ``nnx.get_partition_spec``), as the dense modules do. It works under
-``nnx.remat`` and ``nnx.scan``.
+``nnx.remat`` and ``nnx.scan``. Its arguments are those of
+:class:`jax_comm_gemm.linen.SequenceParallelTransformerBlock`, plus
+``in_features`` (the model width) and ``rngs``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
-
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
-from flax.typing import Array, Dtype, Initializer, PrecisionLike
+from flax.typing import Array, Dtype, Initializer
 
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.flax.common import placement
+from jax_comm_gemm.flax.common import DEFAULTS
 from jax_comm_gemm.flax.nnx import (ColumnParallelDense, RowParallelDense,
-                                    SequenceParallelMLP, _check_init, _param)
-from jax_comm_gemm.layers import transformer
+                                    SequenceParallelMLP, init_options, make_param)
+from jax_comm_gemm.layers import dispatch, placement, transformer
+from jax_comm_gemm.validation import Names
 
-default_kernel_init = initializers.lecun_normal()
-default_bias_init = initializers.zeros_init()
+# The block's own arguments (beyond the shared Options), with their defaults.
+BLOCK_DEFAULTS = dict(activation=jax.nn.gelu, causal=True, epsilon=1e-6,
+                      scale_init=initializers.ones_init(), keep_gathered_input=False,
+                      attention_implementation=None)
 
 
 class LayerNormParams(nnx.Module):
   """A LayerNorm's replicated ``scale`` and ``bias`` (``out_sharding`` ``(None,)``);
-  the block applies them (``transformer.layer_norm``, flax's LayerNorm numerics)."""
+  the block applies them (``transformer.layer_norm``, flax's LayerNorm numerics).
+
+  >>> LayerNormParams(4, param_dtype="float32", scale_init=initializers.ones_init(),
+  ...                 mesh=None, rngs=nnx.Rngs(0)).scale[...].shape
+  (4,)
+  """
 
   def __init__(self, num_features: int, *, param_dtype: Dtype, scale_init: Initializer,
                mesh, rngs: nnx.Rngs):
-    self.scale = _param(scale_init, rngs.params(), (num_features,), param_dtype, (None,),
-                        mesh)
-    self.bias = _param(initializers.zeros_init(), rngs.params(), (num_features,),
-                       param_dtype, (None,), mesh)
+    self.scale = make_param(scale_init, rngs.params(), (num_features,), param_dtype,
+                            (None,), mesh)
+    self.bias = make_param(initializers.zeros_init(), rngs.params(), (num_features,),
+                           param_dtype, (None,), mesh)
 
 
 class Attention(nnx.Module):
   """The block's attention parameters: ``qkv`` (column-parallel, columns
-  ``(head, {q, k, v}, head_dim)``) and ``out`` (row-parallel)."""
+  ``(head, {q, k, v}, head_dim)``) and ``out`` (row-parallel).
+
+  >>> Attention(8, rngs=nnx.Rngs(0), keep_gathered_input=False).qkv.kernel[...].shape
+  (8, 24)
+  """
 
   def __init__(self, features: int, *, rngs: nnx.Rngs, keep_gathered_input: bool,
                **common):
@@ -67,72 +77,53 @@ class SequenceParallelTransformerBlock(nnx.Module):
 
   Args:
     in_features: the model width d, divisible by ``num_heads``.
-    num_heads: attention heads in all, divisible by the size of ``axis_name``.
-    hidden_features: the MLP's hidden width, divisible by the size of ``axis_name``.
-    activation: the MLP's activation.
-    causal: mask attention to earlier positions (a decoder).
-    epsilon: the LayerNorms' epsilon.
-    axis_name: the tensor-parallel mesh axis (the sequence is sharded over it).
-    mesh: the mesh; None takes the one set by ``jax.set_mesh``.
-    data_axes: mesh axes that shard the batch (data parallelism), global mode.
-    use_bias: whether the dense layers have biases (the LayerNorms always do).
-    dtype: the dtype of the computation (default: from inputs and params).
-    param_dtype: the dtype passed to the initializers.
-    precision: ``lax.Precision`` of every dense GEMM that XLA runs, the
-      weight-gradient GEMMs included (cuBLASMp always accumulates in float32;
-      attention's own products run at jax's default precision).
-    kernel_init: initializer of the dense kernels (global shapes).
-    bias_init: initializer of the dense biases.
-    scale_init: initializer of the LayerNorm scales (their biases start at 0).
-    keep_gathered_input: QKV and fc1 keep their gathered input for the weight
-      gradient instead of gathering it again (``seq*batch*d`` memory each).
-    attention_implementation: passed to ``jax.nn.dot_product_attention``.
-    config: backend and algorithm choices.
+    num_heads, hidden_features: as the linen block's.
     rngs: random number generators.
+    the rest (keyword-only): the linen block's attributes.
+
+  >>> import numpy as np, jax.numpy as jnp
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> block = SequenceParallelTransformerBlock(8, 2, 16, mesh=mesh, rngs=nnx.Rngs(0))
+  >>> block(jnp.ones((4, 1, 8))).shape
+  (4, 1, 8)
   """
 
   def __init__(self, in_features: int, num_heads: int, hidden_features: int, *,
-               activation: Callable[[Array], Array] = jax.nn.gelu, causal: bool = True,
-               epsilon: float = 1e-6, axis_name: str = "tp",
-               mesh: jax.sharding.Mesh | None = None, data_axes: Sequence[str] = (),
-               use_bias: bool = True, dtype: Dtype | None = None,
-               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
-               kernel_init: Initializer = default_kernel_init,
-               bias_init: Initializer = default_bias_init,
-               scale_init: Initializer = initializers.ones_init(),
-               keep_gathered_input: bool = False,
-               attention_implementation: str | None = None,
-               config: CommGemmConfig = DEFAULT_CONFIG, rngs: nnx.Rngs):
+               rngs: nnx.Rngs, **given):
     owner = type(self).__name__
     fields = {"in_features": in_features, "num_heads": num_heads,
               "hidden_features": hidden_features}
-    for split in ("num_heads", "hidden_features"):
-      _check_init(owner, fields, split, axis_name, data_axes, mesh)
+    o = init_options(owner, given, BLOCK_DEFAULTS, fields, "num_heads")
+    init_options(owner, o, BLOCK_DEFAULTS, fields, "hidden_features")
     if in_features % num_heads:
       raise ValueError(f"{owner}.in_features={in_features} must divide into "
                        f"num_heads={num_heads} heads of equal size")
-    common = dict(axis_name=axis_name, mesh=mesh, data_axes=data_axes, use_bias=use_bias,
-                  dtype=dtype, param_dtype=param_dtype, precision=precision,
-                  kernel_init=kernel_init, bias_init=bias_init, config=config)
-    norm = dict(param_dtype=param_dtype, scale_init=scale_init, mesh=mesh, rngs=rngs)
+    common = {name: o[name] for name in DEFAULTS}
+    norm = dict(param_dtype=o["param_dtype"], scale_init=o["scale_init"], mesh=o["mesh"],
+                rngs=rngs)
+    keep = o["keep_gathered_input"]
     self.ln_1 = LayerNormParams(in_features, **norm)
-    self.attention = Attention(in_features, keep_gathered_input=keep_gathered_input,
-                               rngs=rngs, **common)
+    self.attention = Attention(in_features, keep_gathered_input=keep, rngs=rngs, **common)
     self.ln_2 = LayerNormParams(in_features, **norm)
-    self.mlp = SequenceParallelMLP(in_features, hidden_features, activation=activation,
-                                   keep_gathered_input=keep_gathered_input, rngs=rngs,
-                                   **common)
+    self.mlp = SequenceParallelMLP(in_features, hidden_features, activation=o["activation"],
+                                   keep_gathered_input=keep, rngs=rngs, **common)
     self.options = transformer.BlockOptions(
-        num_heads=num_heads, activation=activation, causal=causal, epsilon=epsilon,
-        dtype=dtype, precision=precision, keep_gathered_input=keep_gathered_input,
-        attention_implementation=attention_implementation, config=config)
-    self.axis_name = axis_name
-    self.mesh = mesh
-    self.data_axes = tuple(data_axes)
+        num_heads=num_heads, activation=o["activation"], causal=o["causal"],
+        epsilon=o["epsilon"], dtype=o["dtype"], precision=o["precision"],
+        keep_gathered_input=keep, attention_implementation=o["attention_implementation"],
+        config=o["config"])
+    self.axis_name = o["axis_name"]
+    self.mesh = o["mesh"]
+    self.data_axes = o["data_axes"]
 
   def params(self) -> dict:
     """The parameter values as the block's functions take them (local shards
-    in local mode)."""
+    in local mode).
+
+    >>> block = SequenceParallelTransformerBlock(8, 2, 16, rngs=nnx.Rngs(0))
+    >>> block.params()["mlp"]["fc1"]["kernel"].shape
+    (8, 16)
+    """
 
     def dense(m):
       return {"kernel": m.kernel[...]} | ({"bias": m.bias[...]} if m.bias is not None
@@ -149,12 +140,6 @@ class SequenceParallelTransformerBlock(nnx.Module):
 
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    local, size = placement(owner, self.axis_name, self.mesh)
-    if local:
-      transformer.check_block(owner, "inputs", inputs, self.params(),
-                              self.options.num_heads, self.axis_name, size, local=True)
-      return transformer.block(inputs, self.params(), axis_name=self.axis_name,
-                               options=self.options)
-    return transformer.sharded_transformer_block(
-        inputs, self.params(), mesh=self.mesh, axis_name=self.axis_name,
-        data_axes=self.data_axes, options=self.options, op=owner, x_name="inputs")
+    where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
+    return dispatch.run("block", where, Names(owner, x="inputs"), inputs, self.params(),
+                        options=self.options)

@@ -8,6 +8,13 @@ sharded over ``axis_name`` along their output (column-parallel) or input
 runs the unchecked cores of ``local.py`` inside the shard_map. The shard_maps
 are jitted functions of module scope with the options as static arguments, so
 an eager call compiles once per shape and options, not once per call.
+
+``data_axes`` is a mesh axis name or a sequence of them; every mesh axis of
+size > 1 other than ``axis_name`` must be among them (see
+:mod:`~jax_comm_gemm.layers.placement`). A bias must have the input's dtype.
+With an injected ``dot_general`` the layer runs without shard_map, on XLA's
+collectives (sharding constraints around the injected call), so that a Flax
+module passed as the dot_general (Flax's FP8 ops) stays in its scope.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from jax.sharding import PartitionSpec as P
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 import jax_comm_gemm.layers.local as local
+from jax_comm_gemm.layers.placement import Placement, global_placement, resolve_mesh
 from jax_comm_gemm.validation import Names
+
+__all__ = ["column_parallel_dense", "mlp", "resolve_mesh", "row_parallel_dense"]
 
 _STATIC = ("mesh", "axis_name", "data_axes", "precision", "config")
 
@@ -31,28 +41,39 @@ _STATIC = ("mesh", "axis_name", "data_axes", "precision", "config")
 def column_parallel_dense(x, kernel, bias=None, *, mesh=None, axis_name: str = "tp",
                           data_axes: Sequence[str] = (), keep_gathered_input: bool = False,
                           precision=None, config: CommGemmConfig = DEFAULT_CONFIG,
-                          names: Names | None = None):
+                          names: Names | None = None, dot_general=None):
   """``x @ kernel + bias`` for global ``x [n, ..., K]`` sharded along tokens,
   ``kernel [K, F]`` sharded along F; returns ``[n, ..., F]`` sharded along F.
-  `names` (the Flax modules pass theirs) are what errors call things."""
+  `names` (the Flax modules pass theirs) are what errors call things.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> column_parallel_dense(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
+  ...                       mesh=mesh).shape
+  (2, 4)
+  """
   names = names or Names("sharded.column_parallel_dense")
-  mesh, size, data = _mesh_axes(names.op, mesh, axis_name, data_axes)
-  check_global_column(names, x, kernel, bias, mesh, axis_name, size, data)
-  return _column(x, kernel, bias, mesh=mesh, axis_name=axis_name, data_axes=data,
-                 keep_gathered_input=keep_gathered_input, precision=precision,
-                 config=config)
+  where = global_placement(names.op, mesh, axis_name, data_axes)
+  return column_global(names, x, kernel, bias, where=where, **local.checked_options(
+      names.op, keep_gathered_input, precision, config, dot_general))
 
 
 def row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: str = "tp",
                        data_axes: Sequence[str] = (), precision=None,
-                       config: CommGemmConfig = DEFAULT_CONFIG, names: Names | None = None):
+                       config: CommGemmConfig = DEFAULT_CONFIG, names: Names | None = None,
+                       dot_general=None):
   """``h @ kernel + bias`` for global ``h [n, ..., F]`` sharded along F,
-  ``kernel [F, K]`` sharded along F; returns ``[n, ..., K]`` sharded along tokens."""
+  ``kernel [F, K]`` sharded along F; returns ``[n, ..., K]`` sharded along tokens.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> row_parallel_dense(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32),
+  ...                    mesh=mesh).shape
+  (2, 3)
+  """
   names = names or Names("sharded.row_parallel_dense", x="h")
-  mesh, size, data = _mesh_axes(names.op, mesh, axis_name, data_axes)
-  check_global_row(names, h, kernel, bias, mesh, axis_name, size, data)
-  return _row(h, kernel, bias, mesh=mesh, axis_name=axis_name, data_axes=data,
-              precision=precision, config=config)
+  where = global_placement(names.op, mesh, axis_name, data_axes)
+  options = local.checked_options(names.op, False, precision, config, dot_general)
+  del options["keep_gathered_input"]
+  return row_global(names, h, kernel, bias, where=where, **options)
 
 
 def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
@@ -60,17 +81,80 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
         activation: Callable = jax.nn.gelu, keep_gathered_input: bool = False,
         precision=None, config: CommGemmConfig = DEFAULT_CONFIG):
   """The sequence-parallel MLP block on global arrays: ``x [n, ..., K]`` in and
-  out, sharded along tokens; ``fc1_kernel [K, F]``, ``fc2_kernel [F, K]``."""
+  out, sharded along tokens; ``fc1_kernel [K, F]``, ``fc2_kernel [F, K]``.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> mlp(np.ones((2, 3), np.float32), np.ones((3, 8), np.float32),
+  ...     np.ones((8, 3), np.float32), mesh=mesh).shape
+  (2, 3)
+  """
   op = "sharded.mlp"
-  mesh, size, data = _mesh_axes(op, mesh, axis_name, data_axes)
+  where = global_placement(op, mesh, axis_name, data_axes)
+  validation.check_callable(op, "activation", activation)
+  options = local.checked_options(op, keep_gathered_input, precision, config, None)
   check_global_column(Names(op, kernel="fc1_kernel", bias="fc1_bias"), x, fc1_kernel,
-                      fc1_bias, mesh, axis_name, size, data)
+                      fc1_bias, where)
   local.check_second_kernel(op, fc1_kernel, fc2_kernel, np.shape(x)[-1])
-  validation.check_bias(Names(op, bias="fc2_bias"), fc2_bias, np.shape(x)[-1])
-  _check_placement(op, fc2_kernel, mesh, P(axis_name, None), "fc2_kernel")
-  return _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, mesh=mesh, axis_name=axis_name,
-              data_axes=data, activation=activation,
-              keep_gathered_input=keep_gathered_input, precision=precision, config=config)
+  validation.check_bias(Names(op, bias="fc2_bias"), fc2_bias, np.shape(x)[-1], x)
+  _check_placement(op, fc2_kernel, where.mesh, P(axis_name, None), "fc2_kernel")
+  del options["dot_general"]
+  return _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, mesh=where.mesh,
+              axis_name=axis_name, data_axes=where.data_axes, activation=activation,
+              **options)
+
+
+# --- checked entries on global arrays (the dispatch's global side) -------------------
+
+def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathered_input,
+                  precision, config, dot_general=None, dot_kwargs=()):
+  """A column-parallel call on global arrays: checks, then runs (the fused
+  ops in one shard_map, or an injected `dot_general` on XLA's collectives).
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> column_global(Names("f"), np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
+  ...               None, where=Placement(False, "tp", 1, mesh), keep_gathered_input=False,
+  ...               precision=None, config=DEFAULT_CONFIG).shape
+  (2, 4)
+  """
+  check_global_column(names, x, kernel, bias, where)
+  data, axis_name = where.data_axes, where.axis_name
+  if dot_general is None:
+    return _column(x, kernel, bias, mesh=where.mesh, axis_name=axis_name, data_axes=data,
+                   keep_gathered_input=keep_gathered_input, precision=precision,
+                   config=config)
+  _, features = _specs(np.ndim(x), data, axis_name)
+  gathered = _constrain(x, where.mesh, P(data or None))  # XLA's all-gather
+  y = _constrain(local._injected(dot_general, gathered, kernel, precision, dot_kwargs),
+                 where.mesh, features)
+  return y if bias is None else y + bias
+
+
+def row_global(names: Names, h, kernel, bias, *, where: Placement, precision, config,
+               dot_general=None, dot_kwargs=()):
+  """A row-parallel call on global arrays: checks, then runs.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> row_global(Names("f"), np.ones((2, 4), np.float32), np.ones((4, 3), np.float32),
+  ...            None, where=Placement(False, "tp", 1, mesh), precision=None,
+  ...            config=DEFAULT_CONFIG).shape
+  (2, 3)
+  """
+  check_global_row(names, h, kernel, bias, where)
+  data, axis_name = where.data_axes, where.axis_name
+  if dot_general is None:
+    return _row(h, kernel, bias, mesh=where.mesh, axis_name=axis_name, data_axes=data,
+                precision=precision, config=config)
+  tokens, _ = _specs(np.ndim(h), data, axis_name)
+  # The partial sums, then XLA's reduce-scatter onto the token shards.
+  y = _constrain(local._injected(dot_general, h, kernel, precision, dot_kwargs),
+                 where.mesh, tokens)
+  return y if bias is None else y + bias
+
+
+def _constrain(x, mesh, spec):
+  sharding = (jax.sharding.NamedSharding(mesh, spec)
+              if isinstance(mesh, jax.sharding.Mesh) else spec)
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 # --- the jitted shard_maps ----------------------------------------------------------
@@ -128,57 +212,36 @@ def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, *, mesh, axis_name, data
 
 # --- global checks --------------------------------------------------------------------
 
-def check_global_column(names, x, kernel, bias, mesh, axis_name, size, data) -> None:
-  """x [n, ..., K] sharded along tokens, kernel [K, F] split along F."""
-  _check_global(names, x, kernel, bias, mesh, axis_name, size, data, split=1)
+def check_global_column(names, x, kernel, bias, where: Placement) -> None:
+  """x [n, ..., K] sharded along tokens, kernel [K, F] split along F.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> check_global_column(Names("f"), np.ones((2, 3), np.float32),
+  ...                     np.ones((3, 4), np.float32), None, Placement(False, "tp", 1, mesh))
+  """
+  _check_global(names, x, kernel, bias, where, split=1)
 
 
-def check_global_row(names, h, kernel, bias, mesh, axis_name, size, data) -> None:
-  """h [n, ..., F] split along F, kernel [F, K] split along F."""
-  _check_global(names, h, kernel, bias, mesh, axis_name, size, data, split=0)
+def check_global_row(names, h, kernel, bias, where: Placement) -> None:
+  """h [n, ..., F] split along F, kernel [F, K] split along F.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> check_global_row(Names("f"), np.ones((2, 4), np.float32),
+  ...                  np.ones((4, 3), np.float32), None, Placement(False, "tp", 1, mesh))
+  """
+  _check_global(names, h, kernel, bias, where, split=0)
 
 
-def _check_global(names, x, kernel, bias, mesh, axis_name, size, data, *, split) -> None:
+def _check_global(names, x, kernel, bias, where: Placement, *, split) -> None:
+  axis_name = where.axis_name
   validation.check_activations(names.op, names.x, x)
-  validation.check_tokens(names.op, names.x, np.shape(x), "*".join((*data, axis_name)),
-                          _shards(mesh, (*data, axis_name)))
-  _check_kernel(names, kernel, x, split=split, axis_name=axis_name, size=size)
+  validation.check_tokens(names.op, names.x, np.shape(x),
+                          "*".join((*where.data_axes, axis_name)), where.shards)
+  _check_kernel(names, kernel, x, split=split, axis_name=axis_name, size=where.size)
   _check_dtypes(names, x, kernel)
-  validation.check_bias(names, bias, np.shape(kernel)[1])
+  validation.check_bias(names, bias, np.shape(kernel)[1], x)
   spec = P(None, axis_name) if split == 1 else P(axis_name, None)
-  _check_placement(names.op, kernel, mesh, spec, names.kernel)
-
-
-def resolve_mesh(op: str, mesh):
-  """`mesh`, or the mesh set by ``jax.set_mesh``, or a clear error."""
-  if mesh is not None:
-    return mesh
-  context = jax.sharding.get_abstract_mesh()
-  if context.empty:
-    raise ValueError(
-        f"{op}: no mesh: pass mesh=jax.sharding.Mesh(...) or call under "
-        "`with jax.set_mesh(mesh):`")
-  return context
-
-
-def _mesh_axes(op, mesh, axis_name, data_axes):
-  mesh = resolve_mesh(op, mesh)
-  size = validation.mesh_axis_size(op, mesh, axis_name)
-  data = tuple(data_axes)
-  for name in data:
-    if name not in mesh.axis_names:
-      raise ValueError(
-          f"{op}: data_axes={data} names {name!r}, which is not an axis of "
-          f"the mesh, whose axes are {tuple(mesh.axis_names)}")
-  if axis_name in data:
-    raise ValueError(
-        f"{op}: data_axes={data} must not contain the tensor-parallel axis "
-        f"{axis_name!r}")
-  return mesh, size, data
-
-
-def _shards(mesh, axes) -> int:
-  return int(np.prod([mesh.shape[a] for a in axes]))
+  _check_placement(names.op, kernel, where.mesh, spec, names.kernel)
 
 
 def _check_kernel(names, kernel, x, *, split, axis_name, size):

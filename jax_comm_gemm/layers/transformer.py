@@ -1,6 +1,9 @@
 """A sequence-parallel transformer block (Megatron's arrangement): the local
 core, inside ``jax.shard_map``, and its global-array wrapper.
 
+Longer than 300 lines because every public function carries a runnable
+example, each building a mesh and parameters.
+
 Activations are ``[seq, batch, features]``. Between blocks the sequence is
 sharded over the tensor-parallel axis (size P) and, on global arrays, the
 batch over the data axes; a block is::
@@ -41,7 +44,8 @@ from jax.sharding import PartitionSpec as P
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.layers import local
-from jax_comm_gemm.layers.sharded import resolve_mesh
+from jax_comm_gemm.layers.placement import Placement, global_placement
+from jax_comm_gemm.validation import Names
 
 SCOPE = "sp_transformer_block"
 
@@ -70,6 +74,13 @@ class BlockOptions:
     attention_implementation: ``jax.nn.dot_product_attention``'s
       ``implementation`` (None: jax chooses).
     config: backend and algorithm choices.
+
+  Each is checked on construction, by an error that names it.
+
+  >>> BlockOptions(num_heads=4, activation=None)
+  Traceback (most recent call last):
+  ...
+  TypeError: BlockOptions: `activation` must be a function (e.g. jax.nn.gelu), got None
   """
   num_heads: int
   activation: Callable = jax.nn.gelu
@@ -81,10 +92,21 @@ class BlockOptions:
   attention_implementation: str | None = None
   config: CommGemmConfig = DEFAULT_CONFIG
 
+  def __post_init__(self):
+    op = type(self).__name__
+    validation.check_callable(op, "activation", self.activation)
+    validation.check_config(op, self.config)
+    for flag in ("causal", "keep_gathered_input"):
+      object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
+
 
 def param_layout(features: int, hidden_features: int, axis_name: str,
                  use_bias: bool = True) -> dict:
-  """The block's parameters as a nested dict of :class:`ParamSpec` (global)."""
+  """The block's parameters as a nested dict of :class:`ParamSpec` (global).
+
+  >>> param_layout(8, 16, "tp")["mlp"]["fc1"]["kernel"]
+  ParamSpec(shape=(8, 16), names=(None, 'tp'))
+  """
 
   def dense(k, f, split):
     kernel = ParamSpec((k, f), (None, axis_name) if split == 1 else (axis_name, None))
@@ -102,7 +124,12 @@ def param_layout(features: int, hidden_features: int, axis_name: str,
 
 
 def partition_specs(params, axis_name: str) -> dict:
-  """``PartitionSpec`` of each parameter in `params` (a block's parameter dict)."""
+  """``PartitionSpec`` of each parameter in `params` (a block's parameter dict).
+
+  >>> specs = partition_specs({"attention": {"qkv": {"kernel": 0}}}, "tp")
+  >>> specs["mlp"]["fc2"]["kernel"] == P("tp", None)
+  True
+  """
   layout = param_layout(1, 1, axis_name, "bias" in params["attention"]["qkv"])
   return jax.tree.map(lambda s: P(*s.names), layout)
 
@@ -114,43 +141,85 @@ def transformer_block(x, params, *, axis_name: str, options: BlockOptions):
 
   ``x`` is ``[seq/P, batch, d]``; `params` holds this shard's slices of the
   parameters (cut by :func:`partition_specs`). Returns ``[seq/P, batch, d]``.
+
+  >>> import numpy as np; from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
+  >>> f = jax.shard_map(lambda x, p: transformer_block(
+  ...     x, p, axis_name="tp", options=BlockOptions(num_heads=2)), mesh=mesh,
+  ...     in_specs=(P("tp"), partition_specs(params, "tp")), out_specs=P("tp"))
+  >>> jax.jit(f)(jnp.ones((4, 1, 8)), params).shape
+  (4, 1, 8)
   """
-  op = "transformer_block"
-  size = validation.bound_axis_size(op, axis_name)
-  check_block(op, "x", x, params, options.num_heads, axis_name, size, local=True)
-  return block(x, params, axis_name=axis_name, options=options)
+  names = Names("transformer_block")
+  validation.check_type(names.op, "options", options, BlockOptions)
+  size = validation.bound_axis_size(names.op, axis_name)
+  return block_local(names, x, params, where=Placement(True, axis_name, size),
+                     options=options)
+
+
+def block_local(names: Names, x, params, *, where: Placement, options: BlockOptions):
+  """:func:`transformer_block` for a known placement: checks, then runs.
+
+  >>> import numpy as np; from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
+  >>> f = jax.shard_map(lambda x, p: block_local(
+  ...     Names("f"), x, p, where=Placement(True, "tp", 1), options=BlockOptions(2)),
+  ...     mesh=mesh, in_specs=(P("tp"), partition_specs(params, "tp")), out_specs=P("tp"))
+  >>> jax.jit(f)(jnp.ones((4, 1, 8)), params).shape
+  (4, 1, 8)
+  """
+  check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
+              local=True)
+  return block(x, params, axis_name=where.axis_name, options=options)
 
 
 def block(x, params, *, axis_name: str, options: BlockOptions):
-  """:func:`transformer_block` for callers that validated the arguments."""
+  """:func:`transformer_block` for callers that validated the arguments.
+
+  >>> import numpy as np; from jax.sharding import PartitionSpec as P
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
+  >>> f = jax.shard_map(lambda x, p: block(x, p, axis_name="tp", options=BlockOptions(2)),
+  ...     mesh=mesh, in_specs=(P("tp"), partition_specs(params, "tp")), out_specs=P("tp"))
+  >>> jax.jit(f)(jnp.ones((4, 1, 8)), params).shape
+  (4, 1, 8)
+  """
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
-  dense = partial(_dense_params, dtype=dtype)
+  heads = o.num_heads // jax.lax.axis_size(axis_name)
   x = x.astype(dtype)
+  sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype)
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
-      qkv, out = dense(params["attention"]["qkv"]), dense(params["attention"]["out"])
-      h = layer_norm(x, params["ln_1"], o.epsilon, dtype)
-      h = local.column_parallel(h, *qkv, axis_name=axis_name,
-                                keep_gathered_input=o.keep_gathered_input,
-                                precision=o.precision, config=o.config)
-      h = attention(h, o.num_heads // jax.lax.axis_size(axis_name), o.causal,
-                    o.attention_implementation)
-      x = x + local.row_parallel(h, *out, axis_name=axis_name, precision=o.precision,
-                                 config=o.config)
+      x = sublayer(x, params["ln_1"], params["attention"]["qkv"], params["attention"]["out"],
+                   partial(attention, heads=heads, causal=o.causal,
+                           implementation=o.attention_implementation))
     with jax.named_scope("mlp"):
-      fc1, fc2 = dense(params["mlp"]["fc1"]), dense(params["mlp"]["fc2"])
-      h = layer_norm(x, params["ln_2"], o.epsilon, dtype)
-      h = local.column_parallel(h, *fc1, axis_name=axis_name,
-                                keep_gathered_input=o.keep_gathered_input,
-                                precision=o.precision, config=o.config)
-      return x + local.row_parallel(o.activation(h), *fc2, axis_name=axis_name,
-                                    precision=o.precision, config=o.config)
+      return sublayer(x, params["ln_2"], params["mlp"]["fc1"], params["mlp"]["fc2"],
+                      o.activation)
+
+
+def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype):
+  """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
+  row-parallel dense around `inner` (attention, or the MLP's activation)."""
+  o = options
+  h = layer_norm(x, norm, o.epsilon, dtype)
+  h = local.column_parallel(h, *_dense_params(first, dtype), axis_name=axis_name,
+                            keep_gathered_input=o.keep_gathered_input,
+                            precision=o.precision, config=o.config)
+  return x + local.row_parallel(inner(h), *_dense_params(second, dtype),
+                                axis_name=axis_name, precision=o.precision, config=o.config)
 
 
 def layer_norm(x, p, epsilon: float, dtype):
   """``flax.linen.LayerNorm`` over the last dimension, step for step: statistics
-  in float32 at least, ``var = E[x^2] - E[x]^2``, the result in `dtype`."""
+  in float32 at least, ``var = E[x^2] - E[x]^2``, the result in `dtype`.
+
+  >>> layer_norm(jnp.arange(4.0)[None], {"scale": 1.0, "bias": 0.0}, 1e-6, jnp.float32).shape
+  (1, 4)
+  """
   xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   mean = jnp.mean(xf, -1, keepdims=True)
   var = jnp.maximum(0.0, jnp.mean(jnp.square(xf), -1, keepdims=True) - jnp.square(mean))
@@ -161,7 +230,11 @@ def layer_norm(x, p, epsilon: float, dtype):
 def attention(qkv, heads: int, causal: bool, implementation):
   """Attention over whole sequences for `heads` local heads: ``qkv`` is
   ``[seq, b, heads * 3 * head_dim]`` (columns ``(head, {q,k,v}, head_dim)``);
-  returns ``[seq, b, heads * head_dim]``."""
+  returns ``[seq, b, heads * head_dim]``.
+
+  >>> attention(jnp.ones((4, 1, 2 * 3 * 4)), heads=2, causal=True, implementation=None).shape
+  (4, 1, 8)
+  """
   seq, batch = qkv.shape[:2]
   # [seq, b, H, 3, hd] -> three [b, seq, H, hd], dot_product_attention's layout.
   q, k, v = jnp.moveaxis(qkv.reshape(seq, batch, heads, 3, -1), (3, 0), (0, 2))
@@ -181,24 +254,39 @@ def sharded_transformer_block(x, params, *, mesh=None, axis_name: str = "tp",
                               data_axes: Sequence[str] = (), options: BlockOptions,
                               op: str = "sharded_transformer_block", x_name: str = "x"):
   """The block on global arrays: ``x [seq, batch, d]`` with the sequence
-  sharded over `axis_name` and the batch over `data_axes`; `params` with
-  global shapes, sharded as :func:`partition_specs` says. Returns an array of
-  ``x``'s shape and sharding. `op` and `x_name` are what errors call things."""
-  mesh = resolve_mesh(op, mesh)
-  size = validation.mesh_axis_size(op, mesh, axis_name)
-  data = tuple(data_axes)
-  for name in data:
-    if name == axis_name:
-      raise ValueError(f"{op}: data_axes={data} must not contain the tensor-parallel "
-                       f"axis {axis_name!r}")
-    if name not in mesh.axis_names:
-      raise ValueError(f"{op}: data_axes={data} names {name!r}, which is not an axis "
-                       f"of the mesh, whose axes are {tuple(mesh.axis_names)}")
-  check_block(op, x_name, x, params, options.num_heads, axis_name, size, local=False)
-  shards = int(np.prod([mesh.shape[a] for a in data]))
-  validation.check_divisible(op, x_name, "sequences (second dimension, the batch)",
+  sharded over `axis_name` and the batch over `data_axes` (an axis name or a
+  sequence of them; every other mesh axis of size > 1 must be among them);
+  `params` with global shapes, sharded as :func:`partition_specs` says.
+  Returns an array of ``x``'s shape and sharding. `op` and `x_name` are what
+  errors call things.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
+  >>> sharded_transformer_block(jnp.ones((4, 1, 8)), params, mesh=mesh,
+  ...                           options=BlockOptions(num_heads=2)).shape
+  (4, 1, 8)
+  """
+  validation.check_type(op, "options", options, BlockOptions)
+  where = global_placement(op, mesh, axis_name, data_axes)
+  return block_global(Names(op, x=x_name), x, params, where=where, options=options)
+
+
+def block_global(names: Names, x, params, *, where: Placement, options: BlockOptions):
+  """:func:`sharded_transformer_block` for a known placement: checks, then runs.
+
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
+  >>> block_global(Names("f"), jnp.ones((4, 1, 8)), params,
+  ...              where=Placement(False, "tp", 1, mesh), options=BlockOptions(2)).shape
+  (4, 1, 8)
+  """
+  op, data = names.op, where.data_axes
+  check_block(op, names.x, x, params, options.num_heads, where.axis_name, where.size,
+              local=False)
+  shards = int(np.prod([where.mesh.shape[a] for a in data]))
+  validation.check_divisible(op, names.x, "sequences (second dimension, the batch)",
                              np.shape(x)[1], "*".join(data) or "()", shards)
-  return _sharded(x, params, mesh=mesh, axis_name=axis_name, data_axes=data,
+  return _sharded(x, params, mesh=where.mesh, axis_name=where.axis_name, data_axes=data,
                   options=options)
 
 
@@ -215,7 +303,14 @@ def _sharded(x, params, *, mesh, axis_name, data_axes, options):
 def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
                 size: int, *, local: bool) -> None:
   """`x` ``[seq, batch, d]`` (local: ``[seq/P, ...]``), `params` shaped as
-  :func:`param_layout` says (local: cut by `size`), heads split over the axis."""
+  :func:`param_layout` says (local: cut by `size`), heads split over the axis.
+
+  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
+  >>> check_block("f", "x", jnp.ones((4, 1, 8)), params, 3, "tp", 1, local=False)
+  Traceback (most recent call last):
+  ...
+  ValueError: f: the features (8) must divide into num_heads=3 heads of equal size
+  """
   shape = np.shape(x)
   if len(shape) != 3:
     raise ValueError(
@@ -226,6 +321,7 @@ def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
         op, x_name, "positions (first dimension, the sequence)", shape[0], axis_name, size,
         ". The layout is [seq, batch, features]: for [batch, seq, features] "
         "activations pass jnp.swapaxes(x, 0, 1)")
+  validation.check_not_empty(op, x_name, x)
   validation.check_dtype(op, x_name, x)
   d = shape[-1]
   if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
