@@ -1,0 +1,198 @@
+"""One GPU: the project's FP8 GEMM (jax_comm_gemm.fp8.gemm) beside jax's bf16
+dot and torch._scaled_mm, at the per-GPU shapes of the benchmark.
+
+Shapes are m x k x n with a (m, k): the TP-2 per-rank GEMMs of bench.py's
+AllGather+GEMM shapes (all tokens gathered, half the output features).
+Variants, per shape:
+
+* ``jax_bf16``: ``a @ b`` in bf16, b (k, n);
+* ``fp8_direct`` / ``fp8_dequant_f32``: ``fp8_gemm_tn`` in each form, a8 (m, k)
+  and the weight's TN copy b8 (n, k) in E4M3, per-tensor scales, bf16 out;
+* ``fp8_noscale``: the bare TN FP8 dot, no scale (what the epilogue costs);
+* ``torch_scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, bf16 out,
+  the weight column-major (n, k) row-major transposed), if torch imports.
+
+Timing: the variants interleaved; per round and variant 20 back-to-back calls
+and one sync; after >= 3 s of warm-up load, the median over >= 12 rounds, ms
+per call. Prints the SM clock and power before and after (nvidia-smi), a
+markdown table with each variant's ratio to torch, writes a JSON, and checks
+the optimized HLO of the project's GEMM: one ``__cublas$lt$matmul$f8`` and no
+transpose feeding it (asserted on GPU).
+
+  python3 benchmarks/fp8_gemm.py [--out fp8_gemm.json] [--hlo fp8_gemm_hlo.txt]
+  python3 benchmarks/fp8_gemm.py --smoke     # CPU, tiny shapes, no torch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jax_comm_gemm.fp8.gemm import fp8_gemm_tn  # noqa: E402
+from jax_comm_gemm.fp8.quantize import quantize_tensor  # noqa: E402
+
+SHAPES = ((8192, 8192, 14336), (16384, 8192, 4096), (8192, 8192, 3584),
+          (8192, 4096, 2048), (4096, 4096, 2048), (2048, 8192, 4096))
+SMOKE_SHAPES = ((64, 64, 32), (32, 64, 64))
+CALLS = 20
+F8 = jnp.float8_e4m3fn
+FP8_TARGET = "__cublas$lt$matmul$f8"
+
+
+def gpu_clocks() -> str:
+  try:
+    return subprocess.run(
+        ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,power.draw,temperature.gpu",
+         "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+  except (OSError, subprocess.SubprocessError) as e:
+    return f"nvidia-smi unavailable ({e})"
+
+
+def jax_variants(m, k, n):
+  """name -> (jitted fn, args)."""
+  ka, kb = jax.random.split(jax.random.key(m + k + n))
+  a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+  b = (jax.random.normal(kb, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+  a8, ia = jax.jit(lambda t: quantize_tensor(t, F8))(a)
+  b8, ib = jax.jit(lambda t: quantize_tensor(t.T, F8))(b)  # the weight's TN copy, once
+  out = {"jax_bf16": (jax.jit(lambda a, b: a @ b), (a, b))}
+  for form in ("direct", "dequant_f32"):
+    fn = jax.jit(lambda a8, b8, ia, ib, form=form: fp8_gemm_tn(a8, b8, ia, ib, jnp.bfloat16,
+                                                              form=form))
+    out[f"fp8_{form}"] = (fn, (a8, b8, ia, ib))
+  # The bare FP8 dot, no scale: what the scale epilogue costs.
+  out["fp8_noscale"] = (jax.jit(lambda a8, b8: jax.lax.dot_general(
+      a8, b8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)), (a8, b8))
+  return out
+
+
+def torch_variant(m, k, n):
+  try:
+    import torch
+  except ImportError:
+    return None
+  if not torch.cuda.is_available():
+    return None
+  ta = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+  tb = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5)
+  tb = (tb * 448).to(torch.float8_e4m3fn).t()  # (k, n), column-major as torch requires
+  sa = torch.tensor(1.0, device="cuda")
+  sb = torch.tensor(1.0 / 448, device="cuda")
+
+  def call():
+    return torch._scaled_mm(ta, tb, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+  return call, torch.cuda.synchronize
+
+
+def hlo_check(fn, args) -> dict:
+  """The GEMM custom calls of the optimized HLO, and whether a transpose
+  (or a copy) feeds the FP8 one."""
+  text = fn.lower(*args).compile().as_text()
+  targets = re.findall(r'custom_call_target="([^"]+)"', text)
+  f8 = [line for line in text.splitlines() if FP8_TARGET in line]
+  transposes = [line.strip()[:160] for line in text.splitlines()
+                if re.search(r"=\s*\S+\s+transpose\(", line)
+                or "wrapped_transpose" in line]
+  return {"targets": targets, "fp8_gemm_calls": len(f8), "transposes": transposes,
+          "ok": len(f8) == 1 and not transposes, "text": text}
+
+
+def time_round(call, sync) -> float:
+  """Seconds per call over CALLS back-to-back calls and one sync (`sync(result)`)."""
+  sync(call())
+  t = time.perf_counter()
+  for _ in range(CALLS):
+    r = call()
+  sync(r)
+  return (time.perf_counter() - t) / CALLS
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, no torch/nvidia-smi")
+  p.add_argument("--out", default="fp8_gemm.json")
+  p.add_argument("--hlo", default="fp8_gemm_hlo.txt")
+  p.add_argument("--rounds", type=int, default=12)
+  p.add_argument("--warmup-s", type=float, default=3.0)
+  args = p.parse_args(argv)
+  smoke = args.smoke
+  shapes = SMOKE_SHAPES if smoke else SHAPES
+  rounds, warmup_s = (3, 0.2) if smoke else (max(12, args.rounds), max(3.0, args.warmup_s))
+  gpu = jax.devices()[0].platform == "gpu"
+  meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "smoke": smoke,
+          "calls_per_sync": CALLS, "rounds": rounds}
+  if not smoke:
+    meta["clocks_before"] = gpu_clocks()
+    print("SM clock, max, power, temperature:", meta["clocks_before"], flush=True)
+  rows, hlo_dump, failed = [], [], []
+  for (m, k, n) in shapes:
+    jv = jax_variants(m, k, n)
+    variants = {name: (lambda f=f, a=a: f(*a), jax.block_until_ready)
+                for name, (f, a) in jv.items()}
+    checks = {form: hlo_check(*jv[f"fp8_{form}"]) for form in ("direct", "dequant_f32")}
+    for form, c in checks.items():
+      hlo_dump.append(f"===== {m}x{k}x{n} fp8_{form}: fp8 GEMM calls "
+                      f"{c['fp8_gemm_calls']}, transposes {c['transposes']}\n{c['text']}")
+      if gpu and not c["ok"]:
+        failed.append(f"{m}x{k}x{n} fp8_{form}")
+    ref = np.asarray(jv["jax_bf16"][0](*jv["jax_bf16"][1]), np.float32)
+    errs = {name: float(np.max(np.abs(np.asarray(f(*a), np.float32) - ref)) / np.max(np.abs(ref)))
+            for name, (f, a) in jv.items() if name.startswith("fp8_d")}
+    tv = None if smoke else torch_variant(m, k, n)
+    if tv is not None:
+      variants["torch_scaled_mm"] = (tv[0], lambda r, s=tv[1]: s())
+    t_end = time.perf_counter() + (warmup_s if not rows else 0.3)
+    while time.perf_counter() < t_end:  # warm-up load (clocks up, caches, autotuning)
+      for call, sync in variants.values():
+        time_round(call, sync)
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+      for name, (call, sync) in variants.items():
+        times[name].append(time_round(call, sync))
+    row = {"shape": f"{m}x{k}x{n}", **{nm: 1e3 * float(np.median(v)) for nm, v in times.items()},
+           "fp8_rel_err_vs_bf16": errs,
+           "hlo": {f: {"fp8_gemm_calls": c["fp8_gemm_calls"], "transposes": c["transposes"],
+                       "targets": sorted(set(c["targets"]))} for f, c in checks.items()}}
+    rows.append(row)
+    print(row["shape"], {nm: round(row[nm], 4) for nm in variants}, "err", errs, flush=True)
+  if not smoke:
+    meta["clocks_after"] = gpu_clocks()
+    print("SM clock, max, power, temperature:", meta["clocks_after"], flush=True)
+  names = [nm for nm in rows[0] if nm not in ("shape", "fp8_rel_err_vs_bf16", "hlo")]
+  base = "torch_scaled_mm" if "torch_scaled_mm" in names else None
+  print("\n| m x k x n | " + " | ".join(f"{nm} ms" for nm in names)
+        + (" | " + " | ".join(f"{nm} / torch" for nm in names if nm != base) if base else "")
+        + " |")
+  print("| --- " * (1 + len(names) + (len(names) - 1 if base else 0)) + "|")
+  for r in rows:
+    cells = [f"{r[nm]:.3f}" for nm in names]
+    if base:
+      cells += [f"{r[nm] / r[base]:.2f}" for nm in names if nm != base]
+    print(f"| {r['shape']} | " + " | ".join(cells) + " |")
+  for r in rows:
+    for form, h in r["hlo"].items():
+      print(f"HLO {r['shape']} fp8_{form}: {FP8_TARGET} x{h['fp8_gemm_calls']}, "
+            f"transposes {len(h['transposes'])}")
+  pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  pathlib.Path(args.hlo).write_text("\n".join(hlo_dump))
+  if failed:
+    print("FAILED: no single transpose-free FP8 GEMM in", failed, flush=True)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
