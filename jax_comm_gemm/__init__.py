@@ -30,12 +30,21 @@ from jax_comm_gemm.runtime import REGISTRY, connect
 
 def cublasmp_version() -> int:
   """The loaded cuBLASMp's version (major*10000 + minor*100 + patch); 0 where
-  cuBLASMp cannot run (no GPU, no extension, no library). Never raises."""
+  cuBLASMp cannot run (no GPU, no extension, no library). Never raises.
+
+  >>> cublasmp_version()  # on a machine without a GPU
+  0
+  """
   return REGISTRY.cublasmp_version()
 
 
 def cublasmp_status() -> Capability:
-  """Whether the cuBLASMp backend can run here, and if not, why."""
+  """Whether the cuBLASMp backend can run here, and if not, why.
+
+  >>> status = cublasmp_status()
+  >>> status.ok, "GPU" in status.reason  # on a machine without a GPU
+  (False, True)
+  """
   return REGISTRY.cublasmp_status()
 
 

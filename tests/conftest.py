@@ -1,22 +1,14 @@
-"""Test set-up: 8 simulated CPU devices, and meshes.
+"""Test helpers: meshes and routing plans. (The CPU platform and its 8
+simulated devices are set up by the checkout's root conftest.py.)"""
 
-The pytest process itself stays on the CPU (JAX_PLATFORMS=cpu), also on a GPU
-machine: the GPU tests run in worker processes of their own (tests/gpu/),
-which must find the GPUs' memory free. XLA_FLAGS must be set before jax is
-imported.
-"""
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
 
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
-  os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm.runtime.settings import Settings
 
 
 def cpu_mesh(size: int, axis_name: str = "tp") -> Mesh:
@@ -31,11 +23,6 @@ def cpu_mesh(size: int, axis_name: str = "tp") -> Mesh:
 def tp_mesh(request) -> Mesh:
   """1-D tensor-parallel meshes of 2, 4 and 8 simulated CPU devices."""
   return cpu_mesh(request.param)
-
-
-import jax_comm_gemm.runtime.plan as plan_lib  # noqa: E402
-from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
-from jax_comm_gemm.runtime.settings import Settings  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -127,8 +127,11 @@ def implementation(name: str, template: CublasMpBackend) -> Backend:
 @dataclasses.dataclass(frozen=True)
 class AutoBackend(Backend):
   """Runs each op with :func:`choose`'s implementation; `fused` carries the
-  configured algorithms and layout, used where the fused op is chosen by
-  rule of thumb."""
+  configured algorithms, used where the fused op is chosen by rule of thumb.
+
+  >>> AutoBackend(CublasMpBackend(all_gather_algorithm="pipelined_ce")).fused.all_gather_algorithm
+  'pipelined_ce'
+  """
 
   fused: CublasMpBackend = CublasMpBackend()
 

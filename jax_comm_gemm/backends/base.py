@@ -29,6 +29,17 @@ class Backend:
   weight_gradient_fusion: whether that call exists for these operands; only
     then may a caller make it.
   `precision` is passed to the GEMMs that XLA runs (``lax.dot_general``).
+
+  A backend is a frozen dataclass (it is a static argument of the custom_vjp
+  rules, so it must hash and compare by value):
+
+  >>> import dataclasses
+  >>> from jax_comm_gemm.backends.xla import XlaBackend
+  >>> @dataclasses.dataclass(frozen=True)
+  ... class Logged(XlaBackend):
+  ...   name = "logged"
+  >>> Logged() == Logged()
+  True
   """
 
   name = "abstract"

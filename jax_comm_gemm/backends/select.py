@@ -19,7 +19,12 @@ from jax_comm_gemm.runtime.registry import current_plan
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """A backend, and why it runs the layer."""
+  """A backend, and why it runs the layer.
+
+  >>> from jax_comm_gemm.backends.xla import XlaBackend
+  >>> Choice(XlaBackend(), "backend='xla' was requested").backend.name
+  'xla'
+  """
   backend: Backend
   reason: str
 

@@ -25,14 +25,22 @@ from jax_comm_gemm.runtime.constants import ALGORITHMS, GATHERED_LAYOUTS, TARGET
 
 @dataclasses.dataclass(frozen=True)
 class Capability:
-  """Whether something can run here, and why (not)."""
+  """Whether something can run here, and why (not).
+
+  >>> Capability(False, "no GPU").reason
+  'no GPU'
+  """
   ok: bool
   reason: str
 
 
 @dataclasses.dataclass(frozen=True)
 class VerdictKey:
-  """What the layout of the gathered operand may depend on."""
+  """What the layout of the gathered operand may depend on.
+
+  >>> VerdictKey(2, "split_p2p", "bfloat16", False, "front").axis_size
+  2
+  """
   axis_size: int
   algorithm: str
   dtype: str
