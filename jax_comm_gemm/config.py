@@ -9,14 +9,13 @@ import numpy as np
 
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
-from jax_comm_gemm.runtime.constants import ALGORITHMS
+from jax_comm_gemm.runtime.constants import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
 from jax_comm_gemm.runtime.settings import BACKENDS
 
 # How the cuBLASMp backend runs GEMM+ReduceScatter: XLA's dot + psum_scatter, a
 # ring of GEMMs and ppermutes in XLA, or a fused algorithm (cuBLASMp's or the
-# project's pipelined_ce). The own "pipelined" one has no GEMM+ReduceScatter:
-# docs/design.md#options-removed-and-why.
-REDUCE_SCATTER_IMPLS = ("xla", "ring") + tuple(a for a in ALGORITHMS if a != "pipelined")
+# project's pipelined_ce).
+REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
 _FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
 
 
