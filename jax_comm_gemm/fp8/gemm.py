@@ -45,6 +45,10 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
 
   Scales are scalars (per tensor) or vectors: ``scale_inv_a`` ``[m]`` (per
   row of a), ``scale_inv_b`` ``[n]`` (per row of b, a column of the output).
+
+  >>> a8 = jnp.ones((2, 4), jnp.float8_e4m3fn)
+  >>> fp8_gemm_tn(a8, a8, 0.5, jnp.array([1.0, 2.0]), jnp.float32).tolist()
+  [[2.0, 4.0], [2.0, 4.0]]
   """
   out_dtype = jnp.dtype(out_dtype)
   ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
@@ -75,6 +79,11 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
   scale for both (its amax agreed over `axis_name`, or `amax_w` if the caller
   agreed it already); ``"row"``: per row of each copy, i.e. per output column
   of the GEMM it feeds.
+
+  >>> fwd8, fwd_inv, bwd8, bwd_inv = weight_copies(jnp.ones((4, 3)), jnp.float8_e4m3fn,
+  ...                                              scaling="row", transpose_w=False)
+  >>> fwd8.shape, fwd_inv.shape, bwd8.shape, bwd_inv.shape
+  ((3, 4), (3,), (4, 3), (4,))
   """
   w_kn = w.T if transpose_w else w
   if scaling == "tensor":

@@ -47,8 +47,8 @@ import numpy as np
 from jax import lax
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.fp8 import quantize as qz
-from jax_comm_gemm.fp8 import steps as st
+import jax_comm_gemm.fp8.quantize as qz
+import jax_comm_gemm.fp8.steps as st
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 

@@ -24,13 +24,21 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 def fp8_max(dtype) -> float:
-  """The largest finite value of an FP8 `dtype` (448 for E4M3, 57344 for E5M2)."""
+  """The largest finite value of an FP8 `dtype` (448 for E4M3, 57344 for E5M2).
+
+  >>> fp8_max(jnp.float8_e4m3fn), fp8_max(jnp.float8_e5m2)
+  (448.0, 57344.0)
+  """
   return float(jnp.finfo(dtype).max)
 
 
 def amax(x, axis=None, keepdims: bool = False, axis_name: str | None = None):
   """``max(|x|)`` in float32, over `axis` (all by default), then (``axis_name``)
-  over the mesh axis with ``lax.pmax``. NaN propagates; inf gives inf."""
+  over the mesh axis with ``lax.pmax``. NaN propagates; inf gives inf.
+
+  >>> amax(jnp.array([[1.0, -3.0], [2.0, 0.5]]), axis=1).tolist()
+  [3.0, 2.0]
+  """
   a = jnp.max(jnp.abs(x.astype(F32)), axis=axis, keepdims=keepdims)
   return agree(a, axis_name)
 
@@ -39,7 +47,11 @@ def agree(amaxes, axis_name: str | None):
   """`amaxes` (an array or a tuple of them) maxed over `axis_name` in ONE
   ``lax.pmax`` (one all-reduce); unchanged for None or a group of one. NaN is
   mapped to inf first, so that the agreed amax is non-finite wherever a rank's
-  is, whatever the all-reduce does with NaN."""
+  is, whatever the all-reduce does with NaN.
+
+  >>> float(agree(jnp.float32(2.0), None))  # no axis: unchanged
+  2.0
+  """
   if axis_name is None or lax.axis_size(axis_name) == 1:
     return amaxes
   nan_to_inf = lambda a: jnp.where(jnp.isnan(a), jnp.inf, a)
@@ -50,7 +62,11 @@ def agree(amaxes, axis_name: str | None):
 
 def scale_from_amax(a, dtype, margin: int = 0):
   """``fp8_max / amax / 2**margin`` (float32); 1 where ``amax == 0``; at most
-  float32's max. A NaN amax gives NaN, an inf amax 0."""
+  float32's max. A NaN amax gives NaN, an inf amax 0.
+
+  >>> scale_from_amax(jnp.array([4.0, 0.0]), jnp.float8_e4m3fn).tolist()
+  [112.0, 1.0]
+  """
   a = jnp.asarray(a, F32)
   scale = jnp.float32(fp8_max(dtype) / 2.0 ** margin) / jnp.where(a == 0, 1.0, a)
   scale = jnp.where(a == 0, jnp.float32(1.0), scale)
@@ -60,37 +76,65 @@ def scale_from_amax(a, dtype, margin: int = 0):
 def saturating_cast(x, scale, dtype):
   """``x * scale`` clipped to ``+-fp8_max(dtype)`` and rounded (to nearest
   even) to `dtype`. NaN stays NaN; +-inf becomes +-max (only reachable with a
-  finite scale that was not computed from this x)."""
+  finite scale that was not computed from this x).
+
+  >>> saturating_cast(jnp.array([1000.0, -2.0]), 1.0, jnp.float8_e4m3fn).tolist()
+  [448.0, -2.0]
+  """
   limit = fp8_max(dtype)
   return jnp.clip(x.astype(F32) * scale, -limit, limit).astype(dtype)
 
 
 def inverse(scale):
-  """``1 / scale`` (float32): the dequantization factor."""
+  """``1 / scale`` (float32): the dequantization factor.
+
+  >>> float(inverse(jnp.float32(4.0)))
+  0.25
+  """
   return jnp.float32(1.0) / scale
 
 
 def quantize_tensor(x, dtype, *, margin: int = 0, axis_name: str | None = None):
   """One scale for all of `x` (agreed over `axis_name` if given):
-  ``(q, scale_inv)`` with a scalar ``scale_inv``."""
+  ``(q, scale_inv)`` with a scalar ``scale_inv``.
+
+  >>> q, inv = quantize_tensor(jnp.array([2.0, -1.0]), jnp.float8_e4m3fn)
+  >>> (q.astype(jnp.float32) * inv).round(5).tolist()
+  [2.0, -1.0]
+  """
   scale = scale_from_amax(amax(x, axis_name=axis_name), dtype, margin)
   return saturating_cast(x, scale, dtype), inverse(scale)
 
 
 def quantize_rows(x, dtype, *, margin: int = 0):
-  """One scale per row of a 2-D `x`: ``(q [r, c], scale_inv [r])``."""
+  """One scale per row of a 2-D `x`: ``(q [r, c], scale_inv [r])``.
+
+  >>> q, inv = quantize_rows(jnp.array([[1.0, 2.0], [0.0, 0.0]]), jnp.float8_e4m3fn)
+  >>> q.astype(jnp.float32).tolist(), (inv * 448).round(5).tolist()
+  ([[224.0, 448.0], [0.0, 0.0]], [2.0, 448.0])
+  """
   scale = scale_from_amax(amax(x, axis=1, keepdims=True), dtype, margin)
   return saturating_cast(x, scale, dtype), inverse(scale)[:, 0]
 
 
 def quantize_columns_transposed(x, dtype, *, margin: int = 0):
   """One scale per column of a 2-D `x`, written transposed (the TN operand of
-  a GEMM that contracts over x's rows): ``(q [c, r], scale_inv [c])``."""
+  a GEMM that contracts over x's rows): ``(q [c, r], scale_inv [c])``.
+
+  >>> q, inv = quantize_columns_transposed(jnp.array([[1.0, 4.0], [2.0, 8.0]]),
+  ...                                      jnp.float8_e4m3fn)
+  >>> q.shape, (inv * 448).round(5).tolist()
+  ((2, 2), [2.0, 8.0])
+  """
   return quantize_rows(x.T, dtype, margin=margin)
 
 
 def dequantize(q, scale_inv, dtype=F32):
-  """``q * scale_inv`` in `dtype`; a vector `scale_inv` scales q's rows."""
+  """``q * scale_inv`` in `dtype`; a vector `scale_inv` scales q's rows.
+
+  >>> dequantize(jnp.array([[2.0], [2.0]]).astype(jnp.float8_e4m3fn), jnp.array([0.5, 2.0])).tolist()
+  [[1.0], [4.0]]
+  """
   inv = jnp.asarray(scale_inv, F32)
   if inv.ndim == 1:
     inv = inv[:, None]

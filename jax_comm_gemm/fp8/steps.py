@@ -10,7 +10,7 @@ from typing import Any, Callable
 import jax
 from jax import lax
 
-from jax_comm_gemm.fp8 import quantize as qz
+import jax_comm_gemm.fp8.quantize as qz
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 
@@ -19,7 +19,15 @@ STANDALONE_SCOPE = "jax_comm_gemm.all_gather"
 
 
 def xla_gather(tree, axis_name: str):
-  """``lax.all_gather`` of every array in `tree` along axis 0, in one call."""
+  """``lax.all_gather`` of every array in `tree` along axis 0, in one call.
+
+  >>> import numpy as np
+  >>> from jax.sharding import Mesh, PartitionSpec as P
+  >>> mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> jax.shard_map(lambda a: xla_gather((a,), "tp")[0], mesh=mesh, in_specs=P("tp"),
+  ...               out_specs=P("tp"))(jax.numpy.ones((2, 3))).shape
+  (2, 3)
+  """
   return lax.all_gather(tree, axis_name, axis=0, tiled=True)
 
 
