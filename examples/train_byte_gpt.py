@@ -46,6 +46,7 @@ from jax.sharding import Mesh  # noqa: E402
 import jax_comm_gemm as jcg  # noqa: E402
 from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS  # noqa: E402
 from jax_comm_gemm.diagnostics import report  # noqa: E402
+from jax_comm_gemm.fp8 import Fp8Recipe  # noqa: E402
 
 import byte_gpt  # noqa: E402
 import launch  # noqa: E402
@@ -104,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
   comm.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto",
                     help="'auto': cuBLASMp where it runs, else XLA's collectives; "
                          "'cublasmp': fail where it cannot run")
+  comm.add_argument("--fp8", choices=("tensor", "row"),
+                    help="run every dense GEMM in FP8 (E4M3 forward, E5M2 gradients) with "
+                         "this scaling: one scale per tensor agreed over the tp group, or "
+                         "one per token row; FP8 bytes are all-gathered (docs/fp8.md)")
   comm.add_argument("--keep-gathered-input", action="store_true",
                     help="QKV and fc1 keep their forward's gathered input for the weight "
                          "gradient (no all-gather in the backward pass, more memory)")
@@ -180,6 +185,8 @@ def skip_reasons(args, status, tp: int, platform: str) -> tuple[str | None, str 
   is nothing to tune or compare, whatever the backend."""
   if tp == 1:
     tune = ab = "tp=1: a group of one has nothing to communicate"
+  elif args.fp8:
+    tune = ab = "--fp8 runs on XLA's collectives: no implementation to choose"
   else:
     tune = (f"--backend {args.backend} chooses no implementation" if args.backend != "auto"
             else None if status.ok else f"cuBLASMp cannot run here: {status.reason}")
@@ -264,10 +271,11 @@ def train(args) -> dict:
   except (OSError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   dtype = DTYPES[s["dtype"]]
-  config = jcg.CommGemmConfig(backend=args.backend, reduce_scatter=args.reduce_scatter)
-  try:  # fail early and plainly where --backend cublasmp cannot run
+  try:  # fail early and plainly where --backend cublasmp cannot run (or with --fp8)
+    config = jcg.CommGemmConfig(backend=args.backend, reduce_scatter=args.reduce_scatter,
+                                fp8=Fp8Recipe(scaling=args.fp8) if args.fp8 else None)
     jcg.resolve_backend(config, "tp", mesh)
-  except RuntimeError as e:
+  except (RuntimeError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   say(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
       f"{jax.process_count()} process(es); mesh dp={dp} tp={tp}; cuBLASMp: {status.reason}")
@@ -275,7 +283,8 @@ def train(args) -> dict:
   say(f"model ({s['size']} size): {s['layers']} blocks, d_model {s['d_model']}, "
       f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard), "
       f"hidden {s['hidden']}, seq {s['seq_len']} x batch {s['batch']} = "
-      f"{s['seq_len'] * s['batch']:,} tokens/step, {s['dtype']}, backend {args.backend!r}")
+      f"{s['seq_len'] * s['batch']:,} tokens/step, {s['dtype']}, backend {args.backend!r}"
+      + (f", FP8 GEMMs ({args.fp8} scaling)" if args.fp8 else ""))
   attention, attention_why = choose_attention(args.attention, platform, dtype,
                                               s["d_model"] // s["heads"])
   say(f"attention: {attention_why}")

@@ -15,8 +15,11 @@ gradient. The weight gradient needs the gathered operand, and
   ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
   ``lax.all_gather`` of the input.
 
+With ``config.fp8`` set, both ops run the FP8 custom_vjps of
+:mod:`jax_comm_gemm.fp8` instead, on XLA's collectives (``routes.fp8_route``).
+
 No exception is raised or caught on this path: the routing is a trace-time
-branch on a cached verdict.
+branch on the routing plan (runtime/plan.py). The routes live in routes.py.
 """
 
 from __future__ import annotations
@@ -36,47 +39,9 @@ from jax_comm_gemm.backends import Backend, all_gather_tokens
 from jax_comm_gemm.backends.select import resolve_backend
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class GatheredRoute:
-  """Where a weight gradient gets its gathered operand: from the fused op
-  (``reuse``) or from a ``lax.all_gather``, and why."""
-  reuse: bool
-  reason: str
-
-
-def gathered_route(backend: Backend, reuse_gathered: bool | None, axis_size: int, dtype,
-                   transpose_w: bool) -> GatheredRoute:
-  """The one place that decides whether an AllGather+GEMM hands out its gathered
-  operand (an AllGather+GEMM with `transpose_w`, in `dtype`, over `axis_size`)."""
-  if reuse_gathered is False:
-    return GatheredRoute(False, "reuse_gathered=False was requested")
-  verdict = backend.gathered_reuse(axis_size, dtype, transpose_w)
-  return GatheredRoute(verdict.ok, verdict.reason)
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightGradientRoute:
-  """Whether the row-parallel backward computes its weight gradient inside the
-  AllGather+GEMM (``fuse``), reading the gathered operand in place, and why."""
-  fuse: bool
-  reason: str
-
-
-def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
-                          reuse_gathered: bool | None, x, w, axis_name: str,
-                          transpose_w: bool) -> WeightGradientRoute:
-  """The one place that decides whether the row-parallel backward's
-  AllGather+GEMM (of grad_output `x` and `w`, with `transpose_w`) also
-  computes the weight gradient."""
-  if not fuse_weight_gradient:
-    return WeightGradientRoute(False, "fuse_weight_gradient is off (the default: "
-                                      "docs/design.md#fused-weight-gradient)")
-  if reuse_gathered is False:
-    return WeightGradientRoute(False, "reuse_gathered=False was requested")
-  verdict = backend.weight_gradient_fusion(x, w, axis_name, transpose_w)
-  return WeightGradientRoute(verdict.ok, verdict.reason)
+from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
+from jax_comm_gemm.routes import (GatheredRoute, WeightGradientRoute,  # noqa: F401
+                                  fp8_route, gathered_route, weight_gradient_route)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +132,10 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config):
   """:func:`all_gather_matmul` for callers that validated the arguments."""
+  if fp8_route(config).fp8:
+    return fp8_all_gather_matmul(x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
+                                 keep_gathered_input=keep_gathered_input,
+                                 return_gathered=return_gathered)
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, return_gathered, keep_gathered_input, precision)
   return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
@@ -174,6 +143,10 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
+  if fp8_route(config).fp8:
+    return fp8_matmul_reduce_scatter(x, w, axis_name, recipe=config.fp8,
+                                     transpose_w=transpose_w,
+                                     reuse_gathered=config.reuse_gathered is not False)
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, precision=precision,
                    fuse_weight_gradient=config.fuse_weight_gradient)

@@ -9,6 +9,7 @@ import numpy as np
 
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.runtime.constants import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
 from jax_comm_gemm.runtime.settings import BACKENDS
 
@@ -17,6 +18,9 @@ from jax_comm_gemm.runtime.settings import BACKENDS
 # project's pipelined_ce).
 REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
 _FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
+# The backends an FP8 config may name: its ops run on XLA's collectives (the
+# cuBLASMp, own-algorithm and ring FP8 ops are not built: docs/fp8.md).
+FP8_BACKENDS = ("auto", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +55,12 @@ class CommGemmConfig:
       reading its gathered grad_output in place instead of copying it out for
       XLA's GEMM. Off by default: it saves the copy but holds more memory in
       a training step: docs/design.md#fused-weight-gradient.
+    fp8: ``None`` (the GEMMs run in the inputs' dtype) or an
+      :class:`~jax_comm_gemm.fp8.Fp8Recipe`: the GEMMs run in FP8 (E4M3
+      forward, E5M2 gradients, current scaling agreed over the axis), FP8
+      bytes are all-gathered, and the row-parallel backward reuses the
+      gathered FP8 grad_output (docs/fp8.md). FP8 runs on XLA's collectives:
+      with ``backend`` "auto" or "xla" (the fused FP8 ops are not built yet).
 
   >>> CommGemmConfig().backend
   'auto'
@@ -65,6 +75,7 @@ class CommGemmConfig:
   reduce_scatter: str = _FUSED.reduce_scatter
   reuse_gathered: bool | None = None
   fuse_weight_gradient: bool = False
+  fp8: Fp8Recipe | None = None
 
   def __post_init__(self):
     if not (self.backend in BACKENDS if isinstance(self.backend, str)
@@ -85,6 +96,13 @@ class CommGemmConfig:
           "CommGemmConfig.fuse_weight_gradient must be True or False, got "
           f"{self.fuse_weight_gradient!r}")
     object.__setattr__(self, "fuse_weight_gradient", bool(self.fuse_weight_gradient))
+    if self.fp8 is not None:
+      if not isinstance(self.fp8, Fp8Recipe):
+        raise ValueError("CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe, "
+                         f"got {self.fp8!r}")
+      if self.backend not in FP8_BACKENDS:
+        raise ValueError(f"CommGemmConfig.fp8: FP8 runs on XLA's collectives; backend must "
+                         f"be one of {FP8_BACKENDS}, got {self.backend!r}")
 
 
 def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:

@@ -28,9 +28,9 @@ import jax
 import jax_comm_gemm.runtime.kv as kv
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
-from jax_comm_gemm.backends.tuning import (WARMUP_ROUNDS, fastest, load_cache, measure,
-                                           save_cache, signature, time_candidates, tunable,
+from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, fastest, time_candidates,
                                            union_of_failures)
+from jax_comm_gemm.backends.tuning import load_cache, measure, save_cache, signature, tunable
 from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.plan import Plan

@@ -36,6 +36,12 @@ _GROUP_IOTA = re.compile(r"replica_groups=\[(?:\d+,)*?(\d+)\]<=")
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveCounts:
+  """How many of each collective a compiled program holds.
+
+  >>> CollectiveCounts(all_gather=1, reduce_scatter=2, all_reduce=0,
+  ...                  fused_all_gather_matmul=0, fused_matmul_reduce_scatter=0).all_gather
+  1
+  """
   all_gather: int
   reduce_scatter: int
   all_reduce: int
@@ -58,7 +64,12 @@ def _opcodes(hlo_text: str) -> list[tuple[str, str]]:
 
 def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCounts:
   """Counts in compiled HLO text, optionally only instructions whose metadata
-  op_name contains `scope` (a ``jax.named_scope``)."""
+  op_name contains `scope` (a ``jax.named_scope``).
+
+  >>> text = "  %ag = f32[8,4]{1,0} all-gather(f32[4,4]{1,0} %x), replica_groups={{0,1}}"
+  >>> count_collectives(text).all_gather
+  1
+  """
   ops = [(op, line) for op, line in _opcodes(hlo_text)
          if scope is None or scope in _op_name(line)]
   single = [(op, line) for op, line in ops if _single_device(op, line)]
@@ -84,7 +95,12 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
 
 
 def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:
-  """Compiles ``fn`` (a jitted function) for `args` and counts its collectives."""
+  """Compiles ``fn`` (a jitted function) for `args` and counts its collectives.
+
+  >>> import jax, jax.numpy as jnp
+  >>> compiled_collectives(jax.jit(lambda x: x * 2), jnp.ones(3)).all_reduce
+  0
+  """
   return count_collectives(fn.lower(*args).compile().as_text(), scope)
 
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 
 from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
-from jax_comm_gemm.collective_matmul import gathered_route
 from jax_comm_gemm.config import CommGemmConfig
+from jax_comm_gemm.routes import fp8_route, gathered_route
 
 FUSED_WITH_REUSE = "fused with reuse"
 FUSED_WITH_ALL_GATHER = "fused with all_gather"
 XLA_FALLBACK = "xla fallback"
 PALLAS_KERNEL = "pallas kernel"
+FP8_ON_XLA = "fp8 on xla"
 
 
 def single_device_reason(axis_name: str) -> str:
@@ -30,7 +31,11 @@ def single_device_reason(axis_name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LayerPath:
-  """How a layer runs (one of the four names above) and why."""
+  """How a layer runs (one of the names above) and why.
+
+  >>> print(LayerPath(XLA_FALLBACK, "backend='xla' was requested"))
+  xla fallback (backend='xla' was requested)
+  """
   path: str
   reason: str
 
@@ -49,8 +54,12 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   column-parallel layer can reuse its forward's gathered input only with
   ``keep_gathered_input``, and otherwise gathers it again.
   """
-  choice = choose_backend(config, axis_name, mesh)
   size = int(mesh.shape[axis_name])
+  fp8 = fp8_route(config)
+  if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives
+    return LayerPath(FP8_ON_XLA, fp8.reason if size > 1 else
+                     f"FP8 GEMMs; {single_device_reason(axis_name)}")
+  choice = choose_backend(config, axis_name, mesh)
   if size == 1:  # whatever the backend: each layer is a plain GEMM
     return LayerPath(XLA_FALLBACK, single_device_reason(axis_name))
   if isinstance(choice.backend, pallas.PallasBackend):
@@ -114,7 +123,7 @@ def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
     return ExpectedCounts(0, 0)
   fc1 = layer_path(config, mesh, axis_name, dtype, keep_gathered_input=keep_gathered_input)
   fc2 = layer_path(config, mesh, axis_name, dtype, reduce_scatter_layer=True)
-  if fc2.path == XLA_FALLBACK:
+  if fc2.path in (XLA_FALLBACK, FP8_ON_XLA):
     return ExpectedCounts(2, 0)
   return ExpectedCounts(int(fc1.path != FUSED_WITH_REUSE) + int(fc2.path != FUSED_WITH_REUSE),
                         2)

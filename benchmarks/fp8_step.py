@@ -1,0 +1,199 @@
+"""The byte GPT's GPU-preset training step on one GPU, bf16 against FP8, the
+project's transformer blocks against a plain-XLA FP8 block with no project
+code, interleaved in one process.
+
+The step is loss + gradients of 4 pre-LN blocks (d_model 4096, hidden 16384,
+32 heads of 128, sequence 2048 x batch 4 = 8192 tokens), as the example's
+blocks run them (``layers.transformer.sharded_transformer_block`` on a mesh of
+one GPU, so every dense layer is a plain GEMM). Variants:
+
+* ``project_bf16``: ``CommGemmConfig()``;
+* ``project_fp8_tensor`` / ``project_fp8_row``: ``CommGemmConfig(fp8=...)``;
+* ``plain_xla_fp8``: the same arithmetic written in plain jax: per-tensor
+  current scaling, E4M3 forward and E5M2 gradients, every GEMM contracting
+  both operands on their last axis, the transposed FP8 copies made by casts.
+  The reference the project's FP8 step must match.
+
+Each variant runs N steps back to back per timed batch, after 3 untimed rounds
+of load; rounds alternate in order; median ms per step. The SM clock and power
+are printed before and after. Prints a markdown table last; writes JSON.
+
+Usage: python benchmarks/fp8_step.py OUT.json [--smoke]   (--smoke: tiny, CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_comm_gemm as jcg
+from jax_comm_gemm.fp8 import Fp8Recipe
+from jax_comm_gemm.layers import transformer as tb
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+LAST = (((1,), (1,)), ((), ()))  # both operands contract on their last axis
+
+
+def _cast(t, dtype):
+  """t in FP8 with a per-tensor scale from its amax: (t8, scale)."""
+  scale = jnp.maximum(jnp.max(jnp.abs(t)).astype(F32), 1e-12) / float(jnp.finfo(dtype).max)
+  return (t.astype(F32) / scale).astype(dtype), scale
+
+
+@jax.custom_vjp
+def plain_fp8_dense(x, w):
+  """x [n, k] @ w [k, m] in FP8, written in plain jax (the reference)."""
+  return _plain_fwd(x, w)[0]
+
+
+def _plain_fwd(x, w):
+  x8, sx = _cast(x, E4M3)
+  w8, sw = _cast(w, E4M3)
+  y = lax.dot_general(x8, w8.T, LAST, preferred_element_type=BF16) * (sx * sw).astype(BF16)
+  return y, (x8.T, sx, w8, sw)
+
+
+def _plain_bwd(res, dy):
+  x8t, sx, w8, sw = res
+  dy8, sdy = _cast(dy, E5M2)
+  dx = lax.dot_general(dy8, w8, LAST, preferred_element_type=BF16) * (sdy * sw).astype(BF16)
+  dw = lax.dot_general(x8t, dy8.T, LAST, preferred_element_type=F32) * (sx * sdy)
+  return dx, dw.astype(BF16)
+
+
+plain_fp8_dense.defvjp(_plain_fwd, _plain_bwd)
+
+
+def plain_block(p, x, heads, attention):
+  """One pre-LN block in plain jax, x [seq, batch, d], FP8 dense layers."""
+  s, b, d = x.shape
+
+  def norm(t, q):
+    t32 = t.astype(F32)
+    mean = t32.mean(-1, keepdims=True)
+    var = ((t32 - mean) ** 2).mean(-1, keepdims=True)
+    return ((t32 - mean) * lax.rsqrt(var + 1e-6) * q["scale"] + q["bias"]).astype(BF16)
+
+  def dense(t, q):
+    return plain_fp8_dense(t.reshape(-1, t.shape[-1]), q["kernel"]) + q["bias"]
+
+  qkv = dense(norm(x, p["ln_1"]), p["attention"]["qkv"]).reshape(s, b, heads, 3, d // heads)
+  q, k, v = (jnp.swapaxes(qkv[:, :, :, i], 0, 1) for i in range(3))
+  a = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention)
+  x = x + dense(jnp.swapaxes(a, 0, 1).reshape(s * b, d), p["attention"]["out"]).reshape(x.shape)
+  h = jax.nn.gelu(dense(norm(x, p["ln_2"]), p["mlp"]["fc1"]))
+  return x + dense(h, p["mlp"]["fc2"]).reshape(x.shape)
+
+
+def steps(mesh, heads, attention):
+  """{variant: jitted (params, x) -> (loss, grads)}."""
+  def project(config):
+    options = tb.BlockOptions(num_heads=heads, dtype=BF16, attention_implementation=attention,
+                              config=config)
+
+    def loss(ps, x):
+      for p in ps:
+        x = tb.sharded_transformer_block(x, p, mesh=mesh, options=options)
+      return jnp.mean(x.astype(F32) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+  def plain(ps, x):
+    for p in ps:
+      x = plain_block(p, x, heads, attention)
+    return jnp.mean(x.astype(F32) ** 2)
+
+  return {"project_bf16": project(jcg.CommGemmConfig()),
+          "project_fp8_tensor": project(jcg.CommGemmConfig(fp8=Fp8Recipe("tensor"))),
+          "project_fp8_row": project(jcg.CommGemmConfig(fp8=Fp8Recipe("row"))),
+          "plain_xla_fp8": jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))}
+
+
+def clocks() -> str:
+  try:
+    return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                           "--format=csv,noheader"], capture_output=True, text=True,
+                          timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "n/a"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("out")
+  parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds (CPU)")
+  args = parser.parse_args()
+  d, hidden, heads, layers, seq, batch = ((64, 128, 2, 2, 16, 2) if args.smoke
+                                          else (4096, 16384, 32, 4, 2048, 4))
+  rounds, per_batch = (2, 1) if args.smoke else (10, 5)
+  attention = None if args.smoke else "cudnn"
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  layout = tb.param_layout(d, hidden, "tp")
+  ps = []
+  for i in range(layers):
+    leaves, tree = jax.tree_util.tree_flatten_with_path(
+        layout, is_leaf=lambda s: isinstance(s, tb.ParamSpec))
+    keys = jax.random.split(jax.random.key(i), len(leaves))
+
+    def init(key, path, spec):  # kernels ~ k^-1/2, LayerNorm scales 1, biases 0
+      if len(spec.shape) == 2:
+        return (jax.random.normal(key, spec.shape, F32) / np.sqrt(spec.shape[0])).astype(BF16)
+      scale = "scale" in jax.tree_util.keystr(path)
+      return (jnp.ones if scale else jnp.zeros)(spec.shape, BF16)
+    ps.append(jax.tree.unflatten(tree, [init(k, path, spec)
+                                        for k, (path, spec) in zip(keys, leaves)]))
+  x = jax.random.normal(jax.random.key(99), (seq, batch, d), F32).astype(BF16)
+  variants = steps(mesh, heads, attention)
+  results = {}
+  for name, f in variants.items():
+    t0 = time.perf_counter()
+    loss, (gp, gx) = f(ps, x)
+    jax.block_until_ready(gx)
+    text = f.lower(ps, x).compile().as_text()
+    results[name] = {"loss": float(loss), "compile_s": time.perf_counter() - t0,
+                     "gx_norm": float(jnp.linalg.norm(gx.astype(F32))),
+                     "f8_gemms": text.count('custom_call_target="__cublas$lt$matmul$f8"'),
+                     "bf16_gemms": text.count('custom_call_target="__cublas$lt$matmul"'),
+                     "cudnn_calls": text.count("__cudnn")}
+    print(name, results[name], flush=True)
+  before, times = clocks(), {name: [] for name in variants}
+  order = list(variants)
+  for index in range(3 + rounds):
+    for name in (order if index % 2 == 0 else order[::-1]):
+      f = variants[name]
+      t = time.perf_counter()
+      out = None
+      for _ in range(per_batch):
+        out = f(ps, x)
+      jax.block_until_ready(out)
+      if index >= 3:
+        times[name].append((time.perf_counter() - t) / per_batch)
+  for name in variants:
+    results[name]["ms"] = 1e3 * float(np.median(times[name]))
+    results[name]["tokens_per_s"] = seq * batch / (results[name]["ms"] / 1e3)
+  results["meta"] = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
+                     "clocks_before": before, "clocks_after": clocks(),
+                     "shape": dict(d=d, hidden=hidden, heads=heads, layers=layers, seq=seq,
+                                   batch=batch), "rounds": rounds, "steps_per_batch": per_batch}
+  with open(args.out, "w") as f:
+    json.dump(results, f, indent=1)
+  base = results["project_bf16"]["ms"]
+  print(f"\n{results['meta']['device']}, jax {jax.__version__}; clocks "
+        f"{before} -> {results['meta']['clocks_after']}")
+  print("| variant | ms/step | tokens/s | speed-up over project bf16 | f8 GEMMs | bf16 GEMMs |")
+  print("| --- | --- | --- | --- | --- | --- |")
+  for name in variants:
+    r = results[name]
+    print(f"| {name} | {r['ms']:.2f} | {r['tokens_per_s']:,.0f} | {base / r['ms']:.3f} | "
+          f"{r['f8_gemms']} | {r['bf16_gemms']} |")
+
+
+if __name__ == "__main__":
+  main()

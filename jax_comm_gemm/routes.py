@@ -1,0 +1,108 @@
+"""Routing decisions of the collective matmuls that are not the backend's:
+where a weight gradient gets its gathered operand, whether the row-parallel
+backward fuses its weight gradient, and whether the ops run in FP8. Each is
+decided here, at trace time, from the routing plan in force; the custom_vjps
+(collective_matmul.py) and the per-layer report (diagnostics/report.py) ask
+the same functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax_comm_gemm.backends import Backend
+from jax_comm_gemm.runtime import settings
+from jax_comm_gemm.runtime.registry import current_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredRoute:
+  """Where a weight gradient gets its gathered operand: from the fused op
+  (``reuse``) or from a ``lax.all_gather``, and why.
+
+  >>> GatheredRoute(False, "reuse_gathered=False was requested").reuse
+  False
+  """
+  reuse: bool
+  reason: str
+
+
+def gathered_route(backend: Backend, reuse_gathered: bool | None, axis_size: int, dtype,
+                   transpose_w: bool) -> GatheredRoute:
+  """The one place that decides whether an AllGather+GEMM hands out its gathered
+  operand (an AllGather+GEMM with `transpose_w`, in `dtype`, over `axis_size`).
+
+  >>> from jax_comm_gemm.backends import XlaBackend
+  >>> gathered_route(XlaBackend(), None, 2, "bfloat16", False).reason
+  "XLA's all_gather result is an ordinary array"
+  """
+  if reuse_gathered is False:
+    return GatheredRoute(False, "reuse_gathered=False was requested")
+  verdict = backend.gathered_reuse(axis_size, dtype, transpose_w)
+  return GatheredRoute(verdict.ok, verdict.reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradientRoute:
+  """Whether the row-parallel backward computes its weight gradient inside the
+  AllGather+GEMM (``fuse``), reading the gathered operand in place, and why.
+
+  >>> WeightGradientRoute(True, "verified").fuse
+  True
+  """
+  fuse: bool
+  reason: str
+
+
+def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
+                          reuse_gathered: bool | None, x, w, axis_name: str,
+                          transpose_w: bool) -> WeightGradientRoute:
+  """The one place that decides whether the row-parallel backward's
+  AllGather+GEMM (of grad_output `x` and `w`, with `transpose_w`) also
+  computes the weight gradient.
+
+  >>> from jax_comm_gemm.backends import XlaBackend
+  >>> weight_gradient_route(XlaBackend(), False, None, None, None, "tp", False).fuse
+  False
+  """
+  if not fuse_weight_gradient:
+    return WeightGradientRoute(False, "fuse_weight_gradient is off (the default: "
+                                      "docs/design.md#fused-weight-gradient)")
+  if reuse_gathered is False:
+    return WeightGradientRoute(False, "reuse_gathered=False was requested")
+  verdict = backend.weight_gradient_fusion(x, w, axis_name, transpose_w)
+  return WeightGradientRoute(verdict.ok, verdict.reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Route:
+  """Whether the collective matmuls run in FP8 (``fp8``), and why.
+
+  >>> Fp8Route(False, "no FP8 recipe").fp8
+  False
+  """
+  fp8: bool
+  reason: str
+
+
+def fp8_route(config) -> Fp8Route:
+  """Whether `config`'s ops run in FP8 under the plan in force: where it holds
+  a recipe. FP8 runs on XLA's collectives, so a backend that
+  ``JAX_COMM_GEMM_BACKEND`` forces and that is not XLA is an error here
+  (``CommGemmConfig`` refuses such a ``backend`` itself).
+
+  >>> import jax_comm_gemm as jcg
+  >>> from jax_comm_gemm.fp8 import Fp8Recipe
+  >>> fp8_route(jcg.CommGemmConfig(fp8=Fp8Recipe())).reason
+  "FP8 (tensor scaling) on XLA's collectives: FP8 bytes all-gathered, the gathered grad_output reused"
+  """
+  if config.fp8 is None:
+    return Fp8Route(False, "no FP8 recipe")
+  forced = current_plan().settings.backend
+  if forced not in ("", "auto", "xla"):
+    raise RuntimeError(f"{settings.BACKEND}={forced} cannot run CommGemmConfig.fp8: FP8 "
+                       "runs on XLA's collectives (docs/fp8.md); unset it or set it to xla")
+  reuse = ("the gathered grad_output gathered again (reuse_gathered=False)"
+           if config.reuse_gathered is False else "the gathered grad_output reused")
+  return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) on XLA's collectives: FP8 "
+                        f"bytes all-gathered, {reuse}")
