@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import linen as L
+from jax_comm_gemm.flax.common import DEFAULTS
 
 # name: (module factory, input width, input spec, output spec, reference)
 CASES = {
@@ -306,7 +307,6 @@ def test_arguments_are_checked_and_named(module, x_shape, error, match):
 
 def test_shared_options_follow_the_table():
   """Every module's shared options default to the one table's values."""
-  from jax_comm_gemm.flax.common import DEFAULTS  # noqa: PLC0415
   for module in (L.ColumnParallelDense(F), L.RowParallelDense(K), L.SequenceParallelMLP(F),
                  L.SequenceParallelTransformerBlock(2, F)):
     assert {name: getattr(module, name) for name in DEFAULTS} == DEFAULTS

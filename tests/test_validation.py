@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
+from jax_comm_gemm.runtime.settings import Settings
 from jax_comm_gemm import (CommGemmConfig, all_gather_matmul, dense, matmul_reduce_scatter,
                            resolve_backend, sharded, validation)
 
@@ -170,8 +171,8 @@ def test_mismatched_dtypes():
 
 
 def test_transpose_w_must_be_bool():
-  with pytest.raises(TypeError, match=r"all_gather_matmul: transpose_w must be a bool, "
-                     r"got 'yes'"):
+  with pytest.raises(TypeError, match=r"all_gather_matmul: `transpose_w` must be True or "
+                     r"False, got 'yes'"):
     _trace_in_shard_map(lambda x, w: all_gather_matmul(x, w, "tp", transpose_w="yes"),
                         (P("tp"), P()), (16, 16), (16, 8))
 
@@ -261,47 +262,28 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
                              r"instance, got <object"),
     (dict(all_gather_algorithm="fastest"),
      r"CommGemmConfig.all_gather_algorithm must be one of \('default', 'split_p2p', "
-     r".*'no_overlap', 'pipelined', 'pipelined_ce'\), got 'fastest'"),
+     r".*'pipelined', 'pipelined_ce'\), got 'fastest'"),
     (dict(reduce_scatter="tree"),
      r"CommGemmConfig.reduce_scatter must be one of \('xla', .*'default', .*\), got 'tree'"),
-    (dict(all_gather_algorithm="split_multicast"),
-     r"CommGemmConfig.all_gather_algorithm='split_multicast' uses NVLink multicast.*"
-     r"pass allow_multicast=True"),
-    (dict(reduce_scatter="atomic_multicast"),
-     r"CommGemmConfig.reduce_scatter='atomic_multicast' uses NVLink multicast.*"
-     r"pass allow_multicast=True"),
     (dict(reuse_gathered=True), r"CommGemmConfig.reuse_gathered must be None \(reuse "
-                                r"where the capability check passes\) or False, got True"),
-    (dict(gathered_layout="middle"), r"CommGemmConfig.gathered_layout must be None or "
-                                     r"one of \('front', 'tail'\), got 'middle'"),
+                                r"where the self-test passed\) or False, got True"),
     (dict(fuse_weight_gradient="yes"), r"CommGemmConfig.fuse_weight_gradient must be True "
                                        r"or False, got 'yes'"),
-], ids=["backend", "backend_object", "algorithm", "reduce_scatter",
-        "multicast_ag",
-        "multicast_rs", "reuse_true", "layout", "fuse_weight_gradient"])
+], ids=["backend", "backend_object", "algorithm", "reduce_scatter", "reuse_true",
+        "fuse_weight_gradient"])
 def test_bad_config(kwargs, match):
   """CommGemmConfig refuses bad values when it is built."""
   with pytest.raises(ValueError, match=match):
     CommGemmConfig(**kwargs)
 
 
-def test_multicast_with_explicit_opt_in():
-  """The multicast algorithms are accepted once allow_multicast=True."""
-  config = CommGemmConfig(all_gather_algorithm="atomic_multicast",
-                          reduce_scatter="split_multicast", allow_multicast=True)
-  assert config.all_gather_algorithm == "atomic_multicast"
-
-
-def test_bad_backend_environment_variable(monkeypatch):
-  """JAX_COMM_GEMM_BACKEND with a bad value fails when an op is traced."""
-  monkeypatch.setenv("JAX_COMM_GEMM_BACKEND", "cuda")
-  match = (r"environment variable JAX_COMM_GEMM_BACKEND='cuda': allowed values are "
-           r"\('auto', 'cublasmp', 'xla', 'ring'\)")
-  with pytest.raises(ValueError, match=match):
-    resolve_backend(CommGemmConfig())
-  with pytest.raises(ValueError, match=match):
-    _trace_in_shard_map(lambda x, w: all_gather_matmul(x, w, "tp"),
-                        (P("tp"), P()), (16, 16), (16, 8))
+def test_bad_backend_environment_variable():
+  """JAX_COMM_GEMM_BACKEND with a bad value is refused where the settings are
+  read, naming the variable."""
+  with pytest.raises(ValueError, match=r"environment variable JAX_COMM_GEMM_BACKEND='cuda': "
+                                       r"allowed values are \('auto', 'cublasmp', 'xla', "
+                                       r"'ring'\)"):
+    Settings.from_environ({"JAX_COMM_GEMM_BACKEND": "cuda"})
 
 
 def test_valid_arguments_trace():
