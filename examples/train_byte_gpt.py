@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "backend='auto' against 'xla' (2 rounds, alternating); 0: no A/B; "
                         "none at tp=1, where both run XLA "
                         "(default: 20 on GPU, 0 on CPU, where both run XLA)")
+  run.add_argument("--profile", metavar="DIR",
+                   help="after training, trace 3 more steps with jax.profiler into DIR "
+                        "(each step annotated 'train_step'; benchmarks/trace_summary.py "
+                        "--window train_step summarises it)")
   run.add_argument("--json-out", metavar="PATH",
                    help="write a JSON summary here (default: none)")
   return p
@@ -340,6 +344,13 @@ def train(args) -> dict:
     checkpoints.maybe_save(step + 1, s["steps"], params, opt_state)
   log.close()
   checkpoints.close()
+  if args.profile:  # 3 more steps (they update the model too), each annotated
+    with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+      for _ in range(3):
+        with jax.profiler.TraceAnnotation("train_step"):
+          params, opt_state, loss = step_fn(params, opt_state, tokens, targets)
+          jax.block_until_ready(loss)
+    say(f"profile: 3 steps traced into {args.profile}")
   tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
   say(run_report.loss_summary(history, tokens_per_s, start))
 
