@@ -167,11 +167,16 @@ def _all_gather_matmul(x, w, s: Static):
   return _all_gather_matmul_fwd(x, w, s)[0]
 
 
-def _all_gather_matmul_fwd(x, w, s: Static):
-  f8 = s.recipe.forward_dtype
+def _operands(s: Static, x, w):
+  """x's agreed amax, and the weight's two FP8 copies (forward, backward) with
+  their inverse scales: what both forwards start from."""
   ax, aw = st.tensor_amaxes(s, x, w)
-  wf8, wf_inv, wb8, wb_inv = st.weights(s, w, aw)
-  x8, x_inv = st.quantize(s, x, f8, ax)
+  return (ax, *st.weights(s, w, aw))
+
+
+def _all_gather_matmul_fwd(x, w, s: Static):
+  ax, wf8, wf_inv, wb8, wb_inv = _operands(s, x, w)
+  x8, x_inv = st.quantize(s, x, s.recipe.forward_dtype, ax)
   g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
   y = st.gemm(s, g8, wf8, g_inv, wf_inv, s.x_dtype)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
@@ -208,12 +213,10 @@ def _matmul_reduce_scatter(x, w, s: Static):
 
 
 def _matmul_reduce_scatter_fwd(x, w, s: Static):
-  f8 = s.recipe.forward_dtype
-  ax, aw = st.tensor_amaxes(s, x, w)
-  wf8, wf_inv, wb8, wb_inv = st.weights(s, w, aw)
+  ax, wf8, wf_inv, wb8, wb_inv = _operands(s, x, w)
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
-  x8, x_inv, xT8, xT_inv = st.quantize(s, x, f8, ax, columns=True)
+  x8, x_inv, xT8, xT_inv = st.quantize(s, x, s.recipe.forward_dtype, ax, columns=True)
   y = st.reduce_scatter(s, st.gemm(s, x8, wf8, x_inv, wf_inv, s.x_dtype))
   return y, (xT8, xT_inv, wb8, wb_inv)
 
