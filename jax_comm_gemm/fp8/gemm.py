@@ -4,7 +4,7 @@ Hopper's FP8 GEMMs take one layout: both operands contract on their LAST axis
 ("TN"). Written so, ``lax.dot_general(a8, b8, (((1,), (1,)), ((), ())),
 preferred_element_type=...)`` compiles to one ``__cublas$lt$matmul$f8`` with no
 transpose feeding it; a weight stored ``[k, n]`` instead adds an FP8 transpose
-per call, 1.3-1.6x slower on one H200 (../shared/reference/fp8.md). So the
+per call, 1.3-1.6x slower on one H200 (docs/fp8.md). So the
 weight's FP8 copies are made by the cast, in the layout each GEMM wants
 (:func:`weight_copies`), once per call of the layer.
 
