@@ -573,21 +573,12 @@ class Runner:
       self.progress("lower", n)
       try:
         if n == "auto_step" and not self.args.cpu_smoke:
-          # The other variants are lowered already: this decision is auto_step's,
-          # and it is undone after its lowering, so that `auto` keeps the per-op
-          # choices in the records after this one (a row-parallel layer's
-          # problems are those of an MLP's fc2).
-          registry = self.ctx.jcg.REGISTRY
-          per_op = {p: registry.decision(p) for p in registry.seen()}
-          _, why = self.ctx.jcg.autotune_step(self.mesh, AXIS, fns[n], *args[n],
-                                              seconds_per_problem=0.6)
-          entries[n]["autotune_step"] = why
-          try:
-            lowered[n] = fns[n].lower(*args[n])
-          finally:
-            for p, decision in per_op.items():
-              if decision is not None:
-                registry.record_decision(p, decision)
+          # The tuned step carries its decisions; `auto` keeps the per-op
+          # choices of the process's plan.
+          tuned = self.ctx.jcg.autotune_step(self.mesh, AXIS, fns[n], *args[n],
+                                             seconds_per_problem=0.6)
+          entries[n]["autotune_step"] = tuned.why
+          lowered[n] = tuned.lower(*args[n])
         else:
           lowered[n] = fns[n].lower(*args[n])
       except Exception as e:  # noqa: BLE001  (a variant that fails is a result)
@@ -901,9 +892,9 @@ def autotune_auto_variants(jax, jcg, mesh, fns, args, names) -> dict:
   for n in auto:
     fns[n].trace(*args[n])
   problems = jcg.REGISTRY.seen()
-  jcg.autotune(mesh, AXIS, seconds_per_problem=0.6)
-  jax.clear_caches()
-  return {p.text(): list(jcg.REGISTRY.decision(p) or ("?", "not decided")) for p in problems}
+  jcg.autotune(mesh, AXIS, seconds_per_problem=0.6)  # publishes a plan: traces are redone
+  plan = jcg.REGISTRY.plan()
+  return {p.text(): list(plan.decision(p) or ("?", "not decided")) for p in problems}
 
 
 def memory_worker(args):

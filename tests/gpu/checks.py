@@ -10,6 +10,7 @@ Longer than 300 lines because each GPU check is a function of its own in one lis
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -28,7 +29,7 @@ from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation, runnable
 from jax_comm_gemm.diagnostics import report
-from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime import REGISTRY
 from jax_comm_gemm.runtime import plan as plan_lib
 from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
 from jax_comm_gemm.runtime.constants import (OWN_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS,
@@ -44,6 +45,19 @@ TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3, "f32": 2e-5}
 
 def cublasmp(**kw) -> jcg.CommGemmConfig:
   return jcg.CommGemmConfig(backend="cublasmp", **kw)
+
+
+@contextlib.contextmanager
+def measured_afresh():
+  """Runs its body with no autotune disk cache (measure now, whatever an
+  earlier run kept); the choices made stay in the plan afterwards."""
+  before = REGISTRY.plan().settings
+  plan_lib.publish(dataclasses.replace(
+      REGISTRY.plan(), settings=dataclasses.replace(before, autotune_cache="")))
+  try:
+    yield
+  finally:
+    plan_lib.publish(dataclasses.replace(REGISTRY.plan(), settings=before))
 
 
 def put(mesh, host: np.ndarray, spec, dtype):
@@ -207,7 +221,7 @@ def check_inputs_intact(mesh):
         y = primitives.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
                                          return_gathered=algorithm == "pipelined",
                                          algorithm=jcg.ALGORITHMS[algorithm],
-                                         layout=REGISTRY.default_layout())[0]
+                                         layout=REGISTRY.plan().layout)[0]
       else:
         y = primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
                                              algorithm=jcg.ALGORITHMS[algorithm])
@@ -453,14 +467,14 @@ def check_layout_self_test(mesh):
   dtype and algorithm the layers use, and rejected the other layout for each;
   a layer told to use the wrong layout all-gathers instead, with right numbers."""
   size = mesh.shape["tp"]
-  right = REGISTRY.default_layout()
+  right = REGISTRY.plan().layout
   wrong = "front" if right == "tail" else "tail"
   verdicts = {}
   for algorithm in SELF_TESTED_ALGORITHMS:
     for dtype in ("bfloat16", "float16", "float32"):
       for transpose_w in (False, True):
-        good = REGISTRY.verdict(VerdictKey(size, algorithm, dtype, transpose_w, right))
-        bad = REGISTRY.verdict(VerdictKey(size, algorithm, dtype, transpose_w, wrong))
+        good = REGISTRY.plan().verdict(VerdictKey(size, algorithm, dtype, transpose_w, right))
+        bad = REGISTRY.plan().verdict(VerdictKey(size, algorithm, dtype, transpose_w, wrong))
         name = f"{algorithm}/{dtype}/{'TN' if transpose_w else 'NN'}"
         assert good.ok, f"{name}: {good.reason}"
         if algorithm in OWN_ALGORITHMS:  # no workspace: any layout passes
@@ -481,7 +495,7 @@ def check_layout_self_test(mesh):
   errs = (rel_err(dh, g64 @ w64.T), rel_err(dw, h64.T @ g64))
   assert max(errs) < 1e-4, errs
   return {"version": jcg.cublasmp_version(), "layout": right, "cases": len(verdicts),
-          "wrong layout": REGISTRY.verdict(VerdictKey(size, "split_p2p", "bfloat16", True,
+          "wrong layout": REGISTRY.plan().verdict(VerdictKey(size, "split_p2p", "bfloat16", True,
                                                       wrong)).reason}
 
 
@@ -626,11 +640,8 @@ def check_autotune(mesh):
               # as a layer's backward calls it, the gathered operand an output too
               Problem(AG, 4096, 4096, 4096 // size, "bfloat16", False, size, gathered=True),
               Problem(RS, 4096, 4096 // size, 4096, "bfloat16", False, size)]
-  os.environ[settings.AUTOTUNE_CACHE] = ""  # measure now, whatever an earlier run kept
-  try:
+  with measured_afresh():  # whatever an earlier run kept on disk
     choices = jcg.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
-  finally:
-    del os.environ[settings.AUTOTUNE_CACHE]
   assert set(choices) == set(problems), choices
   for p, (name, why) in choices.items():
     assert name in CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
@@ -686,17 +697,15 @@ def check_autotune_step(mesh):
     return jax.grad(lambda x, w1, w2: jnp.sum((local(x, w1, w2) * g).astype(jnp.float32)),
                     (0, 1, 2))(x, w1, w2)
 
-  os.environ[settings.AUTOTUNE_CACHE] = ""
-  try:
-    plan, why = jcg.autotune_step(mesh, "tp", grads, x, w1, w2, g, seconds_per_problem=0.3)
-  finally:
-    del os.environ[settings.AUTOTUNE_CACHE]
+  with measured_afresh():
+    tuned = jcg.autotune_step(mesh, "tp", grads, x, w1, w2, g, seconds_per_problem=0.3)
+  plan, why = tuned.plan, tuned.why
   assert why.startswith("step measured"), why
-  taken = {REGISTRY.decision(p)[0] for p in REGISTRY.seen()}
+  taken = {tuned.routes.decision(p)[0] for p in REGISTRY.seen()}
   assert plan == "tuned" or taken == {plan}, (plan, taken)
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in hosts)
   _, dx, dw1, dw2 = mlp_reference(x64, w1_64, w2_64, g64)
-  outs = jax.jit(grads)(x, w1, w2, g)
+  outs = tuned(x, w1, w2, g)
   errs = {name: rel_err(o, r) for name, o, r in zip(("dx", "dw1", "dw2"), outs, (dx, dw1, dw2))}
   for name, err in errs.items():
     assert err < TOLERANCE["bf16"] * 2, f"{name}: worst row error {err} ({errs})"
