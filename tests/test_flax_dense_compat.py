@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import cpu_mesh
+import jax_comm_gemm.linen as jl
+from jax_comm_gemm.diagnostics import report
 from flax import nnx
 from flax.linen import fp8_ops
 from jax.sharding import NamedSharding
@@ -184,3 +186,10 @@ def test_nnx_unknown_argument_is_a_type_error():
   with pytest.raises(TypeError, match=r"RowParallelDense\(\) got an unexpected keyword "
                                       r"argument 'dot_general_cls'"):
     N.RowParallelDense(F, K, rngs=nnx.Rngs(0), dot_general_cls=object)
+
+
+def test_the_report_says_why_an_injected_dot_general_runs_on_xla():
+  mesh = cpu_mesh(2)
+  layer = jl.ColumnParallelDense(8, mesh=mesh, dot_general=jax.lax.dot_general)
+  row = report.layer_path(layer.config, mesh, "tp", "float32", path_reason=layer.path_reason())
+  assert row.path == report.XLA_FALLBACK and "dot_general is injected" in row.reason

@@ -45,15 +45,25 @@ class LayerPath:
 
 def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                reduce_scatter_layer: bool = False,
-               keep_gathered_input: bool = False) -> LayerPath:
+               keep_gathered_input: bool = False,
+               path_reason: str | None = None) -> LayerPath:
   """How a layer's AllGather+GEMM runs on `axis_name` of `mesh`, and where its
   weight gradient gets the gathered operand from.
 
   A row-parallel layer (``reduce_scatter_layer=True``) gathers grad_output in
   its backward AllGather+GEMM (with the transposed kernel) and can reuse it; a
   column-parallel layer can reuse its forward's gathered input only with
-  ``keep_gathered_input``, and otherwise gathers it again.
+  ``keep_gathered_input``, and otherwise gathers it again. `path_reason` is a
+  module's own reason to run on XLA (``module.path_reason()``: an injected
+  ``dot_general``, say), which comes first.
+
+  >>> import jax, numpy as np, jax_comm_gemm as jcg
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+  >>> layer_path(jcg.CommGemmConfig(backend="xla"), mesh, "tp", "bfloat16").path
+  'xla fallback'
   """
+  if path_reason is not None:
+    return LayerPath(XLA_FALLBACK, path_reason)
   size = int(mesh.shape[axis_name])
   fp8 = fp8_route(config)
   if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives
