@@ -29,6 +29,8 @@ from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
 from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation, runnable
 from jax_comm_gemm.diagnostics import report
+from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
+                               quantize_tensor)
 from jax_comm_gemm.runtime import REGISTRY
 from jax_comm_gemm.runtime import plan as plan_lib
 from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
@@ -256,13 +258,13 @@ MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
 def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
              backend: str | backends.Backend = "cublasmp",
              all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None,
-             fuse_weight_gradient: bool = False):
+             fuse_weight_gradient: bool = False, fp8: Fp8Recipe | None = None):
   """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
   (check_mlp and the stress runner time and check the same step)."""
   config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter,
                               all_gather_algorithm=all_gather_algorithm,
                               reuse_gathered=reuse_gathered,
-                              fuse_weight_gradient=fuse_weight_gradient)
+                              fuse_weight_gradient=fuse_weight_gradient, fp8=fp8)
 
   def loss(x, w1, w2, g):
     y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)
@@ -293,6 +295,53 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
   for name, err in errs.items():
     assert err < TOLERANCE[dtype] * 2, f"{name}: rel err {err} ({errs})"
   return errs
+
+
+# FP8's error bound: max |error| over max |reference| of each output, derived
+# from E4M3's and E5M2's mantissas in tests/test_fp8.py (its TOLERANCES).
+FP8_TOLERANCE = {"y": 0.106, "dx": 0.165, "dw1": 0.181, "dw2": 0.220}
+
+
+def check_fp8(mesh, scaling: str, keep: bool = False):
+  """The SP MLP block in FP8 (``CommGemmConfig(fp8=...)``, on XLA's
+  collectives), bf16 in and out: forward and gradients against float64 within
+  the FP8 bound; the gathered FP8 operand equals ``lax.all_gather`` of the
+  shards quantized with the agreed scale, bit for bit; and the compiled step
+  keeps bf16's standalone all-gathers (the report's count), FP8 on the wire."""
+  n, d, f = 1024, 512, 1024
+  recipe = Fp8Recipe(scaling)
+  dt = jnp.bfloat16
+  hosts = [random(5, n, d), random(6, d, f, scale=d**-0.5), random(7, f, d, scale=f**-0.5),
+           random(8, n, d)]
+  x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
+  x, w1, w2, g = (put(mesh, a, s, dt) for a, s in zip(hosts, MLP_IN_SPECS))
+  step = mlp_step(mesh, keep=keep, backend="auto", fp8=recipe)
+  errs = {}
+  for name, out, ref in zip(("y", "dx", "dw1", "dw2"), step(x, w1, w2, g),
+                            mlp_reference(x64, w1_64, w2_64, g64)):
+    errs[name] = max(float(np.max(np.abs(np.asarray(b, np.float64) - ref[i])))
+                     for i, b in blocks(out)) / float(np.max(np.abs(ref)))
+    assert errs[name] < FP8_TOLERANCE[name], f"{name}: {errs[name]} ({errs})"
+  # The gathered operand: the whole x quantized at once (tensor), or row by row.
+  gather = smap(mesh, lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=recipe,
+                                                         return_gathered=True)[1][None],
+                (P("tp"), P(None, "tp")), P("tp"))
+  q, inv = (quantize_tensor if scaling == "tensor" else quantize_rows)(
+      jnp.asarray(hosts[0].astype(np.float32)).astype(dt), recipe.forward_dtype)
+  want = np.asarray(dequantize(q, inv, dt), np.float64)
+  for _, block in blocks(gather(x, w1)):
+    assert np.array_equal(block[0], want), "the gathered FP8 operand differs"
+  # Compiled on the GPUs: bf16's standalone all-gather count, in FP8.
+  text = step.lower(x, w1, w2, g).compile().as_text()
+  counted = hlo.count_collectives(text)
+  expected = report.expected_all_gathers(jcg.CommGemmConfig(fp8=recipe), mesh, "tp", dt,
+                                          keep_gathered_input=keep)
+  scale_gathers = 2 if scaling == "row" else 0  # the row scales travel beside the rows
+  assert counted.all_gather - scale_gathers == expected.standalone_all_gathers, (
+      counted, expected)
+  gathers = [line for line in text.splitlines() if " all-gather" in line and "=" in line]
+  assert any("f8e4m3fn" in line for line in gathers), "no FP8 all-gather in the step"
+  return {"errors": errs, "all_gathers": counted.all_gather}
 
 
 def check_pallas(mesh, dtype: str):
@@ -807,6 +856,9 @@ CHECKS["autotune_step"] = check_autotune_step
 CHECKS["mesh_2d"] = check_mesh_2d
 for _dt in ("bf16", "f16"):
   CHECKS[f"pallas_{_dt}"] = lambda mesh, dt=_dt: check_pallas(mesh, dt)
+for _scaling in ("tensor", "row"):
+  CHECKS[f"fp8_{_scaling}"] = lambda mesh, s=_scaling: check_fp8(mesh, s)
+CHECKS["fp8_tensor_keep_input"] = lambda mesh: check_fp8(mesh, "tensor", keep=True)
 
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
@@ -815,4 +867,4 @@ SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_s
                          "mlp_bf16_rs_pipelined_ce", "rs_pipelined_chunks",
                          "weight_gradient_bf16_nn", "weight_gradient_f32_tn", "mlp_repeated",
                          "routing", "layout_self_test", "autotune", "vmap", "mesh_2d",
-                         "pallas_bf16")
+                         "pallas_bf16", "fp8_tensor", "fp8_row")
