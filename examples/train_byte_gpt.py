@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
   comm.add_argument("--fp8", choices=("tensor", "row"),
                     help="run every dense GEMM in FP8 (E4M3 forward, E5M2 gradients) with "
                          "this scaling: one scale per tensor agreed over the tp group, or "
-                         "one per token row; FP8 bytes are all-gathered (docs/fp8.md)")
+                         "one per token row; FP8 bytes are all-gathered (docs/fp8.md) "
+                         "(default: none, the GEMMs run in --dtype)")
   comm.add_argument("--keep-gathered-input", action="store_true",
                     help="QKV and fc1 keep their forward's gathered input for the weight "
                          "gradient (no all-gather in the backward pass, more memory)")
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--profile", metavar="DIR",
                    help="after training, trace 3 more steps with jax.profiler into DIR "
                         "(each step annotated 'train_step'; benchmarks/trace_summary.py "
-                        "--window train_step summarises it)")
+                        "--window train_step summarises it) (default: none)")
   run.add_argument("--json-out", metavar="PATH",
                    help="write a JSON summary here (default: none)")
   return p
