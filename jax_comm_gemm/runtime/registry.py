@@ -115,12 +115,13 @@ class Registry:
     found = plan_lib.published()
     if found is not None:
       return found
-    status = self.cublasmp_status()
-    layout = default_layout(self.cublasmp_version())
-    with self._lock:
-      if self._first is None:
-        self._first = Plan(Settings.from_environ(), status, layout)
-      return self._first
+    if self._first is None:  # built once; a race builds two equal plans
+      status = self.cublasmp_status()
+      first = Plan(Settings.from_environ(), status, default_layout(self.cublasmp_version()))
+      with self._lock:
+        if self._first is None:
+          self._first = first
+    return self._first
 
   def adopt(self, settings: Settings) -> None:
     """Publishes the plan in force with `settings` and what this process
