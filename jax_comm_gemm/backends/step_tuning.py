@@ -30,7 +30,7 @@ import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
 from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, fastest, time_candidates,
                                            union_of_failures)
-from jax_comm_gemm.backends.tuning import load_cache, measure, save_cache, signature, tunable
+from jax_comm_gemm.backends.tuning import load_cache, measure, remember, signature, tunable
 from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.plan import Plan
@@ -176,7 +176,7 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     plan, why = cached[0], f"{cached[1]} (cached)"
   else:
     plan, why = _measure(ident, attempt, routes, step, args, iterations, rounds, timeout)
-    _remember(path, key, plan, why)
+    remember(path, signature(), {key: [plan, why]})
   if plan != TUNED:
     routes[plan] = base.with_decisions({p: (name, why) for p, (name, _) in plans[plan].items()})
   return TunedStep(step, routes[plan], plan, why)
@@ -221,10 +221,3 @@ def agree_on_step(ident, attempt, mine: dict[str, float], timeout: float) -> tup
       decide=lambda times: list(decide_step({name: [t[name] for t in times]
                                              for name in mine})))
   return plan, why
-
-
-def _remember(path: str, key: str, plan: str, why: str) -> None:
-  if jax.process_index() == 0 and path:
-    cache = load_cache(path)
-    cache.setdefault(signature(), {})[key] = [plan, why]
-    save_cache(path, cache)

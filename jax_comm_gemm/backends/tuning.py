@@ -199,8 +199,15 @@ def measure(mesh, axis_name: str, problems, plan, *,
         decide=lambda times: list(decide({name: [t[name] for t in times]
                                           for name in times[0]})))
     choices[p] = tuple(choice)
-    if jax.process_index() == 0 and path:
-      cache = load_cache(path)
-      cache.setdefault(section, {})[p.text()] = list(choice)
-      save_cache(path, cache)
+  measured = {Problem(**q).text(): list(choices[Problem(**q)]) for q, _ in work["measure"]}
+  remember(path, section, measured)
   return choices
+
+
+def remember(path: str, section: str, entries: dict) -> None:
+  """Adds `entries` to `section` of the disk cache at `path` (process 0 only;
+  nothing where `path` is "" or there is nothing to add)."""
+  if jax.process_index() == 0 and path and entries:
+    cache = load_cache(path)
+    cache.setdefault(section, {}).update(entries)
+    save_cache(path, cache)
