@@ -6,15 +6,22 @@ AllGather+GEMM shapes (all tokens gathered, half the output features).
 Variants, per shape:
 
 * ``jax_bf16``: ``a @ b`` in bf16, b (k, n);
-* ``fp8_direct`` / ``fp8_dequant_f32``: ``fp8_gemm_tn`` in each form, a8 (m, k)
-  and the weight's TN copy b8 (n, k) in E4M3, per-tensor scales, bf16 out;
-* ``fp8_noscale``: the bare TN FP8 dot, no scale (what the epilogue costs);
+* ``fp8_direct``: ``fp8_gemm_tn`` in XLA's form, a8 (m, k) and the weight's TN
+  copy b8 (n, k) in E4M3, per-tensor scales, bf16 out (its other form,
+  dequant_f32, was slower at every shape: docs/fp8.md);
+* ``fp8_cublaslt``: the project's FP8 GEMM custom call (xla_ffi/fp8_gemm.h) on
+  the same operands, its algorithm timed at the first call;
+  ``fp8_cublaslt_heuristic``: the same with cuBLASLt's first heuristic choice;
+  ``fp8_cublaslt_row``: with per-row scales (OUTER_VEC_32F);
 * ``torch_scaled_mm``: ``torch._scaled_mm`` with per-tensor scales, bf16 out,
-  the weight column-major (n, k) row-major transposed), if torch imports.
+  the weight column-major ((n, k) row-major, transposed), if torch imports;
+  ``torch_scaled_mm_row``: the same with per-row scales (rowwise scaling).
 
-Timing: the variants interleaved; per round and variant 20 back-to-back calls
-and one sync; after >= 3 s of warm-up load, the median over >= 12 rounds, ms
-per call. Prints the SM clock and power before and after (nvidia-smi), a
+Timing: the variants interleaved; per round and variant 3 calls of one program
+that runs 20 GEMMs back to back, each on its own a (as the GEMMs of a training
+step run inside one executable; one jitted call per GEMM would time jax's
+dispatch too), and one sync; after >= 3 s of warm-up load, the median over >=
+12 rounds, ms per GEMM. Prints the SM clock and power before and after (nvidia-smi), a
 markdown table with each variant's ratio to torch, writes a JSON, and checks
 the optimized HLO of the project's GEMM: one FP8 GEMM and no transpose, asserted
 on GPU. The GEMM is a ``__cublas$lt$matmul$f8`` call, or where XLA's autotuner
@@ -42,15 +49,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_comm_gemm.fp8.gemm import fp8_gemm_tn  # noqa: E402
-from jax_comm_gemm.fp8.quantize import quantize_tensor  # noqa: E402
+from jax_comm_gemm.fp8.gemm import _cublaslt_gemm, fp8_gemm_tn  # noqa: E402
+from jax_comm_gemm.fp8.quantize import quantize_rows, quantize_tensor  # noqa: E402
+from jax_comm_gemm.runtime.constants import TARGETS  # noqa: E402
 
 SHAPES = ((8192, 8192, 14336), (16384, 8192, 4096), (8192, 8192, 3584),
           (8192, 4096, 2048), (4096, 4096, 2048), (2048, 8192, 4096))
 SMOKE_SHAPES = ((64, 64, 32), (32, 64, 64))
-CALLS = 20
+CALLS = 20    # GEMMs in one program (one torch call: as many launches)
+REPEATS = 3   # programs per timed sample
 F8 = jnp.float8_e4m3fn
 FP8_TARGET = "__cublas$lt$matmul$f8"
+PROJECT_TARGET = TARGETS["fp8_gemm"]
+# The variants whose HLO is checked, and their rows in the JSON.
+CHECKED = ("fp8_direct", "fp8_cublaslt", "fp8_cublaslt_precise", "fp8_cublaslt_row")
 
 
 def gpu_clocks() -> str:
@@ -63,20 +75,46 @@ def gpu_clocks() -> str:
 
 
 def jax_variants(m, k, n):
-  """name -> (compiled executable, args): compiled once, timed and inspected."""
+  """name -> (single, args, many, many_args): the GEMM of one call (compiled,
+  for its HLO and its result) and CALLS of them in one program, each on its
+  own a (as in a training step, where the GEMMs run back to back inside one
+  executable: no dispatch between them to time)."""
   ka, kb = jax.random.split(jax.random.key(m + k + n))
   a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
   b = (jax.random.normal(kb, (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-  a8, ia = jax.jit(lambda t: quantize_tensor(t, F8))(a)
-  b8, ib = jax.jit(lambda t: quantize_tensor(t.T, F8))(b)  # the weight's TN copy, once
-  fns = {"jax_bf16": (lambda a, b: a @ b, (a, b))}
-  for form in ("direct", "dequant_f32"):
-    fns[f"fp8_{form}"] = (lambda a8, b8, ia, ib, form=form: fp8_gemm_tn(
-        a8, b8, ia, ib, jnp.bfloat16, form=form), (a8, b8, ia, ib))
-  # The bare FP8 dot, no scale: what the scale epilogue costs.
-  fns["fp8_noscale"] = (lambda a8, b8: jax.lax.dot_general(
-      a8, b8, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16), (a8, b8))
-  return {name: (jax.jit(f).lower(*args).compile(), args) for name, (f, args) in fns.items()}
+  As = [a * (1 + i / 64) for i in range(CALLS)]
+  q_tensor = jax.jit(lambda t: quantize_tensor(t, F8))
+  q_rows = jax.jit(lambda t: quantize_rows(t, F8))
+  b8, ib = q_tensor(b.T)  # the weight's TN copy, once
+  b8r, ibr = q_rows(b.T)
+  tensor_as, row_as = [q_tensor(t) for t in As], [q_rows(t) for t in As]
+  out = jnp.bfloat16
+  # name -> (f(a-operands..., b-operands...), the a-operands of each call, b-operands)
+  fns = {"jax_bf16": (lambda a, b: a @ b, [(t,) for t in As], (b,)),
+         "fp8_direct": (lambda a8, ia, b8, ib: fp8_gemm_tn(a8, b8, ia, ib, out),
+                        tensor_as, (b8, ib)),
+         "fp8_cublaslt": (lambda a8, ia, b8, ib: _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out),
+                          tensor_as, (b8, ib)),
+         "fp8_cublaslt_heuristic": (lambda a8, ia, b8, ib: _cublaslt_gemm(
+             a8, b8, ia, ib, out_dtype=out, timed=False), tensor_as, (b8, ib)),
+         "fp8_cublaslt_precise": (lambda a8, ia, b8, ib: _cublaslt_gemm(
+             a8, b8, ia, ib, out_dtype=out, fast_accum=False), tensor_as, (b8, ib)),
+         "fp8_cublaslt_row": (lambda a8, ia, b8, ib: _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out),
+                              row_as, (b8r, ibr))}
+  variants = {}
+  for name, (f, per_call, fixed) in fns.items():
+    args = (*per_call[0], *fixed)
+    single = jax.jit(f).lower(*args).compile()
+    many = jax.jit(lambda calls, fixed, f=f: [f(*c, *fixed) for c in calls])
+    variants[name] = (single, args, many.lower(per_call, fixed).compile(), (per_call, fixed))
+  return variants
+
+
+def precision(variant: str) -> str:
+  """"fp8_tensor", "fp8_row" or "bf16": what a variant's GEMM runs in."""
+  if variant.startswith(("fp8_", "torch_scaled_mm")):
+    return "fp8_row" if variant.endswith("_row") else "fp8_tensor"
+  return "bf16"
 
 
 def rel_err(got, ref) -> float:
@@ -91,16 +129,25 @@ def torch_variant(m, k, n):
     return None
   if not torch.cuda.is_available():
     return None
-  ta = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+  tas = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * (1 + i / 64)).to(
+      torch.float8_e4m3fn) for i in range(CALLS)]
   tb = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5)
   tb = (tb * 448).to(torch.float8_e4m3fn).t()  # (k, n), column-major as torch requires
   sa = torch.tensor(1.0, device="cuda")
   sb = torch.tensor(1.0 / 448, device="cuda")
 
-  def call():
-    return torch._scaled_mm(ta, tb, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+  ra = torch.rand(m, 1, device="cuda") + 0.5  # rowwise: [m, 1] and [1, n], float32
+  rb = torch.rand(1, n, device="cuda") / 448 + 1e-3
 
-  return call, torch.cuda.synchronize
+  def call():  # CALLS GEMMs, as the jax variants' programs
+    return [torch._scaled_mm(ta, tb, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+            for ta in tas]
+
+  def call_row():
+    return [torch._scaled_mm(ta, tb, scale_a=ra, scale_b=rb, out_dtype=torch.bfloat16)
+            for ta in tas]
+
+  return call, call_row, torch.cuda.synchronize
 
 
 def hlo_check(compiled) -> dict:
@@ -109,7 +156,8 @@ def hlo_check(compiled) -> dict:
   transpose in the program."""
   text = compiled.as_text()
   lines = text.splitlines()
-  cublas = [ln for ln in lines if f'custom_call_target="{FP8_TARGET}"' in ln]
+  cublas = [ln for ln in lines if f'custom_call_target="{FP8_TARGET}"' in ln
+            or f'custom_call_target="{PROJECT_TARGET}"' in ln]
   triton = [ln for ln in lines if re.search(r"=\s*\S+\s+fusion\(", ln) and "kind=kCustom" in ln
             and ("gemm_fusion" in ln or "__triton_gemm" in ln)]
   transposes = [ln.strip()[:160] for ln in lines
@@ -120,13 +168,13 @@ def hlo_check(compiled) -> dict:
 
 
 def time_round(call, sync) -> float:
-  """Seconds per call over CALLS back-to-back calls and one sync (`sync(result)`)."""
-  sync(call())
+  """Seconds per GEMM: REPEATS calls of CALLS GEMMs each, back to back, then a
+  sync (the launch of the first call is then ~1% of the time)."""
   t = time.perf_counter()
-  for _ in range(CALLS):
+  for _ in range(REPEATS):
     r = call()
   sync(r)
-  return (time.perf_counter() - t) / CALLS
+  return (time.perf_counter() - t) / (CALLS * REPEATS)
 
 
 def main(argv=None) -> int:
@@ -142,7 +190,7 @@ def main(argv=None) -> int:
   rounds, warmup_s = (3, 0.2) if smoke else (max(12, args.rounds), max(3.0, args.warmup_s))
   gpu = jax.devices()[0].platform == "gpu"
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "smoke": smoke,
-          "calls_per_sync": CALLS, "rounds": rounds}
+          "gemms_per_program": CALLS, "programs_per_sample": REPEATS, "rounds": rounds}
   if not smoke:
     meta["clocks_before"] = gpu_clocks()
     print("SM clock, max, power, temperature:", meta["clocks_before"], flush=True)
@@ -151,20 +199,22 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     jv = jax_variants(m, k, n)  # compiles (XLA autotunes the GEMMs here)
     compile_s = time.perf_counter() - t0
-    variants = {name: (lambda f=f, a=a: f(*a), jax.block_until_ready)
-                for name, (f, a) in jv.items()}
-    checks = {form: hlo_check(jv[f"fp8_{form}"][0]) for form in ("direct", "dequant_f32")}
-    for form, c in checks.items():
-      hlo_dump.append(f"===== {m}x{k}x{n} fp8_{form}: {FP8_TARGET} x{c['fp8_gemm_calls']}, "
+    variants = {name: (lambda f=many, a=margs: f(*a), jax.block_until_ready)
+                for name, (_, _, many, margs) in jv.items()}
+    checks = {name: hlo_check(jv[name][0]) for name in CHECKED}  # the single call's HLO
+    for name, c in checks.items():
+      hlo_dump.append(f"===== {m}x{k}x{n} {name}: FP8 GEMM calls x{c['fp8_gemm_calls']}, "
                       f"Triton GEMM fusions {c['triton_gemm_fusions']}, transposes "
                       f"{c['transposes']}\n{c['text']}")
       if gpu and not c["ok"]:
-        failed.append(f"{m}x{k}x{n} fp8_{form}")
-    ref = jv["jax_bf16"][0](*jv["jax_bf16"][1])
-    errs = {name: rel_err(f(*a), ref) for name, (f, a) in jv.items() if name.startswith("fp8_d")}
+        failed.append(f"{m}x{k}x{n} {name}")
+    ref = jv["jax_bf16"][0](*jv["jax_bf16"][1])  # a @ b in bf16, the first call's a
+    errs = {name: rel_err(f(*a), ref) for name, (f, a, _, _) in jv.items()
+            if name.startswith("fp8_")}
     tv = None if smoke else torch_variant(m, k, n)
     if tv is not None:
-      variants["torch_scaled_mm"] = (tv[0], lambda r, s=tv[1]: s())
+      variants["torch_scaled_mm"] = (tv[0], lambda r, s=tv[2]: s())
+      variants["torch_scaled_mm_row"] = (tv[1], lambda r, s=tv[2]: s())
     t_end = time.perf_counter() + (warmup_s if not rows else 0.3)
     while time.perf_counter() < t_end:  # warm-up load (clocks up, caches, autotuning)
       for call, sync in variants.values():
@@ -197,10 +247,18 @@ def main(argv=None) -> int:
       cells += [f"{r[nm] / r[base]:.2f}" for nm in names if nm != base]
     print(f"| {r['shape']} | " + " | ".join(cells) + " |")
   for r in rows:
-    for form, h in r["hlo"].items():
-      print(f"HLO {r['shape']} fp8_{form}: {FP8_TARGET} x{h['fp8_gemm_calls']}, Triton GEMM "
+    for name, h in r["hlo"].items():
+      print(f"HLO {r['shape']} {name}: FP8 GEMM calls x{h['fp8_gemm_calls']}, Triton GEMM "
             f"fusions x{h['triton_gemm_fusions']}, transposes {len(h['transposes'])}")
-  pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+  # Also as a part that benchmarks/summarize.py merges into summary.json, each
+  # variant with its precision.
+  records = [{"op": "gemm_one_gpu", "shape_str": r["shape"],
+              "variants": {nm: {"median_ms": r[nm], "precision": precision(nm),
+                                **({"rel_err": r["fp8_rel_err_vs_bf16"][nm]}
+                                   if nm in r["fp8_rel_err_vs_bf16"] else {})}
+                           for nm in names}} for r in rows]
+  pathlib.Path(args.out).write_text(json.dumps(
+      {"part": "fp8_gemm", "meta": meta, "rows": rows, "records": records}, indent=1))
   pathlib.Path(args.hlo).write_text("\n".join(hlo_dump))
   if failed:
     print("FAILED: not one transpose-free FP8 GEMM in", failed, flush=True)

@@ -8,7 +8,10 @@ blocks run them (``layers.transformer.sharded_transformer_block`` on a mesh of
 one GPU, so every dense layer is a plain GEMM). Variants:
 
 * ``project_bf16``: ``CommGemmConfig()``;
-* ``project_fp8_tensor`` / ``project_fp8_row``: ``CommGemmConfig(fp8=...)``;
+* ``project_fp8_tensor``: ``CommGemmConfig(fp8=Fp8Recipe("tensor"))`` (XLA's
+  FP8 GEMM); ``project_fp8_*_cublaslt``: the project's FP8 GEMM custom call
+  (``gemm_form="cublaslt"``), per tensor or per row, and per tensor with fast
+  accumulation in the forward GEMMs only (``accumulation="fast_forward"``);
 * ``plain_xla_fp8``: the same arithmetic written in plain jax: per-tensor
   current scaling, E4M3 forward and E5M2 gradients, every GEMM contracting
   both operands on their last axis, the transposed FP8 copies made by casts.
@@ -35,6 +38,7 @@ from jax import lax
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm.fp8 import Fp8Recipe
+from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.layers import transformer as tb
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -93,6 +97,9 @@ def plain_block(p, x, heads, attention):
   return x + dense(h, p["mlp"]["fc2"]).reshape(x.shape)
 
 
+FP8_GEMM_TARGET = TARGETS["fp8_gemm"]
+
+
 def steps(mesh, heads, attention):
   """{variant: jitted (params, x) -> (loss, grads)}."""
   def project(config):
@@ -112,7 +119,13 @@ def steps(mesh, heads, attention):
 
   return {"project_bf16": project(jcg.CommGemmConfig()),
           "project_fp8_tensor": project(jcg.CommGemmConfig(fp8=Fp8Recipe("tensor"))),
-          "project_fp8_row": project(jcg.CommGemmConfig(fp8=Fp8Recipe("row"))),
+          # The project's own FP8 GEMM custom call (xla_ffi/fp8_gemm.h) in place of XLA's.
+          "project_fp8_tensor_cublaslt": project(jcg.CommGemmConfig(
+              fp8=Fp8Recipe("tensor", gemm_form="cublaslt"))),
+          "project_fp8_tensor_cublaslt_fast_forward": project(jcg.CommGemmConfig(
+              fp8=Fp8Recipe("tensor", gemm_form="cublaslt", accumulation="fast_forward"))),
+          "project_fp8_row_cublaslt": project(jcg.CommGemmConfig(
+              fp8=Fp8Recipe("row", gemm_form="cublaslt"))),
           "plain_xla_fp8": jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))}
 
 
@@ -159,7 +172,8 @@ def main() -> None:
     text = f.lower(ps, x).compile().as_text()
     results[name] = {"loss": float(loss), "compile_s": time.perf_counter() - t0,
                      "gx_norm": float(jnp.linalg.norm(gx.astype(F32))),
-                     "f8_gemms": text.count('custom_call_target="__cublas$lt$matmul$f8"'),
+                     "f8_gemms": (text.count('custom_call_target="__cublas$lt$matmul$f8"')
+                                  + text.count(f'custom_call_target="{FP8_GEMM_TARGET}"')),
                      "bf16_gemms": text.count('custom_call_target="__cublas$lt$matmul"'),
                      "cudnn_calls": text.count("__cudnn")}
     print(name, results[name], flush=True)

@@ -5,8 +5,8 @@ matplotlib (no GPU, no jax): run it anywhere on the JSON that came back.
 
   python3 benchmarks/summarize.py PART.json|DIR ... --out-dir DIR [--brief]
 
-summary.json: {"rows": [{"op", "shape", "variant", "median_ms", "over_floor",
-  "part", "floor_ms", ...}, {"op": "mlp_step_memory", "shape", "variant",
+summary.json: {"rows": [{"op", "shape", "variant", "precision", "median_ms",
+  "over_floor", "part", "floor_ms", ...}, {"op": "mlp_step_memory", "shape", "variant",
   "temp_mib", "peak_mib", ...}, ...], "machine", "versions", "clocks",
   "profiles", "parts"}. over_floor is the median over rounds of the variant's
   time over the floor's in the same round of the same process (each peer with
@@ -34,6 +34,7 @@ OP_TITLES = {
     "mlp_fwd_bwd": "SP MLP, forward + backward, tokens × d × ffn",
     "transformer_fwd_bwd": "Transformer block, forward + backward",
     "mlp_step_memory": "SP MLP step memory (MiB): compiled temp / peak of XLA's allocator",
+    "gemm_one_gpu": "One GPU's GEMM, m × k × n, bf16 and FP8 (benchmarks/fp8_gemm.py)",
 }
 OP_ORDER = list(OP_TITLES)
 VARIANT_ORDER = [
@@ -45,6 +46,8 @@ VARIANT_ORDER = [
     "pipelined_ce_all", "pipelined_ce_all_fused", "pipelined_ce_all_copy",
     "xla",
     "pure_jax", "windowed_einsum", "torch_symm_mem", "torch_nccl", "pallas_mgpu", "floor",
+    "jax_bf16", "fp8_direct", "fp8_cublaslt", "fp8_cublaslt_heuristic", "torch_scaled_mm",
+    "fp8_cublaslt_row", "torch_scaled_mm_row",
 ]
 PART_MAIN_VARIANT = {"windowed_einsum": "windowed_einsum", "torch_symm_mem": "torch_symm_mem",
                      "pallas_mgpu": "pallas_mgpu", "project": "*"}
@@ -123,6 +126,7 @@ def build_rows(parts):
         row = {"op": op, "shape": shape, "variant": v, "part": name,
                "median_ms": e.get("median_ms"), "over_floor": e.get("over_floor"),
                "floor_ms": floor_ms, "sm_mhz": clk["end_sm_mhz"], "power_w": clk["end_power_w"]}
+        row["precision"] = e.get("precision", "bf16")
         for key in ("rel_err", "iters", "temp_mib", "compile_s", "hlo",
                     "host_us_per_fused_call", "fused_calls_per_iter"):
           if key in e:

@@ -47,6 +47,7 @@ import jax_comm_gemm as jcg  # noqa: E402
 from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS  # noqa: E402
 from jax_comm_gemm.diagnostics import report  # noqa: E402
 from jax_comm_gemm.fp8 import Fp8Recipe  # noqa: E402
+from jax_comm_gemm.fp8.recipe import GEMM_FORMS  # noqa: E402
 
 import byte_gpt  # noqa: E402
 import launch  # noqa: E402
@@ -110,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "this scaling: one scale per tensor agreed over the tp group, or "
                          "one per token row; FP8 bytes are all-gathered (docs/fp8.md) "
                          "(default: none, the GEMMs run in --dtype)")
+  comm.add_argument("--fp8-gemm", choices=GEMM_FORMS, default=Fp8Recipe.gemm_form,
+                    help="how --fp8 runs its GEMMs: XLA's FP8 GEMM ('direct', "
+                         "'dequant_f32') or the project's cuBLASLt custom call with a timed "
+                         "algorithm ('cublaslt'; XLA's where it cannot run) "
+                         "(default: %(default)s)")
   comm.add_argument("--keep-gathered-input", action="store_true",
                     help="QKV and fc1 keep their forward's gathered input for the weight "
                          "gradient (no all-gather in the backward pass, more memory)")
@@ -278,7 +284,8 @@ def train(args) -> dict:
   dtype = DTYPES[s["dtype"]]
   try:  # fail early and plainly where --backend cublasmp cannot run (or with --fp8)
     config = jcg.CommGemmConfig(backend=args.backend, reduce_scatter=args.reduce_scatter,
-                                fp8=Fp8Recipe(scaling=args.fp8) if args.fp8 else None)
+                                fp8=Fp8Recipe(scaling=args.fp8, gemm_form=args.fp8_gemm)
+                                if args.fp8 else None)
     jcg.resolve_backend(config, "tp", mesh)
   except (RuntimeError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
@@ -289,7 +296,7 @@ def train(args) -> dict:
       f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard), "
       f"hidden {s['hidden']}, seq {s['seq_len']} x batch {s['batch']} = "
       f"{s['seq_len'] * s['batch']:,} tokens/step, {s['dtype']}, backend {args.backend!r}"
-      + (f", FP8 GEMMs ({args.fp8} scaling)" if args.fp8 else ""))
+      + (f", FP8 GEMMs ({args.fp8} scaling, {args.fp8_gemm})" if args.fp8 else ""))
   attention, attention_why = choose_attention(args.attention, platform, dtype,
                                               s["d_model"] // s["heads"])
   say(f"attention: {attention_why}")

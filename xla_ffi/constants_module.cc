@@ -17,6 +17,7 @@ NB_MODULE(_constants, m) {
     targets["all_gather_matmul"] = jcg::kAllGatherMatmulTarget;
     targets["matmul_reduce_scatter"] = jcg::kMatmulReduceScatterTarget;
     targets["all_gather_matmul_weight_gradient"] = jcg::kAllGatherMatmulWeightGradientTarget;
+    targets["fp8_gemm"] = jcg::kFp8GemmTarget;
     nb::dict algorithms;
     for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
       algorithms[a.name] = static_cast<int>(a.algorithm);

@@ -1,6 +1,7 @@
 // The XLA FFI handlers, registered by Python under kAllGatherMatmulTarget,
-// kAllGatherMatmulWeightGradientTarget and kMatmulReduceScatterTarget
-// (constants.h) for platform "CUDA".
+// kAllGatherMatmulWeightGradientTarget, kMatmulReduceScatterTarget and
+// kFp8GemmTarget (constants.h) for platform "CUDA". The FP8 GEMM has two
+// stages (instantiate, execute) and a state type (fp8_gemm.h).
 #ifndef JAX_COMM_GEMM_HANDLERS_H_
 #define JAX_COMM_GEMM_HANDLERS_H_
 
@@ -9,5 +10,11 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kAllGatherMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kAllGatherMatmulWeightGradient);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMatmulReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GemmInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8GemmExecute);
+
+namespace jax_comm_gemm {
+const XLA_FFI_TypeInfo* Fp8GemmTypeInfo();  // the state's deleter, for its registration
+}  // namespace jax_comm_gemm
 
 #endif  // JAX_COMM_GEMM_HANDLERS_H_

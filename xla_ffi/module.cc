@@ -20,6 +20,7 @@
 #include "nanobind/stl/vector.h"
 
 #include "constants.h"
+#include "fp8_gemm.h"
 #include "handlers.h"
 #include "registry.h"
 #include "status.h"
@@ -94,8 +95,22 @@ NB_MODULE(_comm_gemm, m) {
     d[jcg::kMatmulReduceScatterTarget] = nb::capsule(reinterpret_cast<void*>(kMatmulReduceScatter));
     d[jcg::kAllGatherMatmulWeightGradientTarget] =
         nb::capsule(reinterpret_cast<void*>(kAllGatherMatmulWeightGradient));
+    nb::dict fp8;  // a stateful handler: one capsule per stage
+    fp8["instantiate"] = nb::capsule(reinterpret_cast<void*>(kFp8GemmInstantiate));
+    fp8["execute"] = nb::capsule(reinterpret_cast<void*>(kFp8GemmExecute));
+    d[jcg::kFp8GemmTarget] = fp8;
     return d;
   }, "The FFI handlers by target name (the names _constants.constants() lists).");
+
+  m.def("types", [] {
+    nb::dict state;
+    state["type_id"] = nb::capsule(reinterpret_cast<void*>(&jcg::Fp8GemmState::id));
+    state["type_info"] =
+        nb::capsule(const_cast<void*>(static_cast<const void*>(jcg::Fp8GemmTypeInfo())));
+    nb::dict d;
+    d[jcg::kFp8GemmStateType] = state;
+    return d;
+  }, "The handlers' FFI state types by name, for jax.ffi.register_ffi_type.");
 
   m.def("cublasmp_version", [] {
     int version = 0;

@@ -8,7 +8,7 @@ per call, 1.3-1.6x slower on one H200 (docs/fp8.md). So the
 weight's FP8 copies are made by the cast, in the layout each GEMM wants
 (:func:`weight_copies`), once per call of the layer.
 
-Two forms, switchable for the GPU benchmark (``Fp8Recipe.gemm_form``):
+Three forms, switchable (``Fp8Recipe.gemm_form``):
 
 * ``"direct"`` (default): the dot of the FP8 operands, accumulated into the
   output dtype (bf16; float32 for any other), times ``scale_inv_a * scale_inv_b``.
@@ -18,6 +18,13 @@ Two forms, switchable for the GPU benchmark (``Fp8Recipe.gemm_form``):
 * ``"dequant_f32"``: ``(a8.f32 * inv_a) . (b8.f32 * inv_b)`` in float32, then
   the output dtype; XLA rewrites it into the FP8 GEMM with the scales as its
   operands (1.02-1.30x torch on one H200). Per-tensor scales only.
+* ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``): one
+  cuBLASLt FP8 GEMM that applies both scales itself (scale pointers, per tensor
+  or per row) in f32 before the one rounding to the output, with the fastest
+  of cuBLASLt's candidate algorithms, timed at the call site's first call.
+  Where it cannot run (no GPU or no extension; k or n not a multiple of 16,
+  cuBLASLt's FP8 alignment; two E5M2 operands) the ``"direct"`` form runs
+  instead, with the same result up to the output's rounding.
 
 >>> import jax.numpy as jnp
 >>> from jax_comm_gemm.fp8.quantize import quantize_tensor
@@ -29,9 +36,17 @@ Two forms, switchable for the GPU benchmark (``Fp8Recipe.gemm_form``):
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
+from jax_comm_gemm import vma
+from jax_comm_gemm.runtime.constants import TARGETS
+from jax_comm_gemm.runtime.registry import REGISTRY
 from jax_comm_gemm.fp8.quantize import (amax, inverse, quantize_columns_transposed,
                                         quantize_rows, saturating_cast, scale_from_amax)
 
@@ -39,12 +54,16 @@ F32 = jnp.float32
 TN = (((1,), (1,)), ((), ()))
 
 
-def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "direct"):
+def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "direct",
+                fast_accum: bool = True):
   """``(a8 @ b8.T) * scale_inv_a * scale_inv_b`` in `out_dtype`, a8 ``[m, k]``
   and b8 ``[n, k]`` FP8 (both contract on their last axis).
 
   Scales are scalars (per tensor) or vectors: ``scale_inv_a`` ``[m]`` (per
   row of a), ``scale_inv_b`` ``[n]`` (per row of b, a column of the output).
+  `fast_accum`: Hopper's FP8 fast accumulation (partial sums along k stay in
+  the tensor core's reduced precision; XLA's default for an FP8 dot); False
+  promotes them to f32 (``lax.Precision.HIGHEST`` for XLA's forms), slower.
 
   >>> a8 = jnp.ones((2, 4), jnp.float8_e4m3fn)
   >>> fp8_gemm_tn(a8, a8, 0.5, jnp.array([1.0, 2.0]), jnp.float32).tolist()
@@ -52,20 +71,91 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
   """
   out_dtype = jnp.dtype(out_dtype)
   ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
+  if form == "cublaslt":
+    if _cublaslt_takes(a8, b8, ia, ib):
+      return _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out_dtype, fast_accum=fast_accum)
+    form = "direct"
+  precision = None if fast_accum else lax.Precision.HIGHEST
   if form == "dequant_f32":
     if ia.ndim or ib.ndim:
       raise ValueError("fp8_gemm_tn: form='dequant_f32' takes per-tensor (scalar) "
                        "scales only")
-    return lax.dot_general(a8.astype(F32) * ia, b8.astype(F32) * ib, TN,
+    return lax.dot_general(a8.astype(F32) * ia, b8.astype(F32) * ib, TN, precision=precision,
                            preferred_element_type=F32).astype(out_dtype)
   if form != "direct":
-    raise ValueError(f"fp8_gemm_tn: form must be 'direct' or 'dequant_f32', got {form!r}")
+    raise ValueError("fp8_gemm_tn: form must be 'direct', 'dequant_f32' or 'cublaslt', "
+                     f"got {form!r}")
+  return _direct(a8, b8, ia, ib, out_dtype, precision)
+
+
+def _direct(a8, b8, ia, ib, out_dtype, precision=None):
+  """The "direct" form: the FP8 dot, then the scales on its output."""
   acc = out_dtype if out_dtype == jnp.dtype(jnp.bfloat16) else jnp.dtype(F32)
-  y = lax.dot_general(a8, b8, TN, preferred_element_type=acc)
+  y = lax.dot_general(a8, b8, TN, precision=precision, preferred_element_type=acc)
   if ia.ndim == 0 and ib.ndim == 0:
     return (y * (ia * ib).astype(acc)).astype(out_dtype)
   ia = ia[:, None] if ia.ndim else ia
   return (y.astype(F32) * ia * ib).astype(out_dtype)
+
+
+# --- the "cublaslt" form: the project's FP8 GEMM custom call --------------------
+
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+
+
+def _cublaslt_takes(a8, b8, ia, ib) -> bool:
+  """Whether the custom call takes these operands (else the "direct" form).
+  cuBLASLt's FP8 GEMMs want 16-byte aligned leading dimensions (k for both
+  FP8 operands, n for the output) and at least one E4M3 operand; the scales
+  are two scalars or two vectors (per row of a and of b)."""
+  m, k = a8.shape
+  n = b8.shape[0]
+  scales = (ia.ndim == 0 and ib.ndim == 0) or (ia.shape == (m,) and ib.shape == (n,))
+  return (scales and k % 16 == 0 and n % 16 == 0 and min(m, n, k) > 0
+          and not (a8.dtype == E5M2 and b8.dtype == E5M2))
+
+
+def _fp8_gemm_abstract(a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
+  del sa, sb, timed, fast_accum
+  return a8.update(shape=(a8.shape[0], b8.shape[0]), dtype=out_dtype, weak_type=False)
+
+
+def _fp8_gemm_elsewhere(a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
+  del timed
+  return _direct(a8, b8, sa, sb, out_dtype, None if fast_accum else lax.Precision.HIGHEST)
+
+
+_lower_elsewhere = mlir.lower_fun(_fp8_gemm_elsewhere, multiple_results=False)
+
+
+def _fp8_gemm_cuda(ctx, a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
+  # The handler is registered with the extension (runtime/registry.py); a
+  # process without it compiles XLA's form instead, as on other platforms.
+  if not REGISTRY.cublasmp_status().ok:
+    return _lower_elsewhere(ctx, a8, b8, sa, sb, out_dtype=out_dtype, timed=timed,
+                            fast_accum=fast_accum)
+  return jax.ffi.ffi_lowering(_FP8_GEMM_TARGET)(ctx, a8, b8, sa, sb, timed=bool(timed),
+                                                fast_accum=bool(fast_accum))
+
+
+def _fp8_gemm_primitive():
+  p = Primitive(TARGETS["fp8_gemm"])
+  p.def_abstract_eval(_fp8_gemm_abstract)
+  mlir.register_lowering(p, _fp8_gemm_cuda, platform="cuda")
+  mlir.register_lowering(p, _lower_elsewhere)
+  return p, TARGETS["fp8_gemm"]
+
+
+_fp8_gemm_p, _FP8_GEMM_TARGET = _fp8_gemm_primitive()
+
+
+@partial(jax.jit, static_argnames=("out_dtype", "timed", "fast_accum"))
+def _cublaslt_gemm(a8, b8, sa, sb, *, out_dtype, timed: bool = True, fast_accum: bool = True):
+  """The custom call (jitted, so it also runs eagerly); `timed=False` takes
+  cuBLASLt's first heuristic choice (for the benchmark's comparison)."""
+  a8, b8, sa, sb = vma.match(a8, b8, sa, sb)
+  return _fp8_gemm_p.bind(a8, b8, sa, sb, out_dtype=jnp.dtype(out_dtype), timed=bool(timed),
+                          fast_accum=bool(fast_accum))
 
 
 def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,

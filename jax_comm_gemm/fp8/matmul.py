@@ -190,7 +190,7 @@ def _all_gather_matmul_bwd(s: Static, res, ct):
   (a_dy,) = st.tensor_amaxes(s, ct_y)
   dy8, dy_inv, dyT8, dyT_inv = st.quantize(s, ct_y, s.recipe.backward_dtype, a_dy,
                                            columns=True)
-  dx = st.reduce_scatter(s, st.gemm(s, dy8, wb8, dy_inv, wb_inv, s.x_dtype))
+  dx = st.reduce_scatter(s, st.gemm(s, dy8, wb8, dy_inv, wb_inv, s.x_dtype, gradient=True))
   if s.keep_gathered_input or s.return_gathered:
     g8, g_inv = o8, o_inv
   else:
@@ -227,7 +227,7 @@ def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   (a_dy,) = st.tensor_amaxes(s, dy)
   dy8, dy_inv = st.quantize(s, dy, b8, a_dy)
   g8, g_inv = st.gather(s, dy8, dy_inv, standalone=False)
-  dx = st.gemm(s, g8, wb8, g_inv, wb_inv, s.x_dtype)
+  dx = st.gemm(s, g8, wb8, g_inv, wb_inv, s.x_dtype, gradient=True)
   if not s.reuse_gathered:
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 SCALINGS = ("tensor", "row")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-GEMM_FORMS = ("direct", "dequant_f32")
+GEMM_FORMS = ("direct", "dequant_f32", "cublaslt")
+ACCUMULATIONS = ("fast", "fast_forward", "precise")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,16 @@ class Fp8Recipe:
       (:func:`jax_comm_gemm.fp8.gemm.fp8_gemm_tn`): ``"direct"`` (FP8
       operands, the scales' product applied to the output; the default) or
       ``"dequant_f32"`` (dequantize in float32 in front of the dot, the pattern
-      XLA rewrites into the FP8 GEMM with scale operands).
+      XLA rewrites into the FP8 GEMM with scale operands) or ``"cublaslt"`` (the
+      project's FP8 GEMM custom call: cuBLASLt applies the scales, and its
+      algorithm is timed at the first call; "direct" where it cannot run).
+
+    accumulation: Hopper's FP8 fast accumulation (partial sums along k kept in
+      the tensor core's reduced precision instead of promoted to f32), for
+      ``"fast"`` every GEMM (XLA's default for an FP8 dot), ``"fast_forward"``
+      the forward GEMM only, the two gradient GEMMs promoted (the split
+      TransformerEngine makes: their sums run over more terms and E5M2 values),
+      ``"precise"`` none.
 
   Saturation: a value beyond the FP8 range after scaling (possible only with a
   scale not computed from this tensor's amax, or when rounding lands above)
@@ -69,6 +79,7 @@ class Fp8Recipe:
   backward_dtype: Any = jnp.float8_e5m2
   margin: int = 0
   gemm_form: str = "direct"
+  accumulation: str = "fast"
 
   def __post_init__(self):
     if self.scaling not in SCALINGS:
@@ -85,6 +96,9 @@ class Fp8Recipe:
       object.__setattr__(self, name, dtype)
     if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
       raise ValueError(f"Fp8Recipe.margin must be an int >= 0, got {self.margin!r}")
+    if self.accumulation not in ACCUMULATIONS:
+      raise ValueError(f"Fp8Recipe.accumulation must be one of {ACCUMULATIONS}, "
+                       f"got {self.accumulation!r}")
     if self.gemm_form not in GEMM_FORMS:
       raise ValueError(f"Fp8Recipe.gemm_form must be one of {GEMM_FORMS}, "
                        f"got {self.gemm_form!r}")

@@ -101,15 +101,17 @@ def transposed(s: Static, g8, g_inv, dtype):
                                         margin=s.recipe.margin)
 
 
-def gemm(s: Static, a8, b8, ia, ib, out_dtype):
-  return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form)
+def gemm(s: Static, a8, b8, ia, ib, out_dtype, *, gradient: bool = False):
+  """A GEMM of the layer: its forward, or (`gradient`) dx or dw."""
+  fast = {"fast": True, "fast_forward": not gradient, "precise": False}[s.recipe.accumulation]
+  return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form, fast_accum=fast)
 
 
 def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
   """w [k, m]: dw = x.T @ dy;  w [m, k]: dw = dy.T @ x (TN operands [k|m, n])."""
   if s.transpose_w:
-    return gemm(s, dyT8, xT8, dyT_inv, xT_inv, s.w_dtype)
-  return gemm(s, xT8, dyT8, xT_inv, dyT_inv, s.w_dtype)
+    return gemm(s, dyT8, xT8, dyT_inv, xT_inv, s.w_dtype, gradient=True)
+  return gemm(s, xT8, dyT8, xT_inv, dyT_inv, s.w_dtype, gradient=True)
 
 
 def weights(s: Static, w, amax_w):

@@ -13,6 +13,8 @@ TARGETS: dict[str, str] = {
     "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
     # the AllGather+GEMM that also computes the weight gradient in place
     "all_gather_matmul_weight_gradient": "jax_comm_gemm_all_gather_matmul_weight_gradient",
+    # the FP8 GEMM with scale pointers and a timed algorithm (xla_ffi/fp8_gemm.h)
+    "fp8_gemm": "jax_comm_gemm_fp8_gemm",
 }
 
 # The fused ops' algorithms, by name: two of cuBLASMp's (their

@@ -91,6 +91,8 @@ class Registry:
     if version == 0:
       return Capability(False, "cuBLASMp loaded but reported no version")
     handlers = module.handlers()
+    for name, registration in module.types().items():  # before the handlers that use them
+      jax.ffi.register_ffi_type(name, registration, platform="CUDA")
     for name in TARGETS.values():
       jax.ffi.register_ffi_target(name, handlers[name], platform="CUDA")
     self._native = module

@@ -1,0 +1,200 @@
+"""Checks that need one GPU and the built extension, no collective: the FP8
+GEMM custom call (xla_ffi/fp8_gemm.h) and the FP8 layers on it at tp = 1.
+
+Run by tests/gpu/test_one_gpu.py in a process of its own (the pytest process is
+pinned to the CPU), or directly: ``python tests/gpu/one_gpu.py``. Prints one
+line per check and ``one_gpu: N ok, M failed`` last; exits 1 on a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import jax_comm_gemm as jcg  # noqa: E402
+from jax_comm_gemm.fp8 import (Fp8Recipe, fp8_all_gather_matmul,  # noqa: E402
+                               fp8_matmul_reduce_scatter, quantize_rows, quantize_tensor)
+from jax_comm_gemm.fp8.gemm import _cublaslt_gemm, fp8_gemm_tn  # noqa: E402
+from jax_comm_gemm.runtime.constants import TARGETS  # noqa: E402
+
+E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+TARGET = TARGETS["fp8_gemm"]
+
+
+def _operands(m, n, k, da, db, scaling, seed):
+  ka, kb = jax.random.split(jax.random.key(seed))
+  # Rows of very different magnitudes: a per-row scale that is missing,
+  # swapped or applied to the wrong axis shows at once.
+  a = jax.random.normal(ka, (m, k)) * jnp.exp2(jnp.arange(m) % 7)[:, None]
+  b = jax.random.normal(kb, (n, k)) * jnp.exp2(-(jnp.arange(n) % 5))[:, None]
+  quantize = quantize_rows if scaling == "row" else quantize_tensor
+  (a8, ia), (b8, ib) = quantize(a, da), quantize(b, db)
+  return a8, b8, ia, ib
+
+
+def _reference(a8, b8, ia, ib):
+  """float64 of the dequantized operands' product."""
+  ia, ib = np.asarray(ia, np.float64), np.asarray(ib, np.float64)
+  a = np.asarray(a8.astype(jnp.float32), np.float64) * (ia[:, None] if ia.ndim else ia)
+  b = np.asarray(b8.astype(jnp.float32), np.float64) * (ib[:, None] if ib.ndim else ib)
+  return a @ b.T
+
+
+def _row_error(got, ref) -> float:
+  got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
+  return float(np.max(np.abs(got - ref).max(1) / np.maximum(np.abs(ref).max(1), 1e-30)))
+
+
+# The FP8 tensor cores' own accumulation error (relative to a row's largest
+# output) on top of the output's rounding: partial sums are promoted to f32
+# periodically, or with fast accumulation not at all (measured on one H200:
+# this check prints the worst of each).
+ACCUMULATION_TOL = {False: 2e-3, True: 3e-2}
+
+
+def check_gemm_against_float64():
+  """Every operand type pair, both scalings, bf16 and f32 out, timed and not,
+  fast accumulation and not: the custom call per row against float64 of the
+  dequantized operands (a wrong or missing scale is off by a power of two)."""
+  worst = {}
+  for (m, n, k) in ((256, 384, 512), (200, 96, 256), (1024, 2048, 4096)):
+    for da, db in ((E4, E4), (E5, E4), (E4, E5)):
+      for scaling in ("tensor", "row"):
+        a8, b8, ia, ib = _operands(m, n, k, da, db, scaling, m + n + k)
+        ref = _reference(a8, b8, ia, ib)
+        for out, rounding in ((jnp.bfloat16, 2.0 ** -8), (jnp.float32, 0.0)):
+          for timed in (True, False):
+            for fast in (True, False):
+              got = _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out, timed=timed,
+                                   fast_accum=fast)
+              assert got.dtype == out and got.shape == (m, n)
+              err = _row_error(got, ref)
+              key = (m, n, k, jnp.dtype(da).name, jnp.dtype(db).name, scaling,
+                     jnp.dtype(out).name, timed, fast)
+              tol = rounding + ACCUMULATION_TOL[fast]
+              assert err <= tol, f"{key}: per-row error {err:.3g} > {tol:.3g}"
+              group = f"{jnp.dtype(out).name} {'fast' if fast else 'precise'}"
+              worst[group] = max(worst.get(group, 0.0), err)
+  return "worst per-row error: " + ", ".join(f"{g} {e:.2e}" for g, e in sorted(worst.items()))
+
+
+def check_gemm_hlo():
+  """fp8_gemm_tn(form="cublaslt") compiles to the one custom call: no XLA GEMM,
+  no transpose; the "direct" form stays XLA's."""
+  a8, b8, ia, ib = _operands(512, 256, 1024, E4, E4, "tensor", 1)
+  text = jax.jit(lambda *t: fp8_gemm_tn(*t, jnp.bfloat16, form="cublaslt")).lower(
+      a8, b8, ia, ib).compile().as_text()
+  calls = text.count(f'custom_call_target="{TARGET}"')
+  assert calls == 1, f"{calls} calls of {TARGET}"
+  assert "__cublas$lt$matmul" not in text and " transpose(" not in text, text[:2000]
+  direct = jax.jit(lambda *t: fp8_gemm_tn(*t, jnp.bfloat16)).lower(
+      a8, b8, ia, ib).compile().as_text()
+  assert TARGET not in direct
+  # The direct form without fast accumulation (Precision.HIGHEST) must stay
+  # an FP8 GEMM, not an upcast one.
+  precise = jax.jit(lambda *t: fp8_gemm_tn(*t, jnp.bfloat16, fast_accum=False)).lower(
+      a8, b8, ia, ib).compile().as_text()
+  f8 = precise.count('custom_call_target="__cublas$lt$matmul$f8"')
+  triton = precise.count("__triton_gemm")
+  assert f8 + triton == 1 and 'custom_call_target="__cublas$lt$matmul"' not in precise, (
+      precise[:3000])
+  return ("one custom call, no XLA GEMM, no transpose; direct form without fast "
+          f"accumulation: {'cuBLASLt FP8' if f8 else 'Triton'} GEMM")
+
+
+def check_gemm_error_reaches_python():
+  """A buffer the handler refuses gives a Python error with its message."""
+  a8, b8, ia, ib = _operands(64, 32, 64, E4, E4, "tensor", 2)
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((64, 33), jnp.bfloat16))
+  try:
+    jax.block_until_ready(jax.jit(lambda *t: call(*t, timed=True))(a8, b8, ia, ib))
+  except Exception as e:  # XlaRuntimeError (its module moved between jax versions)
+    assert "d has shape [64, 33], expected [64, 32]" in str(e), str(e)
+    return f"{type(e).__name__}: ...{str(e)[-60:]}"
+  raise AssertionError("a wrong result shape was not refused")
+
+
+def check_layers_tp1():
+  """The FP8 layers at tp = 1 with gemm_form="cublaslt", forward and
+  gradients, against the "direct" form (same quantization, so the same
+  operands: equal up to the output's rounding) and float64 (FP8 tolerances)."""
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  n, k, m = 512, 1024, 768
+  kx, kw, kc = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(kx, (n, k), jnp.bfloat16)
+  w1 = (jax.random.normal(kw, (k, m)) / np.sqrt(k)).astype(jnp.float32)
+  w2 = (jax.random.normal(kc, (m, k)) / np.sqrt(m)).astype(jnp.float32)
+  out = []
+  for scaling in ("tensor", "row"):
+    results = {}
+    for form in ("cublaslt", "direct"):
+      recipe = Fp8Recipe(scaling=scaling, gemm_form=form)
+
+      def layers(x, w1, w2, recipe=recipe):
+        h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe)
+        return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe)
+
+      mlp = jax.shard_map(layers, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                          out_specs=P("tp"))
+      weights = jnp.cos(jnp.arange(k, dtype=jnp.float32))
+      f = jax.jit(jax.value_and_grad(
+          lambda x, w1, w2: jnp.sum(mlp(x, w1, w2).astype(jnp.float32) * weights),
+          argnums=(0, 1, 2)))
+      results[form] = jax.block_until_ready(f(x, w1, w2))
+      if form == "cublaslt":
+        hlo = f.lower(x, w1, w2).compile().as_text()
+        calls = hlo.count(f'custom_call_target="{TARGET}"')
+        assert calls == 6, f"{scaling}: {calls} FP8 custom calls, expected 6 (3 per layer)"
+    (lc, gc), (ld, gd) = results["cublaslt"], results["direct"]
+    errs = []
+    for name, a, b in (("loss", lc, ld), ("dx", gc[0], gd[0]), ("dw1", gc[1], gd[1]),
+                       ("dw2", gc[2], gd[2])):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      err = float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+      errs.append(f"{name} {err:.1e}")
+      assert err < 5e-2, f"{scaling} {name}: cublaslt vs direct {err:.3g}"
+    # fc1's output against float64 (FP8's own error, docs/fp8.md's bound).
+    h = jax.jit(jax.shard_map(
+        lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=Fp8Recipe(
+            scaling=scaling, gemm_form="cublaslt")),
+        mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))(x, w1)
+    ref = np.asarray(x, np.float64) @ np.asarray(w1, np.float64)
+    rel = float(np.max(np.abs(np.asarray(h, np.float64) - ref)) / np.max(np.abs(ref)))
+    assert rel < 0.106, f"{scaling}: fc1 output off float64 by {rel:.3g}"
+    errs.append(f"fc1 vs float64 {rel:.1e}")
+    out.append(f"{scaling}: " + ", ".join(errs))
+  return "; ".join(out)
+
+
+CHECKS = [check_gemm_against_float64, check_gemm_hlo, check_gemm_error_reaches_python,
+          check_layers_tp1]
+
+
+def main() -> int:
+  status = jcg.cublasmp_status()
+  print(f"devices {jax.devices()}, extension: {status}", flush=True)
+  if not status.ok:
+    print(f"one_gpu: 0 ok, 1 failed (the extension is unavailable: {status.reason})")
+    return 1
+  ok = failed = 0
+  for check in CHECKS:
+    try:
+      print(f"{check.__name__}: ok ({check()})", flush=True)
+      ok += 1
+    except Exception:  # report every check, then fail
+      print(f"{check.__name__}: FAILED\n{traceback.format_exc()}", flush=True)
+      failed += 1
+  print(f"one_gpu: {ok} ok, {failed} failed")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,228 @@
+#include "fp8_gemm.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "constants.h"
+#include "cublaslt.h"
+#include "cuda_wait.h"
+#include "ffi_status.h"
+#include "handlers.h"
+#include "library_status.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_comm_gemm {
+
+ffi::TypeId Fp8GemmState::id = {};
+
+namespace {
+
+// How long the first call's timed pick may wait for its trial GEMMs: a local
+// GEMM has no peer to wait for, so only a broken device gets near it.
+constexpr double kTrialTimeoutS = 120;
+
+Status Fp8Type(ffi::DataType t, const char* what, cudaDataType_t* out) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN: *out = CUDA_R_8F_E4M3; return Status();
+    case ffi::DataType::F8E5M2: *out = CUDA_R_8F_E5M2; return Status();
+    default:
+      return Status::InvalidArgument(std::string(what) +
+                                     " must be float8_e4m3fn or float8_e5m2");
+  }
+}
+
+Status OutType(ffi::DataType t, cudaDataType_t* out) {
+  switch (t) {
+    case ffi::DataType::BF16: *out = CUDA_R_16BF; return Status();
+    case ffi::DataType::F16: *out = CUDA_R_16F; return Status();
+    case ffi::DataType::F32: *out = CUDA_R_32F; return Status();
+    default: return Status::InvalidArgument("d must be bfloat16, float16 or float32");
+  }
+}
+
+std::string Dims(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+// The call's shape from its buffers, checked.
+Status Describe(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                ffi::AnyBuffer d, Fp8GemmShape* s) {
+  JCG_RETURN_IF_ERROR(Fp8Type(a.element_type(), "a", &s->a_type));
+  JCG_RETURN_IF_ERROR(Fp8Type(b.element_type(), "b", &s->b_type));
+  JCG_RETURN_IF_ERROR(OutType(d.element_type(), &s->d_type));
+  if (s->a_type == CUDA_R_8F_E5M2 && s->b_type == CUDA_R_8F_E5M2) {
+    return Status::InvalidArgument("cuBLASLt has no FP8 GEMM of two float8_e5m2 operands");
+  }
+  auto ad = a.dimensions(), bd = b.dimensions(), dd = d.dimensions();
+  if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) {
+    return Status::InvalidArgument("a " + Dims(ad) + " and b " + Dims(bd) +
+                                   " must be [m, k] and [n, k]");
+  }
+  s->m = ad[0], s->n = bd[0], s->k = ad[1];
+  if (dd.size() != 2 || dd[0] != s->m || dd[1] != s->n) {
+    return Status::InvalidArgument("d has shape " + Dims(dd) + ", expected [" +
+                                   std::to_string(s->m) + ", " + std::to_string(s->n) + "]");
+  }
+  if (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32) {
+    return Status::InvalidArgument("the scales must be float32");
+  }
+  const int64_t na = static_cast<int64_t>(sa.element_count());
+  const int64_t nb = static_cast<int64_t>(sb.element_count());
+  s->row_scales = na != 1 || nb != 1;
+  if (s->row_scales && (na != s->m || nb != s->n)) {
+    return Status::InvalidArgument(
+        "the scales must be two scalars or vectors of m and n: got " + std::to_string(na) +
+        " and " + std::to_string(nb) + " for m = " + std::to_string(s->m) +
+        ", n = " + std::to_string(s->n));
+  }
+  return Status();
+}
+
+template <typename T>
+Status SetDescAttribute(const LtMatmulDesc& desc, cublasLtMatmulDescAttributes_t attr,
+                        const T& value) {
+  JCG_CUBLASLT(cublasLtMatmulDescSetAttribute(desc.get(), attr, &value, sizeof(value)));
+  return Status();
+}
+
+// The scales of this call: cuBLASLt's A is b8 (its scale sb), its B is a8 (sa).
+Status PointScales(const Fp8GemmPlan& plan, const void* sa, const void* sb) {
+  JCG_RETURN_IF_ERROR(SetDescAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, sb));
+  return SetDescAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, sa);
+}
+
+// Row-major d[m, n] = a8 . b8^T is column-major d^T (n x m) = op(A) op(B)
+// with A = b8 (k x n, ld k) transposed and B = a8 (k x m, ld k): cuBLASLt's
+// "TN", the only FP8 layout Hopper's kernels take.
+Status MakeDescriptors(const Fp8GemmShape& s, Fp8GemmPlan* plan) {
+  plan->shape = s;
+  JCG_RETURN_IF_ERROR(CreateMatmulDesc(CUBLAS_OP_T, CUBLAS_OP_N, &plan->desc));
+  if (s.row_scales) {
+    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    JCG_RETURN_IF_ERROR(SetDescAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode));
+    JCG_RETURN_IF_ERROR(SetDescAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode));
+  }
+  if (s.fast_accum) {
+    const int8_t on = 1;
+    JCG_RETURN_IF_ERROR(SetDescAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, on));
+  }
+  JCG_RETURN_IF_ERROR(CreateLayout(s.b_type, s.k, s.n, s.k, &plan->a));
+  JCG_RETURN_IF_ERROR(CreateLayout(s.a_type, s.k, s.m, s.k, &plan->b));
+  return CreateLayout(s.d_type, s.n, s.m, s.n, &plan->d);
+}
+
+// The first call: a cuBLASLt handle and workspace on `device`, the
+// descriptors, and the algorithm (timed on this call's operands if `timed`).
+Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
+            const Fp8GemmShape& shape, const void* a, const void* b, const void* sa,
+            const void* sb, void* d) {
+  DeviceScope scope;
+  JCG_RETURN_IF_ERROR(scope.Enter(device));
+  if (!st->lt) {
+    cublasLtHandle_t lt = nullptr;
+    JCG_CUBLASLT(cublasLtCreate(&lt));
+    st->lt.reset(lt);
+  }
+  if (!st->workspace) {
+    void* ptr = nullptr;
+    JCG_CUDA(cudaMalloc(&ptr, Fp8GemmState::kWorkspaceBytes));
+    st->workspace.reset(ptr);
+  }
+  Fp8GemmPlan plan;
+  JCG_RETURN_IF_ERROR(MakeDescriptors(shape, &plan));
+  JCG_RETURN_IF_ERROR(PointScales(plan, sa, sb));
+  CudaEvent done;
+  GemmTrial trial;
+  trial.a = b, trial.b = a, trial.d = d;
+  trial.workspace = st->workspace.get();
+  trial.stream = stream;
+  trial.wait = [&]() -> Status {
+    if (!done) {
+      cudaEvent_t e = nullptr;
+      JCG_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      done.reset(e);
+    }
+    JCG_CUDA(cudaEventRecord(done.get(), stream));
+    static const std::atomic<bool> never(false);
+    Status s = WaitForEvent(done.get(), Clock::now() + SecondsToDuration(kTrialTimeoutS), never);
+    if (s.code() == Status::Code::kDeadlineExceeded) {
+      return Status::DeadlineExceeded("the FP8 GEMM's timed pick waited " +
+                                      FormatSeconds(kTrialTimeoutS) + " for its trial GEMMs");
+    }
+    return s;
+  };
+  const std::string what = "an FP8 GEMM of m = " + std::to_string(shape.m) +
+                           ", n = " + std::to_string(shape.n) + ", k = " +
+                           std::to_string(shape.k) + (shape.row_scales ? ", row scales" : "") +
+                           (shape.fast_accum ? ", fast accumulation" : "");
+  JCG_RETURN_IF_ERROR(PickAlgorithm(st->lt.get(), plan.desc, plan.a, plan.b, plan.d,
+                                    Fp8GemmState::kWorkspaceBytes, what,
+                                    timed ? &trial : nullptr, &plan.algo,
+                                    &plan.workspace_bytes));
+  st->plan = std::move(plan);
+  st->planned = true;
+  return Status();
+}
+
+ffi::ErrorOr<std::unique_ptr<Fp8GemmState>> Fp8GemmInstantiate() {
+  return std::make_unique<Fp8GemmState>();
+}
+
+ffi::Error Fp8GemmExecute(cudaStream_t stream, int32_t device, bool timed, bool fast_accum,
+                          Fp8GemmState* st,
+                          ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
+                          ffi::AnyBuffer sb, ffi::Result<ffi::AnyBuffer> d) {
+  return FfiGuard(kFp8GemmTarget, [&]() -> Status {
+    Fp8GemmShape shape;
+    JCG_RETURN_IF_ERROR(Describe(a, b, sa, sb, *d, &shape));
+    shape.fast_accum = fast_accum;
+    std::lock_guard<std::mutex> lock(st->mu);
+    if (!st->planned) {
+      JCG_RETURN_IF_ERROR(Plan(st, device, stream, timed, shape, a.untyped_data(),
+                               b.untyped_data(), sa.untyped_data(), sb.untyped_data(),
+                               d->untyped_data()));
+    } else if (!(st->plan.shape == shape)) {
+      return Status::Internal("an FP8 GEMM call site changed its shapes");
+    }
+    const Fp8GemmPlan& plan = st->plan;
+    JCG_RETURN_IF_ERROR(PointScales(plan, sa.untyped_data(), sb.untyped_data()));
+    const float alpha = 1.0f, beta = 0.0f;
+    JCG_CUBLASLT(cublasLtMatmul(st->lt.get(), plan.desc.get(), &alpha, b.untyped_data(),
+                                plan.a.get(), a.untyped_data(), plan.b.get(), &beta,
+                                d->untyped_data(), plan.d.get(), d->untyped_data(),
+                                plan.d.get(), &plan.algo, st->workspace.get(),
+                                plan.workspace_bytes, stream));
+    return Status();
+  });
+}
+
+}  // namespace
+
+const XLA_FFI_TypeInfo* Fp8GemmTypeInfo() {
+  static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<Fp8GemmState>();
+  return &info;
+}
+
+}  // namespace jax_comm_gemm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GemmInstantiate, jax_comm_gemm::Fp8GemmInstantiate,
+                              ffi::Ffi::BindInstantiate());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GemmExecute, jax_comm_gemm::Fp8GemmExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<bool>("timed")
+                                  .Attr<bool>("fast_accum")
+                                  .Ctx<ffi::State<jax_comm_gemm::Fp8GemmState>>()
+                                  .Arg<ffi::AnyBuffer>()   // a8 [m, k]
+                                  .Arg<ffi::AnyBuffer>()   // b8 [n, k]
+                                  .Arg<ffi::AnyBuffer>()   // sa: [] or [m], f32
+                                  .Arg<ffi::AnyBuffer>()   // sb: [] or [n], f32
+                                  .Ret<ffi::AnyBuffer>());  // d [m, n]
