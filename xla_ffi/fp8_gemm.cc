@@ -117,13 +117,41 @@ Status MakeDescriptors(const Fp8GemmShape& s, Fp8GemmPlan* plan) {
   return CreateLayout(s.d_type, s.n, s.m, s.n, &plan->d);
 }
 
+// The handler is command-buffer compatible, so XLA may record its first call
+// into a CUDA graph, where cudaMalloc and host waits are not allowed. While
+// `stream` is capturing, this lets the thread make the (uncaptured) allocation
+// calls, and the plan skips the timed pick (nothing can be timed inside a
+// capture): cuBLASLt's heuristic choice serves that call site.
+class AllocationsDuringCapture {
+ public:
+  explicit AllocationsDuringCapture(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    capturing_ = cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+                 status != cudaStreamCaptureStatusNone;
+    if (capturing_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);  // to relaxed
+  }
+  ~AllocationsDuringCapture() {
+    if (capturing_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);  // back
+  }
+  AllocationsDuringCapture(const AllocationsDuringCapture&) = delete;
+  AllocationsDuringCapture& operator=(const AllocationsDuringCapture&) = delete;
+  bool capturing() const { return capturing_; }
+
+ private:
+  bool capturing_ = false;
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 // The first call: a cuBLASLt handle and workspace on `device`, the
-// descriptors, and the algorithm (timed on this call's operands if `timed`).
+// descriptors, and the algorithm (timed on this call's operands if `timed`
+// and not inside a graph capture).
 Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
             const Fp8GemmShape& shape, const void* a, const void* b, const void* sa,
             const void* sb, void* d) {
   DeviceScope scope;
   JCG_RETURN_IF_ERROR(scope.Enter(device));
+  AllocationsDuringCapture capture(stream);
+  timed = timed && !capture.capturing();
   if (!st->lt) {
     cublasLtHandle_t lt = nullptr;
     JCG_CUBLASLT(cublasLtCreate(&lt));
@@ -225,4 +253,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GemmExecute, jax_comm_gemm::Fp8GemmExecute,
                                   .Arg<ffi::AnyBuffer>()   // b8 [n, k]
                                   .Arg<ffi::AnyBuffer>()   // sa: [] or [m], f32
                                   .Arg<ffi::AnyBuffer>()   // sb: [] or [n], f32
-                                  .Ret<ffi::AnyBuffer>());  // d [m, n]
+                                  .Ret<ffi::AnyBuffer>(),  // d [m, n]
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -17,7 +17,9 @@
 // The algorithm, the descriptors and a cuBLASLt handle and workspace live in
 // the custom call's FFI state (made at instantiation, filled at the first
 // call, freed with the executable): no global state, nothing per call but the
-// scale pointers and the GEMM itself.
+// scale pointers and the GEMM itself. Unlike the collective handlers it is
+// command-buffer compatible: XLA may record it into the CUDA graphs it makes
+// of a step's GEMMs and fusions (a call outside them would split those graphs).
 #ifndef JAX_COMM_GEMM_FP8_GEMM_H_
 #define JAX_COMM_GEMM_FP8_GEMM_H_
 
