@@ -197,7 +197,8 @@ def skip_reasons(args, status, tp: int, platform: str) -> tuple[str | None, str 
   if tp == 1:
     tune = ab = "tp=1: a group of one has nothing to communicate"
   elif args.fp8:
-    tune = ab = "--fp8 runs on XLA's collectives: no implementation to choose"
+    tune = ab = ("--fp8: this job does not tune FP8 (each FP8 problem runs on XLA's "
+                 "collectives until jax_comm_gemm.autotune measures it against the ring)")
   else:
     tune = (f"--backend {args.backend} chooses no implementation" if args.backend != "auto"
             else None if status.ok else f"cuBLASMp cannot run here: {status.reason}")

@@ -16,7 +16,8 @@ gradient. The weight gradient needs the gathered operand, and
   ``lax.all_gather`` of the input.
 
 With ``config.fp8`` set, both ops run the FP8 custom_vjps of
-:mod:`jax_comm_gemm.fp8` instead, on XLA's collectives (``routes.fp8_route``).
+:mod:`jax_comm_gemm.fp8` instead, their fused steps on XLA's collectives or the
+ring (``routes.fp8_route``, ``routes.fp8_collectives``).
 
 No exception is raised or caught on this path: the routing is a trace-time
 branch on the routing plan (runtime/plan.py). The routes live in routes.py.
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
+import jax_comm_gemm.backends.auto as auto
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import Backend, all_gather_tokens
 from jax_comm_gemm.backends.select import resolve_backend
@@ -41,7 +43,8 @@ from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.routes import (GatheredRoute, WeightGradientRoute,  # noqa: F401
-                                  fp8_route, gathered_route, weight_gradient_route)
+                                  fp8_collectives, fp8_route, gathered_route,
+                                  weight_gradient_route)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +136,12 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
                                 keep_gathered_input, precision, config):
   """:func:`all_gather_matmul` for callers that validated the arguments."""
   if fp8_route(config).fp8:
+    p = auto.problem(auto.AG, x, w, transpose_w, axis_name,
+                     gathered=return_gathered or keep_gathered_input, fp8=config.fp8.key)
     return fp8_all_gather_matmul(x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
                                  keep_gathered_input=keep_gathered_input,
-                                 return_gathered=return_gathered)
+                                 return_gathered=return_gathered,
+                                 collectives=fp8_collectives(config, p)[0])
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, return_gathered, keep_gathered_input, precision)
   return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
@@ -144,9 +150,11 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
   if fp8_route(config).fp8:
+    p = auto.problem(auto.RS, x, w, transpose_w, axis_name, fp8=config.fp8.key)
     return fp8_matmul_reduce_scatter(x, w, axis_name, recipe=config.fp8,
                                      transpose_w=transpose_w,
-                                     reuse_gathered=config.reuse_gathered is not False)
+                                     reuse_gathered=config.reuse_gathered is not False,
+                                     collectives=fp8_collectives(config, p)[0])
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, precision=precision,
                    fuse_weight_gradient=config.fuse_weight_gradient)

@@ -18,9 +18,10 @@ from jax_comm_gemm.runtime.settings import BACKENDS
 # project's pipelined_ce).
 REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
 _FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
-# The backends an FP8 config may name: its ops run on XLA's collectives (the
-# cuBLASMp, own-algorithm and ring FP8 ops are not built: docs/fp8.md).
-FP8_BACKENDS = ("auto", "xla")
+# The backends an FP8 config may name: its fused steps run on XLA's collectives
+# or the ring; "auto" picks per problem (the cuBLASMp and own-algorithm FP8 ops
+# are not built: docs/fp8.md).
+FP8_BACKENDS = ("auto", "xla", "ring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +60,9 @@ class CommGemmConfig:
       :class:`~jax_comm_gemm.fp8.Fp8Recipe`: the GEMMs run in FP8 (E4M3
       forward, E5M2 gradients, current scaling agreed over the axis), FP8
       bytes are all-gathered, and the row-parallel backward reuses the
-      gathered FP8 grad_output (docs/fp8.md). FP8 runs on XLA's collectives:
-      with ``backend`` "auto" or "xla" (the fused FP8 ops are not built yet).
+      gathered FP8 grad_output (docs/fp8.md). FP8 runs with ``backend``
+      "xla" (XLA's collectives), "ring" (per-shard FP8 GEMMs overlapped with
+      ppermutes) or "auto" (per problem, as autotune measured; else XLA's).
 
   >>> CommGemmConfig().backend
   'auto'
@@ -101,8 +103,8 @@ class CommGemmConfig:
         raise ValueError("CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe, "
                          f"got {self.fp8!r}")
       if self.backend not in FP8_BACKENDS:
-        raise ValueError(f"CommGemmConfig.fp8: FP8 runs on XLA's collectives; backend must "
-                         f"be one of {FP8_BACKENDS}, got {self.backend!r}")
+        raise ValueError(f"CommGemmConfig.fp8: FP8 runs on XLA's collectives or the ring; "
+                         f"backend must be one of {FP8_BACKENDS}, got {self.backend!r}")
 
 
 def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:

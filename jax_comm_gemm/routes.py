@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax_comm_gemm.backends.auto as auto
 from jax_comm_gemm.backends import Backend
+from jax_comm_gemm.config import FP8_BACKENDS
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.registry import current_plan
 
@@ -87,22 +89,51 @@ class Fp8Route:
 
 def fp8_route(config) -> Fp8Route:
   """Whether `config`'s ops run in FP8 under the plan in force: where it holds
-  a recipe. FP8 runs on XLA's collectives, so a backend that
-  ``JAX_COMM_GEMM_BACKEND`` forces and that is not XLA is an error here
-  (``CommGemmConfig`` refuses such a ``backend`` itself).
+  a recipe. FP8's fused steps run on XLA's collectives or the ring
+  (:func:`fp8_collectives`), so a backend that ``JAX_COMM_GEMM_BACKEND``
+  forces and that is neither is an error here (``CommGemmConfig`` refuses
+  such a ``backend`` itself).
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
-  >>> fp8_route(jcg.CommGemmConfig(fp8=Fp8Recipe())).reason
-  "FP8 (tensor scaling) on XLA's collectives: FP8 bytes all-gathered, the gathered grad_output reused"
+  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe())).reason
+  "FP8 (tensor scaling) on XLA's collectives: FP8 bytes on the wire, the gathered grad_output reused"
   """
   if config.fp8 is None:
     return Fp8Route(False, "no FP8 recipe")
   forced = current_plan().settings.backend
-  if forced not in ("", "auto", "xla"):
+  if forced not in ("", *FP8_BACKENDS):
     raise RuntimeError(f"{settings.BACKEND}={forced} cannot run CommGemmConfig.fp8: FP8 "
-                       "runs on XLA's collectives (docs/fp8.md); unset it or set it to xla")
+                       f"runs on XLA's collectives or the ring (docs/fp8.md); unset it or "
+                       f"set it to one of {FP8_BACKENDS}")
   reuse = ("the gathered grad_output gathered again (reuse_gathered=False)"
            if config.reuse_gathered is False else "the gathered grad_output reused")
-  return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) on XLA's collectives: FP8 "
-                        f"bytes all-gathered, {reuse}")
+  where = {"ring": "on the ring (per-shard FP8 GEMMs overlapped with ppermutes)",
+           "xla": "on XLA's collectives"}.get(
+      _fp8_backend(config), "per shape on XLA's collectives or the ring, as autotune measured")
+  return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) {where}: FP8 bytes on the "
+                        f"wire, {reuse}")
+
+
+def _fp8_backend(config) -> str:
+  """The backend FP8 runs on: ``JAX_COMM_GEMM_BACKEND`` if it forces one, else
+  the config's ("auto", "xla" or "ring")."""
+  forced = current_plan().settings.backend
+  return forced if forced in ("xla", "ring") else config.backend
+
+
+def fp8_collectives(config, p) -> tuple[str, str]:
+  """(collectives, why) for FP8 problem `p` (``backends.auto.problem(...,
+  fp8=recipe.key)``): "xla" or "ring", as the backend names it, else as
+  ``backend="auto"`` chooses per problem (autotune's measurement in the plan,
+  or XLA's).
+
+  >>> import jax_comm_gemm as jcg
+  >>> from jax_comm_gemm.fp8 import Fp8Recipe
+  >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), None)
+  ('ring', "backend='ring'")
+  """
+  backend = _fp8_backend(config)
+  if backend in ("xla", "ring"):
+    return backend, f"backend={backend!r}"
+  return auto.choose(p, "xla")

@@ -29,9 +29,9 @@ TOLERANCE = 0.106
 @pytest.mark.parametrize("kwargs, match", [
     ({"fp8": "tensor"}, r"CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe"),
     ({"fp8": Fp8Recipe(), "backend": "cublasmp"},
-     r"CommGemmConfig.fp8: FP8 runs on XLA's collectives; backend must be one of "
-     r"\('auto', 'xla'\), got 'cublasmp'"),
-    ({"fp8": Fp8Recipe(), "backend": "ring"}, r"backend must be one of"),
+     r"CommGemmConfig.fp8: FP8 runs on XLA's collectives or the ring; backend must be one "
+     r"of \('auto', 'xla', 'ring'\), got 'cublasmp'"),
+    ({"fp8": Fp8Recipe(), "backend": "pallas"}, r"backend must be one of"),
 ])
 def test_a_bad_fp8_config_names_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -43,6 +43,9 @@ CANDIDATES = {
          "pipelined_ce", pallas.NAME),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
 }
+# What an FP8 problem may run on: its fused steps on XLA's collectives or the
+# ring (jax_comm_gemm/fp8/ring.py); no fused FP8 op is built (docs/fp8.md).
+FP8_CANDIDATES = ("xla", "ring")
 # Every name JAX_COMM_GEMM_AUTOTUNE may force (settings.py checks it; a test
 # holds the two equal).
 IMPLEMENTATIONS = settings.IMPLEMENTATIONS
@@ -66,6 +69,9 @@ class Problem:
   # an assembly for the ring), so such calls are their own problem, measured
   # as they are made.
   gathered: bool = False
+  # The Fp8Recipe's key (Fp8Recipe.key) where the op runs in FP8, else "":
+  # FP8 problems have their own candidates and choices.
+  fp8: str = ""
 
   def flop(self) -> float:
     gathered = self.rows * (self.axis_size if self.op == AG else 1)
@@ -74,13 +80,19 @@ class Problem:
   def text(self) -> str:
     return (f"{self.op} rows={self.rows} k={self.k} m={self.m} {self.dtype} "
             f"{'TN' if self.transpose_w else 'NN'} P={self.axis_size}"
-            + (" +gathered" if self.gathered else ""))
+            + (" +gathered" if self.gathered else "") + (f" {self.fp8}" if self.fp8 else ""))
 
 
-def problem(op: str, x, w, transpose_w: bool, axis_name: str, gathered: bool = False) -> Problem:
+def problem(op: str, x, w, transpose_w: bool, axis_name: str, gathered: bool = False,
+            fp8: str = "") -> Problem:
   m = w.shape[0] if transpose_w else w.shape[1]
   return Problem(op, int(x.shape[0]), int(x.shape[1]), int(m), jnp.dtype(x.dtype).name,
-                 bool(transpose_w), int(lax.axis_size(axis_name)), bool(gathered))
+                 bool(transpose_w), int(lax.axis_size(axis_name)), bool(gathered), fp8)
+
+
+def candidates(p: Problem) -> tuple[str, ...]:
+  """What autotune measures for `p`, XLA first."""
+  return FP8_CANDIDATES if p.fp8 else CANDIDATES[p.op]
 
 
 def runnable(name: str, p: Problem) -> Capability:
@@ -97,7 +109,7 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
   force); `default` is the configured fused one."""
   plan = current_plan() if plan is None else plan
   mode = plan.settings.autotune
-  if mode in CANDIDATES[p.op]:
+  if mode in candidates(p):
     verdict = runnable(mode, p)
     return mode, f"forced by {settings.AUTOTUNE}={mode}" + (
         "" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}")
@@ -108,6 +120,8 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
   if decided is not None:
     return decided
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
+  if p.fp8:
+    return "xla", f"{why}; FP8 runs on XLA's collectives unless the ring measured faster"
   if p.flop() < FUSED_FROM_FLOP:
     return "xla", f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU is too small to fuse"
   return default, f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU, fused"

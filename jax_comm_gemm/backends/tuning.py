@@ -26,13 +26,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm.runtime.kv as kv
-from jax_comm_gemm.backends.auto import (AG, CANDIDATES, IMPLEMENTATIONS, Problem, implementation,
-                                         runnable)
+from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS, Problem,
+                                         candidates, implementation, runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 # Re-exported: autotune's measuring steps live in timing.py.
 from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, decide, fastest,  # noqa: F401
                                            time_candidates, union_of_failures)
 from jax_comm_gemm.backends.verify import against_xla
+from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime import comm_id, settings
 from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
@@ -78,13 +79,21 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   # a candidate every process skips (a program run by some processes alone
   # would hang).
   runs = {}
-  for name in CANDIDATES[p.op]:
+  for name in candidates(p):
     if not runnable(name, p).ok:
       runs[name] = None
       continue
     backend = implementation(name, CublasMpBackend())
 
-    def local(x, w, backend=backend):
+    def local(x, w, backend=backend, name=name):
+      if p.fp8:  # the FP8 op, its fused steps on `name`'s collectives
+        recipe = Fp8Recipe.from_key(p.fp8)
+        if p.op == AG:
+          return fp8_all_gather_matmul(x, w, axis_name, recipe=recipe,
+                                       transpose_w=p.transpose_w, return_gathered=p.gathered,
+                                       collectives=name)
+        return fp8_matmul_reduce_scatter(x, w, axis_name, recipe=recipe,
+                                         transpose_w=p.transpose_w, collectives=name)
       if p.op == AG:
         return backend.all_gather_matmul(x, w, axis_name, transpose_w=p.transpose_w,
                                          return_gathered=p.gathered)
@@ -107,7 +116,7 @@ def signature() -> str:
   return (f"{jax.devices()[0].device_kind}|timing {METHOD}|jax {jax.__version__}|cuBLASMp "
           f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|"
           # New candidates make old choices stale.
-          f"{';'.join(','.join(names) for names in CANDIDATES.values())}")
+          f"{';'.join(','.join(names) for names in (*CANDIDATES.values(), FP8_CANDIDATES))}")
 
 
 def load_cache(path: str) -> dict:

@@ -21,6 +21,7 @@ FUSED_WITH_ALL_GATHER = "fused with all_gather"
 XLA_FALLBACK = "xla fallback"
 PALLAS_KERNEL = "pallas kernel"
 FP8_ON_XLA = "fp8 on xla"
+FP8_ON_RING = "fp8 on ring"
 
 
 def single_device_reason(axis_name: str) -> str:
@@ -66,9 +67,13 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
     return LayerPath(XLA_FALLBACK, path_reason)
   size = int(mesh.shape[axis_name])
   fp8 = fp8_route(config)
-  if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives
-    return LayerPath(FP8_ON_XLA, fp8.reason if size > 1 else
-                     f"FP8 GEMMs; {single_device_reason(axis_name)}")
+  if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives or the ring
+    if size == 1:
+      return LayerPath(FP8_ON_XLA, f"FP8 GEMMs; {single_device_reason(axis_name)}")
+    # "auto" runs each shape as measured; the counts below are XLA's, the
+    # default where nothing was measured (the compiled step's show which).
+    ring = "on the ring" in fp8.reason
+    return LayerPath(FP8_ON_RING if ring else FP8_ON_XLA, fp8.reason)
   choice = choose_backend(config, axis_name, mesh)
   if size == 1:  # whatever the backend: each layer is a plain GEMM
     return LayerPath(XLA_FALLBACK, single_device_reason(axis_name))
@@ -128,6 +133,8 @@ def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   With the XLA fallback every gather is an ``all-gather`` op: fc1's forward
   gather and fc2's dgrad gather, 2 in all (fc1's backward gather of the same
   input is merged with the forward's by XLA's CSE, as with plain autodiff).
+  FP8 on the ring gathers by ppermute; only fc1's backward gathers its input
+  again (1; 0 with ``keep_gathered_input``).
   """
   if int(mesh.shape[axis_name]) == 1:
     return ExpectedCounts(0, 0)
@@ -135,6 +142,8 @@ def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   fc2 = layer_path(config, mesh, axis_name, dtype, reduce_scatter_layer=True)
   if fc2.path in (XLA_FALLBACK, FP8_ON_XLA):
     return ExpectedCounts(2, 0)
+  if fc2.path == FP8_ON_RING:  # the rings gather by ppermute; fc1's backward gathers again
+    return ExpectedCounts(int(not keep_gathered_input), 0)
   return ExpectedCounts(int(fc1.path != FUSED_WITH_REUSE) + int(fc2.path != FUSED_WITH_REUSE),
                         2)
 

@@ -59,7 +59,8 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.fl
 
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                           transpose_w: bool = False, keep_gathered_input: bool = False,
-                          return_gathered: bool = False, gather: Callable | None = None):
+                          return_gathered: bool = False, gather: Callable | None = None,
+                          collectives: str = "xla"):
   """``all_gather(x) @ w`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``.
 
@@ -75,6 +76,9 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
       (dequantized, in x's dtype); its gradient is reduce-scattered into x's.
     gather: ``gather(tree, axis_name)`` for the gathers that feed a GEMM
       (default :func:`xla_gather`); a backend or a test's stand-in.
+    collectives: ``"xla"`` (an all-gather, then the GEMM; a GEMM, then a
+      reduce-scatter) or ``"ring"`` (per-shard FP8 GEMMs overlapped with
+      ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.fp8.ring`).
 
   Returns:
     ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``.
@@ -91,7 +95,8 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   _check(op, x, w, transpose_w, recipe)
   s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               keep_gathered_input=bool(keep_gathered_input),
-              return_gathered=bool(return_gathered), gather=gather or xla_gather)
+              return_gathered=bool(return_gathered), gather=gather or xla_gather,
+              collectives=_collectives(op, collectives))
   size = lax.axis_size(axis_name)
   lead = x.shape[:-1]
   out = _all_gather_matmul(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w), s)
@@ -101,7 +106,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
 
 def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                               transpose_w: bool = False, reuse_gathered: bool = True,
-                              gather: Callable | None = None):
+                              gather: Callable | None = None, collectives: str = "xla"):
   """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call
   inside ``jax.shard_map``.
 
@@ -112,7 +117,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
     recipe: the :class:`Fp8Recipe`.
     reuse_gathered: the weight gradient reads the FP8 dy that the input
       gradient's AllGather+GEMM gathered (default); False gathers it again.
-    gather: as in :func:`fp8_all_gather_matmul`.
+    gather, collectives: as in :func:`fp8_all_gather_matmul`.
 
   Returns:
     This rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
@@ -132,7 +137,8 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
     raise ValueError(f"{op}: x's tokens ({x.shape[0]}) must be divisible by the size "
                      f"of axis {axis_name!r} ({size})")
   s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
-              reuse_gathered=bool(reuse_gathered), gather=gather or xla_gather)
+              reuse_gathered=bool(reuse_gathered), gather=gather or xla_gather,
+              collectives=_collectives(op, collectives))
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w), s)
   return y.reshape((lead[0] // size,) + lead[1:] + y.shape[-1:])
@@ -152,6 +158,13 @@ def _check(op, x, w, transpose_w, recipe):
   if x.shape[-1] != k:
     raise ValueError(f"{op}: x's last dim {x.shape[-1]} does not match w's contracting "
                      f"dim {k} (w {w.shape}, transpose_w={bool(transpose_w)})")
+
+
+def _collectives(op, collectives):
+  if collectives not in st.COLLECTIVES:
+    raise ValueError(f"{op}: `collectives` must be one of {st.COLLECTIVES}, "
+                     f"got {collectives!r}")
+  return collectives
 
 
 def _varying(axis_name, *xs):
@@ -177,8 +190,7 @@ def _operands(s: Static, x, w):
 def _all_gather_matmul_fwd(x, w, s: Static):
   ax, wf8, wf_inv, wb8, wb_inv = _operands(s, x, w)
   x8, x_inv = st.quantize(s, x, s.recipe.forward_dtype, ax)
-  g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
-  y = st.gemm(s, g8, wf8, g_inv, wf_inv, s.x_dtype)
+  y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   keep = s.keep_gathered_input or s.return_gathered
   return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv)
@@ -190,7 +202,7 @@ def _all_gather_matmul_bwd(s: Static, res, ct):
   (a_dy,) = st.tensor_amaxes(s, ct_y)
   dy8, dy_inv, dyT8, dyT_inv = st.quantize(s, ct_y, s.recipe.backward_dtype, a_dy,
                                            columns=True)
-  dx = st.reduce_scatter(s, st.gemm(s, dy8, wb8, dy_inv, wb_inv, s.x_dtype, gradient=True))
+  dx = st.gemm_reduce_scatter(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
   if s.keep_gathered_input or s.return_gathered:
     g8, g_inv = o8, o_inv
   else:
@@ -217,7 +229,7 @@ def _matmul_reduce_scatter_fwd(x, w, s: Static):
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
   x8, x_inv, xT8, xT_inv = st.quantize(s, x, s.recipe.forward_dtype, ax, columns=True)
-  y = st.reduce_scatter(s, st.gemm(s, x8, wf8, x_inv, wf_inv, s.x_dtype))
+  y = st.gemm_reduce_scatter(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
   return y, (xT8, xT_inv, wb8, wb_inv)
 
 
@@ -226,8 +238,7 @@ def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   b8 = s.recipe.backward_dtype
   (a_dy,) = st.tensor_amaxes(s, dy)
   dy8, dy_inv = st.quantize(s, dy, b8, a_dy)
-  g8, g_inv = st.gather(s, dy8, dy_inv, standalone=False)
-  dx = st.gemm(s, g8, wb8, g_inv, wb_inv, s.x_dtype, gradient=True)
+  dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
   if not s.reuse_gathered:
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)

@@ -68,6 +68,8 @@ class Fp8Recipe:
 
   >>> Fp8Recipe(scaling="row").backward_dtype
   dtype(float8_e5m2)
+  >>> Fp8Recipe.from_key(Fp8Recipe(margin=1).key) == Fp8Recipe(margin=1)
+  True
   >>> Fp8Recipe(scaling="block")
   Traceback (most recent call last):
   ...
@@ -102,3 +104,26 @@ class Fp8Recipe:
     if self.gemm_form not in GEMM_FORMS:
       raise ValueError(f"Fp8Recipe.gemm_form must be one of {GEMM_FORMS}, "
                        f"got {self.gemm_form!r}")
+
+  @property
+  def key(self) -> str:
+    """The recipe as text, for autotune's problem keys (its disk cache too).
+
+    >>> Fp8Recipe().key
+    'fp8 tensor float8_e4m3fn/float8_e5m2 margin=0 direct fast'
+    """
+    return (f"fp8 {self.scaling} {self.forward_dtype.name}/{self.backward_dtype.name} "
+            f"margin={self.margin} {self.gemm_form} {self.accumulation}")
+
+  @classmethod
+  def from_key(cls, key: str) -> "Fp8Recipe":
+    """The recipe whose :attr:`key` is `key`."""
+    try:
+      tag, scaling, dtypes, margin, form, accumulation = key.split(" ")
+      forward, backward = dtypes.split("/")
+      if tag != "fp8" or not margin.startswith("margin="):
+        raise ValueError
+      return cls(scaling, jnp.dtype(forward), jnp.dtype(backward),
+                 int(margin.removeprefix("margin=")), form, accumulation)
+    except (ValueError, TypeError):
+      raise ValueError(f"not an Fp8Recipe key: {key!r}") from None

@@ -1,6 +1,8 @@
 """The steps the FP8 collective matmuls share: agreed amaxes, quantizing an
 operand in the layouts its GEMMs want, the gathers (scales in the same call),
-the reduce-scatter, the wgrad's transposed operand, and the GEMM call."""
+the reduce-scatter, the wgrad's transposed operand, the GEMM call, and the two
+fused steps (AllGather+GEMM, GEMM+ReduceScatter) on XLA's collectives or the
+ring (:mod:`jax_comm_gemm.fp8.ring`)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import jax
 from jax import lax
 
 import jax_comm_gemm.fp8.quantize as qz
+import jax_comm_gemm.fp8.ring as ring
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 
 FUSED_SCOPE = "jax_comm_gemm.fp8.gather_for_gemm"
+COLLECTIVES = ("xla", "ring")
 STANDALONE_SCOPE = "jax_comm_gemm.all_gather"
 
 
@@ -43,6 +47,7 @@ class Static:
   return_gathered: bool = False
   reuse_gathered: bool = True
   gather: Callable = xla_gather
+  collectives: str = "xla"  # the fused steps' collectives: COLLECTIVES
 
 
 def tensor_amaxes(s: Static, *xs):
@@ -105,6 +110,29 @@ def gemm(s: Static, a8, b8, ia, ib, out_dtype, *, gradient: bool = False):
   """A GEMM of the layer: its forward, or (`gradient`) dx or dw."""
   fast = {"fast": True, "fast_forward": not gradient, "precise": False}[s.recipe.accumulation]
   return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form, fast_accum=fast)
+
+
+def gather_gemm(s: Static, q8, inv, b8, b_inv, out_dtype, *, gradient: bool = False):
+  """The fused AllGather+GEMM, ``AG(q8) . b8``: ``(y, g8, g_inv)``, with the
+  gathered FP8 operand (and its scales) for the weight gradient to reuse."""
+  def gemm_with(a8, ia):
+    return gemm(s, a8, b8, ia, b_inv, out_dtype, gradient=gradient)
+  if s.collectives == "ring" and lax.axis_size(s.axis_name) > 1:
+    with jax.named_scope(FUSED_SCOPE):
+      return ring.all_gather_gemm(q8, inv, gemm_with, s.axis_name,
+                                  row_scales=s.recipe.scaling == "row")
+  g8, g_inv = gather(s, q8, inv, standalone=False)
+  return gemm_with(g8, g_inv), g8, g_inv
+
+
+def gemm_reduce_scatter(s: Static, a8, ia, b8, ib, out_dtype, *, gradient: bool = False):
+  """The fused GEMM+ReduceScatter, ``RS(a8 . b8)`` along the tokens."""
+  def gemm_with(part8, inv):
+    return gemm(s, part8, b8, inv, ib, out_dtype, gradient=gradient)
+  if s.collectives == "ring" and lax.axis_size(s.axis_name) > 1:
+    return ring.gemm_reduce_scatter(a8, ia, gemm_with, s.axis_name,
+                                    row_scales=s.recipe.scaling == "row")
+  return reduce_scatter(s, gemm_with(a8, ia))
 
 
 def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
