@@ -184,9 +184,15 @@ def main(argv=None) -> int:
   p.add_argument("--hlo", default="fp8_gemm_hlo.txt")
   p.add_argument("--rounds", type=int, default=12)
   p.add_argument("--warmup-s", type=float, default=3.0)
+  p.add_argument("--shapes", help="only these, e.g. 4096x4096x2048,2048x8192x4096")
+  p.add_argument("--profile", metavar="DIR",
+                 help="after timing each shape, trace one sample of every variant into "
+                      "DIR (jax.profiler; annotated '<variant>@<shape>')")
   args = p.parse_args(argv)
   smoke = args.smoke
   shapes = SMOKE_SHAPES if smoke else SHAPES
+  if args.shapes:
+    shapes = tuple(tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
   rounds, warmup_s = (3, 0.2) if smoke else (max(12, args.rounds), max(3.0, args.warmup_s))
   gpu = jax.devices()[0].platform == "gpu"
   meta = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "smoke": smoke,
@@ -223,6 +229,11 @@ def main(argv=None) -> int:
     for _ in range(rounds):
       for name, (call, sync) in variants.items():
         times[name].append(time_round(call, sync))
+    if args.profile:  # one more sample of each, traced (kernels and gaps: trace_summary.py)
+      with jax.profiler.trace(f"{args.profile}/{m}x{k}x{n}", create_perfetto_trace=True):
+        for name, (call, sync) in variants.items():
+          with jax.profiler.TraceAnnotation(f"{name}@{m}x{k}x{n}"):
+            time_round(call, sync)
     row = {"shape": f"{m}x{k}x{n}", **{nm: 1e3 * float(np.median(v)) for nm, v in times.items()},
            "fp8_rel_err_vs_bf16": errs, "compile_s": round(compile_s, 2),
            "total_s": round(time.perf_counter() - t0, 2),
