@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
-from jax_comm_gemm.backends.auto import AG, CANDIDATES, RS, Problem, implementation, runnable
+from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem,
+                                         implementation, runnable)
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
                                quantize_tensor)
@@ -302,12 +303,13 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
 FP8_TOLERANCE = {"y": 0.106, "dx": 0.165, "dw1": 0.181, "dw2": 0.220}
 
 
-def check_fp8(mesh, scaling: str, keep: bool = False):
-  """The SP MLP block in FP8 (``CommGemmConfig(fp8=...)``, on XLA's
-  collectives), bf16 in and out: forward and gradients against float64 within
-  the FP8 bound; the gathered FP8 operand equals ``lax.all_gather`` of the
-  shards quantized with the agreed scale, bit for bit; and the compiled step
-  keeps bf16's standalone all-gathers (the report's count), FP8 on the wire."""
+def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto"):
+  """The SP MLP block in FP8 (``CommGemmConfig(fp8=...)``; `backend` "auto"
+  (XLA's collectives where nothing was measured) or "ring"), bf16 in and out:
+  forward and gradients against float64 within the FP8 bound; the gathered FP8
+  operand equals ``lax.all_gather`` of the shards quantized with the agreed
+  scale, bit for bit; and the compiled step has the report's standalone
+  all-gathers, FP8 on the wire (all-gathers, or the ring's collective-permutes)."""
   n, d, f = 1024, 512, 1024
   recipe = Fp8Recipe(scaling)
   dt = jnp.bfloat16
@@ -315,7 +317,7 @@ def check_fp8(mesh, scaling: str, keep: bool = False):
            random(8, n, d)]
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
   x, w1, w2, g = (put(mesh, a, s, dt) for a, s in zip(hosts, MLP_IN_SPECS))
-  step = mlp_step(mesh, keep=keep, backend="auto", fp8=recipe)
+  step = mlp_step(mesh, keep=keep, backend=backend, fp8=recipe)
   errs = {}
   for name, out, ref in zip(("y", "dx", "dw1", "dw2"), step(x, w1, w2, g),
                             mlp_reference(x64, w1_64, w2_64, g64)):
@@ -323,25 +325,51 @@ def check_fp8(mesh, scaling: str, keep: bool = False):
                      for i, b in blocks(out)) / float(np.max(np.abs(ref)))
     assert errs[name] < FP8_TOLERANCE[name], f"{name}: {errs[name]} ({errs})"
   # The gathered operand: the whole x quantized at once (tensor), or row by row.
-  gather = smap(mesh, lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=recipe,
-                                                         return_gathered=True)[1][None],
-                (P("tp"), P(None, "tp")), P("tp"))
+  collectives = "ring" if backend == "ring" else "xla"
+  gather = smap(mesh, lambda x, w: fp8_all_gather_matmul(
+      x, w, "tp", recipe=recipe, return_gathered=True, collectives=collectives)[1][None],
+      (P("tp"), P(None, "tp")), P("tp"))
   q, inv = (quantize_tensor if scaling == "tensor" else quantize_rows)(
       jnp.asarray(hosts[0].astype(np.float32)).astype(dt), recipe.forward_dtype)
   want = np.asarray(dequantize(q, inv, dt), np.float64)
   for _, block in blocks(gather(x, w1)):
     assert np.array_equal(block[0], want), "the gathered FP8 operand differs"
-  # Compiled on the GPUs: bf16's standalone all-gather count, in FP8.
+  # Compiled on the GPUs: the report's standalone all-gather count, in FP8.
   text = step.lower(x, w1, w2, g).compile().as_text()
   counted = hlo.count_collectives(text)
-  expected = report.expected_all_gathers(jcg.CommGemmConfig(fp8=recipe), mesh, "tp", dt,
-                                          keep_gathered_input=keep)
-  scale_gathers = 2 if scaling == "row" else 0  # the row scales travel beside the rows
+  config = jcg.CommGemmConfig(backend=backend, fp8=recipe)
+  expected = report.expected_all_gathers(config, mesh, "tp", dt, keep_gathered_input=keep)
+  # The row scales travel beside the rows: a second all-gather per gather.
+  scale_gathers = counted.all_gather // 2 if scaling == "row" else 0
   assert counted.all_gather - scale_gathers == expected.standalone_all_gathers, (
       counted, expected)
-  gathers = [line for line in text.splitlines() if " all-gather" in line and "=" in line]
-  assert any("f8e4m3fn" in line for line in gathers), "no FP8 all-gather in the step"
+  wire = [line for line in text.splitlines() if "=" in line and (
+      " all-gather" in line or " collective-permute" in line)]
+  assert any("f8e4m3fn" in line for line in wire), "no FP8 on the wire in the step"
+  if backend == "ring":
+    assert any("collective-permute" in line and "f8e5m2" in line for line in wire), (
+        "the ring's backward moves no E5M2 grad_output")
   return {"errors": errs, "all_gathers": counted.all_gather}
+
+
+def check_autotune_fp8(mesh):
+  """autotune measures FP8 problems (keyed with the recipe) on their own
+  candidates, XLA's collectives and the ring, every process taking the same
+  choice; backend="auto" then computes the FP8 MLP right with it."""
+  size = mesh.shape["tp"]
+  problems = [Problem(AG, 1024 // size, 512, 1024 // size, "bfloat16", False, size,
+                      fp8=Fp8Recipe(scaling).key) for scaling in ("tensor", "row")]
+  problems.append(Problem(RS, 1024, 1024 // size, 512, "bfloat16", False, size,
+                          fp8=Fp8Recipe().key))
+  with measured_afresh():
+    choices = jcg.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
+  assert set(choices) == set(problems), choices
+  for p, (name, why) in choices.items():
+    assert name in FP8_CANDIDATES and why.startswith("measured: "), (p, name, why)
+    for candidate in FP8_CANDIDATES:
+      assert re.search(rf"\b{candidate} [0-9.]+ ms", why), (p, candidate, why)
+  return {"choices": {p.text(): list(c) for p, c in choices.items()},
+          "mlp_fp8_auto": check_fp8(mesh, "tensor")}
 
 
 def check_pallas(mesh, dtype: str):
@@ -862,6 +890,11 @@ for _dt in ("bf16", "f16"):
 for _scaling in ("tensor", "row"):
   CHECKS[f"fp8_{_scaling}"] = lambda mesh, s=_scaling: check_fp8(mesh, s)
 CHECKS["fp8_tensor_keep_input"] = lambda mesh: check_fp8(mesh, "tensor", keep=True)
+for _scaling in ("tensor", "row"):
+  CHECKS[f"fp8_{_scaling}_ring"] = lambda mesh, s=_scaling: check_fp8(mesh, s, backend="ring")
+CHECKS["fp8_tensor_ring_keep_input"] = (
+    lambda mesh: check_fp8(mesh, "tensor", keep=True, backend="ring"))
+CHECKS["autotune_fp8"] = check_autotune_fp8
 
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
@@ -870,4 +903,5 @@ SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_s
                          "mlp_bf16_rs_pipelined_ce", "rs_pipelined_chunks",
                          "weight_gradient_bf16_nn", "weight_gradient_f32_tn", "mlp_repeated",
                          "routing", "layout_self_test", "autotune", "vmap", "mesh_2d",
-                         "pallas_bf16", "fp8_tensor", "fp8_row")
+                         "pallas_bf16", "fp8_tensor", "fp8_row", "fp8_tensor_ring",
+                         "autotune_fp8")
