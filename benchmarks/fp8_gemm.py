@@ -49,7 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_comm_gemm.fp8.gemm import _cublaslt_gemm, fp8_gemm_tn  # noqa: E402
+from jax_comm_gemm.fp8.gemm import cublaslt_gemm_tn, fp8_gemm_tn  # noqa: E402
 from jax_comm_gemm.fp8.quantize import quantize_rows, quantize_tensor  # noqa: E402
 from jax_comm_gemm.runtime.constants import TARGETS  # noqa: E402
 
@@ -93,13 +93,13 @@ def jax_variants(m, k, n):
   fns = {"jax_bf16": (lambda a, b: a @ b, [(t,) for t in As], (b,)),
          "fp8_direct": (lambda a8, ia, b8, ib: fp8_gemm_tn(a8, b8, ia, ib, out),
                         tensor_as, (b8, ib)),
-         "fp8_cublaslt": (lambda a8, ia, b8, ib: _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out),
+         "fp8_cublaslt": (lambda a8, ia, b8, ib: cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out),
                           tensor_as, (b8, ib)),
-         "fp8_cublaslt_heuristic": (lambda a8, ia, b8, ib: _cublaslt_gemm(
+         "fp8_cublaslt_heuristic": (lambda a8, ia, b8, ib: cublaslt_gemm_tn(
              a8, b8, ia, ib, out_dtype=out, timed=False), tensor_as, (b8, ib)),
-         "fp8_cublaslt_precise": (lambda a8, ia, b8, ib: _cublaslt_gemm(
+         "fp8_cublaslt_precise": (lambda a8, ia, b8, ib: cublaslt_gemm_tn(
              a8, b8, ia, ib, out_dtype=out, fast_accum=False), tensor_as, (b8, ib)),
-         "fp8_cublaslt_row": (lambda a8, ia, b8, ib: _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out),
+         "fp8_cublaslt_row": (lambda a8, ia, b8, ib: cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out),
                               row_as, (b8r, ibr))}
   variants = {}
   for name, (f, per_call, fixed) in fns.items():

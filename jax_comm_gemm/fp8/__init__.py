@@ -1,12 +1,16 @@
-"""FP8 (E4M3 forward, E5M2 gradients) collective matmuls on XLA's collectives.
+"""FP8 (E4M3 forward, E5M2 gradients) collective matmuls on XLA's collectives
+or the ring.
 
 A self-contained layer below ``collective_matmul`` and the dense layers: it
-imports only jax, numpy and ``jax_comm_gemm.vma``.
+imports only jax, numpy, ``jax_comm_gemm.vma`` and ``jax_comm_gemm.runtime``
+(for the FP8 GEMM custom call's registration).
 
 * ``recipe``: :class:`Fp8Recipe`, what to quantize with.
 * ``quantize``: amax, scale, saturating cast; per tensor, row, column.
-* ``gemm``: the FP8 GEMM in the TN form XLA runs as one cuBLASLt FP8 call,
-  and the weight's two FP8 copies.
+* ``gemm``: the FP8 GEMM in the TN form XLA runs as one cuBLASLt FP8 call, or
+  as the project's custom call (:func:`cublaslt_gemm_tn`), and the weight's
+  two FP8 copies.
+* ``ring``: the fused steps as rings of per-shard FP8 GEMMs and ppermutes.
 * ``matmul``: :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`,
   the differentiable ops, FP8 bytes on the wire. docs/fp8.md has the picture.
 
@@ -14,7 +18,7 @@ imports only jax, numpy and ``jax_comm_gemm.vma``.
 'tensor'
 """
 
-from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
+from jax_comm_gemm.fp8.gemm import cublaslt_gemm_tn, fp8_gemm_tn, weight_copies
 from jax_comm_gemm.fp8.matmul import (FUSED_SCOPE, STANDALONE_SCOPE, fp8_all_gather_matmul,
                                       fp8_matmul_reduce_scatter, xla_gather)
 from jax_comm_gemm.fp8.quantize import (agree, amax, dequantize, fp8_max, inverse,
@@ -23,7 +27,8 @@ from jax_comm_gemm.fp8.quantize import (agree, amax, dequantize, fp8_max, invers
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 
 __all__ = [
-    "FUSED_SCOPE", "Fp8Recipe", "STANDALONE_SCOPE", "agree", "amax", "dequantize",
+    "FUSED_SCOPE", "Fp8Recipe", "STANDALONE_SCOPE", "agree", "amax", "cublaslt_gemm_tn",
+    "dequantize",
     "fp8_all_gather_matmul", "fp8_gemm_tn", "fp8_matmul_reduce_scatter", "fp8_max",
     "inverse", "quantize_columns_transposed", "quantize_rows", "quantize_tensor",
     "saturating_cast", "scale_from_amax", "weight_copies", "xla_gather",

@@ -73,7 +73,7 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
   ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
   if form == "cublaslt":
     if _cublaslt_takes(a8, b8, ia, ib):
-      return _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out_dtype, fast_accum=fast_accum)
+      return cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out_dtype, fast_accum=fast_accum)
     form = "direct"
   precision = None if fast_accum else lax.Precision.HIGHEST
   if form == "dequant_f32":
@@ -150,10 +150,20 @@ _fp8_gemm_p, _FP8_GEMM_TARGET = _fp8_gemm_primitive()
 
 
 @partial(jax.jit, static_argnames=("out_dtype", "timed", "fast_accum"))
-def _cublaslt_gemm(a8, b8, sa, sb, *, out_dtype, timed: bool = True, fast_accum: bool = True):
-  """The custom call (jitted, so it also runs eagerly); `timed=False` takes
-  cuBLASLt's first heuristic choice (for the benchmark's comparison)."""
-  a8, b8, sa, sb = vma.match(a8, b8, sa, sb)
+def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool = True,
+                     fast_accum: bool = True):
+  """The project's FP8 GEMM custom call itself: ``(a8 @ b8.T) * scales`` as
+  :func:`fp8_gemm_tn` with ``form="cublaslt"``, without its checks of what the
+  call takes (:func:`_cublaslt_takes`). `timed=False` takes cuBLASLt's first
+  heuristic algorithm instead of the fastest timed one. Jitted, so it also
+  runs eagerly; on a platform other than CUDA it compiles the "direct" form.
+
+  >>> a8 = jnp.ones((16, 32), jnp.float8_e4m3fn)
+  >>> cublaslt_gemm_tn(a8, a8, jnp.float32(0.5), jnp.float32(0.25),
+  ...                  out_dtype=jnp.float32)[0, :2].tolist()
+  [4.0, 4.0]
+  """
+  a8, b8, sa, sb = vma.match(a8, b8, scale_inv_a, scale_inv_b)
   return _fp8_gemm_p.bind(a8, b8, sa, sb, out_dtype=jnp.dtype(out_dtype), timed=bool(timed),
                           fast_accum=bool(fast_accum))
 

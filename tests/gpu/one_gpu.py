@@ -22,7 +22,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 import jax_comm_gemm as jcg  # noqa: E402
 from jax_comm_gemm.fp8 import (Fp8Recipe, fp8_all_gather_matmul,  # noqa: E402
                                fp8_matmul_reduce_scatter, quantize_rows, quantize_tensor)
-from jax_comm_gemm.fp8.gemm import _cublaslt_gemm, fp8_gemm_tn  # noqa: E402
+from jax_comm_gemm.fp8.gemm import cublaslt_gemm_tn, fp8_gemm_tn  # noqa: E402
 from jax_comm_gemm.runtime.constants import TARGETS  # noqa: E402
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -73,7 +73,7 @@ def check_gemm_against_float64():
         for out, rounding in ((jnp.bfloat16, 2.0 ** -8), (jnp.float32, 0.0)):
           for timed in (True, False):
             for fast in (True, False):
-              got = _cublaslt_gemm(a8, b8, ia, ib, out_dtype=out, timed=timed,
+              got = cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out, timed=timed,
                                    fast_accum=fast)
               assert got.dtype == out and got.shape == (m, n)
               err = _row_error(got, ref)
