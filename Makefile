@@ -33,8 +33,11 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*) \
 example: setup
 	$(PY) examples/train_byte_gpt.py $(ARGS)
 
+# Two pytest workers (pytest-xdist): most tests compile on one core, so a
+# 2-core machine runs the suite in about half the time. The GPU tests stay on
+# one worker (the root conftest.py groups them).
 test: setup cpp-test
-	JCG_REQUIRE_EXTENSION=1 $(PY) -m pytest -q $(ARGS)
+	JCG_REQUIRE_EXTENSION=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(ARGS)
 
 CPP_TEST_DIR := build/cpp-tests
 cpp-test: setup

@@ -5,11 +5,41 @@ The pytest process stays on the CPU (JAX_PLATFORMS=cpu), also on a GPU
 machine: the GPU tests run in worker processes of their own (tests/gpu/),
 which must find the GPUs' memory free. 8 simulated CPU devices. Both must be
 set before jax is imported.
+
+On the CPU, the process compiles its programs with LLVM's optimizations off
+(CPU_TEST_FLAGS): the tests compile hundreds of small programs and run each a
+few times, so LLVM's passes took more than half of the suite's time, and they
+change neither the HLO (what the tests count) nor what is computed. XLA reads
+XLA_FLAGS once, when the backend starts: the flag is set for that moment only,
+so the processes that the tests start (the GPU workers above all) do not
+inherit it; a test that starts a CPU process passes CPU_TEST_FLAGS itself.
 """
 
 import os
+
+import pytest
+
+CPU_TEST_FLAGS = "--xla_backend_optimization_level=0"
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+if os.environ["JAX_PLATFORMS"] == "cpu":
+  _inherited = os.environ["XLA_FLAGS"]
+  os.environ["XLA_FLAGS"] = f"{_inherited} {CPU_TEST_FLAGS}"
+  import jax  # noqa: E402
+
+  try:
+    jax.devices()  # the backend starts here, and XLA reads its flags
+  finally:
+    os.environ["XLA_FLAGS"] = _inherited
+
+
+def pytest_collection_modifyitems(items):
+  """Under pytest-xdist (make test: -n 2 --dist loadgroup), the GPU tests all
+  run in one worker, one at a time: two of them at once would share the GPUs."""
+  for item in items:
+    if item.get_closest_marker("gpu") is not None:
+      item.add_marker(pytest.mark.xdist_group("gpu"))

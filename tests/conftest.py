@@ -11,6 +11,12 @@ from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.settings import Settings
 
 
+# The XLA flags of the CPU processes that tests start (the examples, the
+# multi-process workers): LLVM's optimizations off, as the root conftest.py
+# sets them for the pytest process (its docstring says why).
+CPU_TEST_FLAGS = "--xla_backend_optimization_level=0"
+
+
 def cpu_mesh(size: int, axis_name: str = "tp") -> Mesh:
   """A 1-D mesh over the first `size` CPU devices."""
   devices = jax.devices("cpu")

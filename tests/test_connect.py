@@ -357,6 +357,18 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     return ("ring", "fake") if len(decided) == 3 else ("cublasmp_split_p2p", "fake")
   decided = []
   monkeypatch.setattr(tuning, "decide", lambda times: decided.append(1) or per_op(times))
+  # decide is faked alike in every round, so the ops' choices are the same in
+  # each: they are measured (their candidates compiled and run) in the first
+  # round, and the later rounds reuse them.
+  real_measure, measured, asked = step_tuning.measure, {}, []
+
+  def measure_once(mesh, axis_name, problems, plan, **kw):
+    asked.append(tuple(problems))
+    if asked[-1] not in measured:
+      measured[asked[-1]] = real_measure(mesh, axis_name, problems, plan, **kw)
+    return measured[asked[-1]]
+
+  monkeypatch.setattr(step_tuning, "measure", measure_once)
   timed, firsts, verifiers = [], [], []
   for faster in ("tuned", "xla", "pipelined_ce", "cublasmp_split_p2p"):
     decided.clear()
@@ -372,6 +384,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
     taken = {tuned.routes.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
+  assert len(asked) == 4 and len(measured) == 1  # every round asked, for the same ops
   # Every plan was timed: the AG-only "pipelined" and "pallas_mgpu" cannot run
   # the step's RS.
   assert timed[0] == sorted(["tuned", "xla", "ring", "cublasmp_default", "cublasmp_split_p2p",

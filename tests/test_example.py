@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import cpu_mesh
+from conftest import CPU_TEST_FLAGS, cpu_mesh
 from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.backends import Capability, CublasMpBackend
 from jax_comm_gemm.diagnostics import hlo, report
@@ -48,7 +48,7 @@ SMALL = ("--d-model", "64", "--heads", "2", "--layers", "2", "--hidden", "128",
 def run_example(tmp_path, *flags, name="summary", devices=8):
   out = tmp_path / f"{name}.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {CPU_TEST_FLAGS}",
              PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")])))
   env.pop("JAX_COMM_GEMM_BACKEND", None)
@@ -81,8 +81,10 @@ def check_report(stdout, summary, layers, remat=False):
 
 def test_train_checkpoint_and_resume(tmp_path, capsys):
   checkpoints = tmp_path / "checkpoints"
-  flags = ("--steps", "12", "--checkpoint-every", "6", "--eval-every", "6", "--log-every",
-           "3", "--checkpoint-dir", str(checkpoints))
+  # One block: the checkpoints hold whatever the model has, and each block more
+  # costs every run here a longer compile and save (the other runs have two).
+  flags = ("--layers", "1", "--steps", "12", "--checkpoint-every", "6", "--eval-every", "6",
+           "--log-every", "3", "--checkpoint-dir", str(checkpoints))
   stdout, _, first = run_example(tmp_path, *flags, name="first")
   train, val = first["history"]["train"], first["history"]["validation"]
   assert [s for s, _ in train] == list(range(1, 13))
@@ -93,7 +95,7 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   assert "\r" not in stdout
   assert re.search(r"step +12/12 +loss \d\.\d{4} +[\d,]+ tokens/s", stdout), stdout
   assert "validation loss" in stdout and "tokens/s" in stdout
-  check_report(stdout, first, layers=2)
+  check_report(stdout, first, layers=1)
   assert first["checkpoint_steps"] == [6, 12]
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["12", "6"]
 
@@ -109,11 +111,12 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   # (In this process from here on, to save a start-up.) Another model refuses
   # to resume from these checkpoints.
   with pytest.raises(SystemExit, match=r"--resume: the checkpoint .* holds a model of"):
-    train_byte_gpt.main([*SMALL, "--d-model", "32", "--steps", "13", "--resume",
-                         "--checkpoint-dir", str(checkpoints)])
+    train_byte_gpt.main([*SMALL, "--layers", "1", "--d-model", "32", "--steps", "13",
+                         "--resume", "--checkpoint-dir", str(checkpoints)])
   # A fresh run in the same directory replaces the earlier checkpoints.
   capsys.readouterr()
-  train_byte_gpt.main([*SMALL, "--steps", "1", "--checkpoint-dir", str(checkpoints)])
+  train_byte_gpt.main([*SMALL, "--layers", "1", "--steps", "1", "--checkpoint-dir",
+                       str(checkpoints)])
   assert "removing 2 checkpoint(s) of an earlier run" in capsys.readouterr().out
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
 

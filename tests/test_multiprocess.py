@@ -18,6 +18,7 @@ import time
 import pytest
 
 import jax_comm_gemm
+from conftest import CPU_TEST_FLAGS
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jax_comm_gemm.__file__)))
@@ -32,7 +33,7 @@ def _free_port() -> int:
 
 def _launch(process_id: int, port: int, *args, **settings) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMM_GEMM_")}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+  env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {CPU_TEST_FLAGS}", JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(
                  p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p), **settings)
   return subprocess.Popen([sys.executable, os.path.join(TESTS, "mp_worker.py"),
