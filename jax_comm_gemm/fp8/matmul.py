@@ -49,7 +49,7 @@ from jax import lax
 from jax_comm_gemm import vma
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
-from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
 from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 
 __all__ = ["FUSED_SCOPE", "STANDALONE_SCOPE", "fp8_all_gather_matmul",
@@ -60,7 +60,7 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.fl
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                           transpose_w: bool = False, keep_gathered_input: bool = False,
                           return_gathered: bool = False, gather: Callable | None = None,
-                          collectives: str = "xla"):
+                          collectives: str = "xla", history: AmaxHistory | None = None):
   """``all_gather(x) @ w`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``.
 
@@ -79,6 +79,8 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
     collectives: ``"xla"`` (an all-gather, then the GEMM; a GEMM, then a
       reduce-scatter) or ``"ring"`` (per-shard FP8 GEMMs overlapped with
       ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.fp8.ring`).
+    history: the :class:`AmaxHistory` a ``"delayed"`` recipe scales with (its
+      gradient is the next step's history); None for the other recipes.
 
   Returns:
     ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``.
@@ -99,14 +101,16 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
               collectives=_collectives(op, collectives))
   size = lax.axis_size(axis_name)
   lead = x.shape[:-1]
-  out = _all_gather_matmul(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w), s)
+  out = _all_gather_matmul(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
+                           _history(op, recipe, history), s)
   unfold = lambda t: t.reshape((lead[0] * size,) + lead[1:] + t.shape[-1:])
   return (unfold(out[0]), unfold(out[1])) if return_gathered else unfold(out)
 
 
 def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                               transpose_w: bool = False, reuse_gathered: bool = True,
-                              gather: Callable | None = None, collectives: str = "xla"):
+                              gather: Callable | None = None, collectives: str = "xla",
+                              history: AmaxHistory | None = None):
   """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call
   inside ``jax.shard_map``.
 
@@ -117,7 +121,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
     recipe: the :class:`Fp8Recipe`.
     reuse_gathered: the weight gradient reads the FP8 dy that the input
       gradient's AllGather+GEMM gathered (default); False gathers it again.
-    gather, collectives: as in :func:`fp8_all_gather_matmul`.
+    gather, collectives, history: as in :func:`fp8_all_gather_matmul`.
 
   Returns:
     This rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
@@ -140,7 +144,8 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
               reuse_gathered=bool(reuse_gathered), gather=gather or xla_gather,
               collectives=_collectives(op, collectives))
   lead = x.shape[:-1]
-  y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w), s)
+  y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
+                             _history(op, recipe, history), s)
   return y.reshape((lead[0] // size,) + lead[1:] + y.shape[-1:])
 
 
@@ -160,6 +165,24 @@ def _check(op, x, w, transpose_w, recipe):
                      f"dim {k} (w {w.shape}, transpose_w={bool(transpose_w)})")
 
 
+def _history(op, recipe, history):
+  """`history`, checked against the recipe: a "delayed" one needs it (one
+  float32 vector of ``recipe.amax_history`` per tensor), the others take none."""
+  if recipe.scaling != "delayed":
+    if history is not None:
+      raise ValueError(f"{op}: `history` is for a 'delayed' recipe; this one scales "
+                       f"{recipe.scaling!r}")
+    return None
+  if not isinstance(history, AmaxHistory):
+    raise ValueError(f"{op}: a 'delayed' recipe needs `history`, an AmaxHistory "
+                     f"(AmaxHistory.zeros(recipe) to start), got {type(history).__name__}")
+  for name, h in zip(AmaxHistory._fields, history):
+    if jnp.shape(h) != (recipe.amax_history,):
+      raise ValueError(f"{op}: `history.{name}` must have shape ({recipe.amax_history},) "
+                       f"(recipe.amax_history), got {jnp.shape(h)}")
+  return AmaxHistory(*(jnp.asarray(h, jnp.float32) for h in history))
+
+
 def _collectives(op, collectives):
   if collectives not in st.COLLECTIVES:
     raise ValueError(f"{op}: `collectives` must be one of {st.COLLECTIVES}, "
@@ -174,32 +197,45 @@ def _varying(axis_name, *xs):
 
 
 # --- fp8_all_gather_matmul ------------------------------------------------------
+# `h` is the AmaxHistory of a "delayed" recipe, else None; its cotangent is the
+# next step's history (AmaxHistory's docstring).
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _all_gather_matmul(x, w, s: Static):
-  return _all_gather_matmul_fwd(x, w, s)[0]
-
-
-def _operands(s: Static, x, w):
-  """x's agreed amax, and the weight's two FP8 copies (forward, backward) with
-  their inverse scales: what both forwards start from."""
-  ax, aw = st.tensor_amaxes(s, x, w)
-  return (ax, *st.weights(s, w, aw))
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _all_gather_matmul(x, w, h, s: Static):
+  return _all_gather_matmul_fwd(x, w, h, s)[0]
 
 
-def _all_gather_matmul_fwd(x, w, s: Static):
-  ax, wf8, wf_inv, wb8, wb_inv = _operands(s, x, w)
+def _operands(s: Static, x, w, h):
+  """x's amax to scale with, the weight's two FP8 copies (forward, backward)
+  with their inverse scales, and the next x and w histories (delayed)."""
+  currents = st.tensor_amaxes(s, x, w)
+  (ax, aw), histories = st.scaling_amaxes(s, (h.x, h.w) if h is not None else (None, None),
+                                          currents)
+  return (ax, *st.weights(s, w, aw)), histories
+
+
+def _dy_amax(s: Static, dy, h):
+  """dy's amax to scale with, and the next step's whole history (or None)."""
+  (a_dy,) = st.tensor_amaxes(s, dy)
+  if h is None:
+    return a_dy, None
+  (a_dy,), (h_dy,) = st.scaling_amaxes(s, (h.dy,), (a_dy,))
+  return a_dy, h_dy
+
+
+def _all_gather_matmul_fwd(x, w, h, s: Static):
+  (ax, wf8, wf_inv, wb8, wb_inv), (hx, hw) = _operands(s, x, w, h)
   x8, x_inv = st.quantize(s, x, s.recipe.forward_dtype, ax)
   y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   keep = s.keep_gathered_input or s.return_gathered
-  return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv)
+  return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw)
 
 
 def _all_gather_matmul_bwd(s: Static, res, ct):
-  (o8, o_inv), wb8, wb_inv = res
+  (o8, o_inv), wb8, wb_inv, h, hx, hw = res
   ct_y, ct_g = ct if s.return_gathered else (ct, None)
-  (a_dy,) = st.tensor_amaxes(s, ct_y)
+  a_dy, h_dy = _dy_amax(s, ct_y, h)
   dy8, dy_inv, dyT8, dyT_inv = st.quantize(s, ct_y, s.recipe.backward_dtype, a_dy,
                                            columns=True)
   dx = st.gemm_reduce_scatter(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
@@ -211,7 +247,7 @@ def _all_gather_matmul_bwd(s: Static, res, ct):
   dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
   if ct_g is not None:
     dx = dx + st.reduce_scatter(s, ct_g).astype(s.x_dtype)
-  return dx, dw
+  return dx, dw, (None if h is None else AmaxHistory(hx, hw, h_dy))
 
 
 _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
@@ -219,30 +255,31 @@ _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
 
 # --- fp8_matmul_reduce_scatter ----------------------------------------------------
 
-@partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _matmul_reduce_scatter(x, w, s: Static):
-  return _matmul_reduce_scatter_fwd(x, w, s)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _matmul_reduce_scatter(x, w, h, s: Static):
+  return _matmul_reduce_scatter_fwd(x, w, h, s)[0]
 
 
-def _matmul_reduce_scatter_fwd(x, w, s: Static):
-  ax, wf8, wf_inv, wb8, wb_inv = _operands(s, x, w)
+def _matmul_reduce_scatter_fwd(x, w, h, s: Static):
+  (ax, wf8, wf_inv, wb8, wb_inv), (hx, hw) = _operands(s, x, w, h)
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
   x8, x_inv, xT8, xT_inv = st.quantize(s, x, s.recipe.forward_dtype, ax, columns=True)
   y = st.gemm_reduce_scatter(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
-  return y, (xT8, xT_inv, wb8, wb_inv)
+  return y, (xT8, xT_inv, wb8, wb_inv, h, hx, hw)
 
 
 def _matmul_reduce_scatter_bwd(s: Static, res, dy):
-  xT8, xT_inv, wb8, wb_inv = res
+  xT8, xT_inv, wb8, wb_inv, h, hx, hw = res
   b8 = s.recipe.backward_dtype
-  (a_dy,) = st.tensor_amaxes(s, dy)
+  a_dy, h_dy = _dy_amax(s, dy, h)
   dy8, dy_inv = st.quantize(s, dy, b8, a_dy)
   dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
   if not s.reuse_gathered:
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)
-  return dx, st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
+  dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
+  return dx, dw, (None if h is None else AmaxHistory(hx, hw, h_dy))
 
 
 _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)

@@ -13,9 +13,10 @@ import jax
 from jax import lax
 
 import jax_comm_gemm.fp8.quantize as qz
+from jax_comm_gemm import vma
 import jax_comm_gemm.fp8.ring as ring
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
-from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.recipe import Fp8Recipe, pushed, scaling_amax
 
 FUSED_SCOPE = "jax_comm_gemm.fp8.gather_for_gemm"
 COLLECTIVES = ("xla", "ring")
@@ -51,17 +52,35 @@ class Static:
 
 
 def tensor_amaxes(s: Static, *xs):
-  """For "tensor" scaling: the amaxes of `xs`, agreed in one pmax; else Nones."""
-  if s.recipe.scaling != "tensor":
+  """For one scale per tensor: the amaxes of `xs`, agreed in one pmax; else Nones."""
+  if not s.recipe.per_tensor:
     return (None,) * len(xs)
   return qz.agree(tuple(qz.amax(x) for x in xs), s.axis_name)
+
+
+def scaling_amaxes(s: Static, histories, currents):
+  """The amaxes to scale with, and the histories to hand out: the current
+  ones and `histories` unchanged, or ("delayed") each history's largest (the
+  current amax while it is empty) and the history with the current one in."""
+  if s.recipe.scaling != "delayed":
+    return currents, histories
+  return (tuple(scaling_amax(h, a) for h, a in zip(histories, currents)),
+          tuple(pushed(h, _everywhere(a)) for h, a in zip(histories, currents)))
+
+
+def _everywhere(a):
+  """`a` maxed over every mesh axis it still varies on (a data axis, say): a
+  history is one array for all replicas, and its next value must be too (a
+  varying one would be summed over the replicas on its way out)."""
+  axes = tuple(sorted(vma.varying_axes(a)))
+  return lax.pmax(a, axes) if axes else a
 
 
 def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
   """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv):
   with the agreed amax `a` ("tensor"), or per row / per column ("row")."""
   out = []
-  if s.recipe.scaling == "tensor":
+  if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
     inv = qz.inverse(scale)
     if rows:
@@ -80,14 +99,14 @@ def gather(s: Static, q, inv, *, standalone: bool):
   """The FP8 rows of every rank, with their scales if per row (same call)."""
   if lax.axis_size(s.axis_name) == 1:
     return q, inv
-  tree = (q, inv) if s.recipe.scaling == "row" else (q,)
+  tree = (q, inv) if not s.recipe.per_tensor else (q,)
   if standalone:
     with jax.named_scope(STANDALONE_SCOPE):
       out = xla_gather(tree, s.axis_name)
   else:
     with jax.named_scope(FUSED_SCOPE):
       out = s.gather(tree, s.axis_name)
-  return (out[0], out[1]) if s.recipe.scaling == "row" else (out[0], inv)
+  return (out[0], out[1]) if not s.recipe.per_tensor else (out[0], inv)
 
 
 def reduce_scatter(s: Static, y):
@@ -100,7 +119,7 @@ def transposed(s: Static, g8, g_inv, dtype):
   """Gathered FP8 rows [n, c] as the TN operand [c, n] of a GEMM over tokens:
   the same bytes under the same scale ("tensor", exact), or dequantized and
   requantized per column ("row": per-token scales cannot factor out)."""
-  if s.recipe.scaling == "tensor":
+  if s.recipe.per_tensor:
     return g8.T, g_inv
   return qz.quantize_columns_transposed(qz.dequantize(g8, g_inv), dtype,
                                         margin=s.recipe.margin)
@@ -120,7 +139,7 @@ def gather_gemm(s: Static, q8, inv, b8, b_inv, out_dtype, *, gradient: bool = Fa
   if s.collectives == "ring" and lax.axis_size(s.axis_name) > 1:
     with jax.named_scope(FUSED_SCOPE):
       return ring.all_gather_gemm(q8, inv, gemm_with, s.axis_name,
-                                  row_scales=s.recipe.scaling == "row")
+                                  row_scales=not s.recipe.per_tensor)
   g8, g_inv = gather(s, q8, inv, standalone=False)
   return gemm_with(g8, g_inv), g8, g_inv
 
@@ -131,7 +150,7 @@ def gemm_reduce_scatter(s: Static, a8, ia, b8, ib, out_dtype, *, gradient: bool 
     return gemm(s, part8, b8, inv, ib, out_dtype, gradient=gradient)
   if s.collectives == "ring" and lax.axis_size(s.axis_name) > 1:
     return ring.gemm_reduce_scatter(a8, ia, gemm_with, s.axis_name,
-                                    row_scales=s.recipe.scaling == "row")
+                                    row_scales=not s.recipe.per_tensor)
   return reduce_scatter(s, gemm_with(a8, ia))
 
 
@@ -144,5 +163,5 @@ def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
 
 def weights(s: Static, w, amax_w):
   r = s.recipe
-  return weight_copies(w, r.forward_dtype, scaling=r.scaling, transpose_w=s.transpose_w,
-                       margin=r.margin, amax_w=amax_w)
+  return weight_copies(w, r.forward_dtype, scaling="tensor" if r.per_tensor else "row",
+                       transpose_w=s.transpose_w, margin=r.margin, amax_w=amax_w)

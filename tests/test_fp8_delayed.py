@@ -1,0 +1,162 @@
+"""Delayed scaling (``Fp8Recipe("delayed")``), on CPU: the scale comes from the
+amax history, the next history (the op's gradient with respect to it) holds
+this step's amax agreed over every replica, an empty history scales as
+current scaling does, and the arguments are checked."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from conftest import cpu_mesh
+from jax_comm_gemm.fp8 import (Fp8Recipe, fp8_all_gather_matmul, fp8_gemm_tn,
+                               fp8_matmul_reduce_scatter, inverse, saturating_cast,
+                               scale_from_amax)
+from jax_comm_gemm.fp8.recipe import AmaxHistory
+
+N, D, F = 64, 48, 32
+E4 = jnp.float8_e4m3fn
+DELAYED = Fp8Recipe("delayed", amax_history=4)
+
+
+def _inputs(seed=0, boost_shard=None, size=1):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(keys[0], (N, D))
+  if boost_shard is not None:  # one rank's rows 100x larger: its amax is everyone's
+    rows = N // size
+    x = x.at[boost_shard * rows:(boost_shard + 1) * rows].multiply(100.0)
+  return (x, jax.random.normal(keys[1], (D, F)) / np.sqrt(D),
+          jax.random.normal(keys[2], (F, D)) / np.sqrt(F))
+
+
+def _step(mesh, recipe, with_history=True):
+  """Loss and gradients (those of the histories too) of an FP8 MLP."""
+  def mlp(x, w1, w2, h1, h2):
+    h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=h1)
+    return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe, history=h2)
+  specs = (P("tp"), P(None, "tp"), P("tp"), P(), P())
+  if not with_history:
+    return _step_without(mesh, recipe)
+  f = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("tp"))
+  weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))
+  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights),
+                                    argnums=(0, 1, 2, 3, 4)))
+
+
+def _step_without(mesh, recipe):
+  def mlp(x, w1, w2):
+    h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe)
+    return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe)
+  f = jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                    out_specs=P("tp"))
+  weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))
+  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights), argnums=(0, 1, 2)))
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_an_empty_history_scales_as_current_scaling(size):
+  """The first step (all-zero histories) is the "tensor" recipe's, bit for bit."""
+  mesh = cpu_mesh(size)
+  args = _inputs(seed=size)
+  h0 = AmaxHistory.zeros(DELAYED)
+  (loss, grads) = _step(mesh, DELAYED)(*args, h0, h0)
+  (loss_t, grads_t) = _step_without(mesh, Fp8Recipe("tensor"))(*args)
+  assert float(loss) == float(loss_t)
+  for got, want in zip(grads[:3], grads_t):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_the_scale_comes_from_the_history(size):
+  """With amaxes in the histories (the largest counts), the forward quantizes
+  x and w with the histories' scales: equal, bit for bit, to the FP8 GEMM of
+  the operands cast with those scales, and unlike current scaling's."""
+  mesh = cpu_mesh(size)
+  x, w1, _ = _inputs(seed=3)
+  hx = jnp.array([2.0, 7.0, 0.0, 1.0])   # x's amax is about 4: a foreign scale
+  hw = jnp.array([0.5, 0.0, 3.0, 0.0])
+  history = AmaxHistory(hx, hw, jnp.zeros(4))
+  f = jax.jit(jax.shard_map(
+      lambda x, w, h: fp8_all_gather_matmul(x, w, "tp", recipe=DELAYED, history=h),
+      mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P()), out_specs=P(None, "tp")))
+  got = f(x, w1, history)
+  sx, sw = scale_from_amax(7.0, E4), scale_from_amax(3.0, E4)
+  want = fp8_gemm_tn(saturating_cast(x, sx, E4), saturating_cast(w1.T, sw, E4),
+                     inverse(sx), inverse(sw), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  current = jax.jit(jax.shard_map(
+      lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=Fp8Recipe()),
+      mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))(x, w1)
+  assert not np.array_equal(np.asarray(current), np.asarray(got))
+
+
+def test_values_beyond_the_history_saturate():
+  """A history far below this step's amax: x's values beyond it clip to the
+  E4M3 maximum (finite, not NaN), and the next history holds the true amax."""
+  x, w1, _ = _inputs(seed=4)
+  history = AmaxHistory(jnp.array([0.01, 0.0, 0.0, 0.0]), jnp.zeros(4), jnp.zeros(4))
+  mesh = cpu_mesh(1)
+  f = jax.shard_map(
+      lambda x, w, h: fp8_all_gather_matmul(x, w, "tp", recipe=DELAYED, history=h),
+      mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P()), out_specs=P(None, "tp"))
+  y = jax.jit(f)(x, w1, history)
+  assert np.all(np.isfinite(np.asarray(y)))
+  sx, sw = scale_from_amax(0.01, E4), scale_from_amax(jnp.max(jnp.abs(w1)), E4)
+  clipped = jnp.clip(x, -0.01, 0.01)  # what the saturating cast keeps of x
+  want = fp8_gemm_tn(saturating_cast(clipped, sx, E4), saturating_cast(w1.T, sw, E4),
+                     inverse(sx), inverse(sw), jnp.float32)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+  grads = jax.jit(jax.grad(lambda x, w, h: jnp.sum(f(x, w, h)), argnums=2))(x, w1, history)
+  assert float(grads.x[0]) == float(jnp.max(jnp.abs(x)))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_the_next_history_holds_the_agreed_amax(size):
+  """The histories' gradients are the next histories: this step's amax in
+  front, the oldest dropped; the amax is the whole tensor's (one rank's rows
+  100x larger sets it for all), on every rank alike."""
+  mesh = cpu_mesh(size)
+  x, w1, w2 = _inputs(seed=5, boost_shard=size - 1, size=size)
+  h1 = AmaxHistory(jnp.array([1.0, 2.0, 3.0, 4.0]), jnp.array([5.0, 0.0, 0.0, 0.0]),
+                   jnp.array([6.0, 7.0, 0.0, 0.0]))
+  h2 = AmaxHistory.zeros(DELAYED)
+  _, grads = _step(mesh, DELAYED)(x, w1, w2, h1, h2)
+  n1, n2 = grads[3], grads[4]
+  np.testing.assert_allclose(n1.x, [float(jnp.max(jnp.abs(x))), 1.0, 2.0, 3.0], rtol=0)
+  np.testing.assert_allclose(n1.w, [float(jnp.max(jnp.abs(w1))), 5.0, 0.0, 0.0], rtol=0)
+  assert float(n1.dy[0]) > 0 and n1.dy[1:].tolist() == [6.0, 7.0, 0.0]
+  assert float(n2.w[0]) == float(jnp.max(jnp.abs(w2))) and float(n2.x[0]) > 0
+
+
+def test_the_history_is_one_for_all_data_replicas():
+  """On a ('dp', 'tp') mesh each replica sees other tokens; the next history
+  is their agreed amax, not a sum over the replicas."""
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "tp"))
+  x, w1, _ = _inputs(seed=6)
+  x = x.at[:N // 2].multiply(10.0)  # the first replica's tokens are larger
+  f = jax.shard_map(
+      lambda x, w, h: fp8_all_gather_matmul(x, w, "tp", recipe=DELAYED, history=h),
+      mesh=mesh, in_specs=(P(("dp", "tp")), P(None, "tp"), P()),
+      out_specs=P("dp", "tp"))
+  h = AmaxHistory.zeros(DELAYED)
+  nxt = jax.jit(jax.grad(lambda x, w, h: jnp.sum(f(x, w, h)), argnums=2))(x, w1, h)
+  assert float(nxt.x[0]) == float(jnp.max(jnp.abs(x)))
+  assert float(nxt.w[0]) == float(jnp.max(jnp.abs(w1)))
+
+
+@pytest.mark.parametrize("recipe, history, match", [
+    (DELAYED, None, r"a 'delayed' recipe needs `history`, an AmaxHistory"),
+    (Fp8Recipe(), AmaxHistory.zeros(DELAYED), r"`history` is for a 'delayed' recipe"),
+    (DELAYED, AmaxHistory(jnp.zeros(3), jnp.zeros(4), jnp.zeros(4)),
+     r"`history.x` must have shape \(4,\)"),
+])
+def test_a_bad_history_names_the_argument(recipe, history, match):
+  mesh = cpu_mesh(1)
+  x, w1, _ = _inputs()
+  with pytest.raises(ValueError, match=match):
+    jax.shard_map(lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=recipe,
+                                                     history=history),
+                  mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))(x, w1)
+  with pytest.raises(ValueError, match="amax_history must be an int >= 1"):
+    Fp8Recipe("delayed", amax_history=0)
