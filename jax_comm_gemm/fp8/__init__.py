@@ -24,10 +24,10 @@ from jax_comm_gemm.fp8.matmul import (FUSED_SCOPE, STANDALONE_SCOPE, fp8_all_gat
 from jax_comm_gemm.fp8.quantize import (agree, amax, dequantize, fp8_max, inverse,
                                         quantize_columns_transposed, quantize_rows,
                                         quantize_tensor, saturating_cast, scale_from_amax)
-from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
 
 __all__ = [
-    "FUSED_SCOPE", "Fp8Recipe", "STANDALONE_SCOPE", "agree", "amax", "cublaslt_gemm_tn",
+    "AmaxHistory", "FUSED_SCOPE", "Fp8Recipe", "STANDALONE_SCOPE", "agree", "amax", "cublaslt_gemm_tn",
     "dequantize",
     "fp8_all_gather_matmul", "fp8_gemm_tn", "fp8_matmul_reduce_scatter", "fp8_max",
     "inverse", "quantize_columns_transposed", "quantize_rows", "quantize_tensor",
