@@ -62,7 +62,8 @@ class _Static:
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
                       return_gathered: bool = False, keep_gathered_input: bool = False,
-                      precision=None, config: CommGemmConfig = DEFAULT_CONFIG):
+                      precision=None, config: CommGemmConfig = DEFAULT_CONFIG,
+                      fp8_history=None):
   """``all_gather(x) @ w`` along tokens (axis 0); call inside ``jax.shard_map``.
 
   Args:
@@ -75,6 +76,9 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
     precision: ``lax.Precision`` of the GEMMs that XLA runs (forward and
       gradients); cuBLASMp always accumulates in float32.
     config: backend and algorithm choices.
+    fp8_history: with ``config.fp8`` a ``"delayed"`` recipe, this call's
+      :class:`~jax_comm_gemm.fp8.AmaxHistory` (its gradient is the next one);
+      else None.
 
   Returns:
     ``y`` of shape ``[n, m]``, or ``(y, gathered_x)``.
@@ -97,18 +101,20 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   return all_gather_matmul_unchecked(x, w, axis_name, transpose_w=transpose_w,
                                      return_gathered=return_gathered,
                                      keep_gathered_input=keep_gathered_input,
-                                     precision=precision, config=config)
+                                     precision=precision, config=config,
+                                     fp8_history=fp8_history)
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
-                          precision=None, config: CommGemmConfig = DEFAULT_CONFIG):
+                          precision=None, config: CommGemmConfig = DEFAULT_CONFIG,
+                          fp8_history=None):
   """``reduce_scatter(x @ w)`` along tokens (axis 0); call inside ``jax.shard_map``.
 
   Args:
     x: all tokens, local features, ``[n, k/P]``.
     w: local weight, ``[k/P, m]`` (Flax layout), or ``[m, k/P]`` with ``transpose_w``.
     axis_name: the tensor-parallel mesh axis (size P) to sum and scatter over.
-    precision: as in :func:`all_gather_matmul`.
+    precision, fp8_history: as in :func:`all_gather_matmul`.
     config: backend and algorithm choices.
 
   Returns:
@@ -129,32 +135,38 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
   validation.check_divisible(op, "x", "tokens", x.shape[0], axis_name, size)
   return matmul_reduce_scatter_unchecked(x, w, axis_name, transpose_w=transpose_w,
-                                         precision=precision, config=config)
+                                         precision=precision, config=config,
+                                         fp8_history=fp8_history)
 
 
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
-                                keep_gathered_input, precision, config):
+                                keep_gathered_input, precision, config, fp8_history=None):
   """:func:`all_gather_matmul` for callers that validated the arguments."""
+  _check_history("all_gather_matmul", config, fp8_history)
   if fp8_route(config).fp8:
     p = auto.problem(auto.AG, x, w, transpose_w, axis_name,
                      gathered=return_gathered or keep_gathered_input, fp8=config.fp8.key)
     return fp8_all_gather_matmul(x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
                                  keep_gathered_input=keep_gathered_input,
                                  return_gathered=return_gathered,
-                                 collectives=fp8_collectives(config, p)[0])
+                                 collectives=fp8_collectives(config, p)[0],
+                                 history=fp8_history)
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, return_gathered, keep_gathered_input, precision)
   return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
 
 
-def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config):
+def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
+                                    fp8_history=None):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
+  _check_history("matmul_reduce_scatter", config, fp8_history)
   if fp8_route(config).fp8:
     p = auto.problem(auto.RS, x, w, transpose_w, axis_name, fp8=config.fp8.key)
     return fp8_matmul_reduce_scatter(x, w, axis_name, recipe=config.fp8,
                                      transpose_w=transpose_w,
                                      reuse_gathered=config.reuse_gathered is not False,
-                                     collectives=fp8_collectives(config, p)[0])
+                                     collectives=fp8_collectives(config, p)[0],
+                                     history=fp8_history)
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, precision=precision,
                    fuse_weight_gradient=config.fuse_weight_gradient)
@@ -182,6 +194,14 @@ def _gathering_matmul(s: _Static, x, w, transpose_w):
                                   return_gathered=False, precision=s.precision)
   with jax.named_scope("jax_comm_gemm.all_gather"):
     return y, all_gather_tokens(x, s.axis_name)
+
+
+def _check_history(op, config, fp8_history):
+  """An FP8 history only where the config's recipe is "delayed" (the FP8 op
+  checks the rest, and that a delayed one has it)."""
+  if fp8_history is not None and (config.fp8 is None or config.fp8.scaling != "delayed"):
+    raise ValueError(f"{op}: `fp8_history` is for CommGemmConfig(fp8=Fp8Recipe('delayed')); "
+                     f"this config's fp8 is {config.fp8!r}")
 
 
 # --- all_gather_matmul -------------------------------------------------------

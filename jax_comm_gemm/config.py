@@ -102,12 +102,6 @@ class CommGemmConfig:
       if not isinstance(self.fp8, Fp8Recipe):
         raise ValueError("CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe, "
                          f"got {self.fp8!r}")
-      if self.fp8.scaling == "delayed":
-        raise ValueError(
-            "CommGemmConfig.fp8: 'delayed' scaling needs an AmaxHistory per call, which "
-            "the layers and modules do not carry; call jax_comm_gemm.fp8."
-            "fp8_all_gather_matmul / fp8_matmul_reduce_scatter(..., history=...) in your "
-            "own jax.shard_map, or use scaling 'tensor' or 'row' here")
       if self.backend not in FP8_BACKENDS:
         raise ValueError(f"CommGemmConfig.fp8: FP8 runs on XLA's collectives or the ring; "
                          f"backend must be one of {FP8_BACKENDS}, got {self.backend!r}")

@@ -224,6 +224,21 @@ def check_type(where: str, name: str, value, cls) -> None:
                     f"({type(value).__name__})")
 
 
+def check_no_delayed_fp8(where: str, config) -> None:
+  """Raises ValueError where `config` asks for FP8 "delayed" scaling, whose
+  amax histories (one per dense layer) `where` does not carry.
+
+  >>> check_no_delayed_fp8("f", CommGemmConfig())
+  """
+  fp8 = getattr(config, "fp8", None)
+  if fp8 is not None and fp8.scaling == "delayed":
+    raise ValueError(
+        f"{where}: FP8 'delayed' scaling keeps an amax history per dense layer, which "
+        f"{where} does not carry; use the dense layers (column_parallel_dense / "
+        f"row_parallel_dense with fp8_history=, or the linen ColumnParallelDense / "
+        f"RowParallelDense), or scaling 'tensor' or 'row'")
+
+
 def check_config(where: str, config) -> None:
   """Raises TypeError naming `config` unless it is a CommGemmConfig.
 

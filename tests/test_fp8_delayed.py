@@ -160,3 +160,98 @@ def test_a_bad_history_names_the_argument(recipe, history, match):
                   mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))(x, w1)
   with pytest.raises(ValueError, match="amax_history must be an int >= 1"):
     Fp8Recipe("delayed", amax_history=0)
+
+
+# --- through the front door -----------------------------------------------------------
+
+def test_the_linen_layers_keep_their_histories_in_the_overwrite_collection():
+  """linen dense layers with a "delayed" config keep an AmaxHistory each in
+  Flax's overwrite-with-gradient collection; Flax's TrainState replaces it with
+  its gradient, the next history, while the optimizer updates the params."""
+  import optax
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+  from flax.training.train_state import TrainState
+
+  import flax.linen as nn
+  import jax_comm_gemm as jcg
+  from jax_comm_gemm import linen as L
+
+  mesh = cpu_mesh(2)
+  config = jcg.CommGemmConfig(fp8=DELAYED)
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = L.ColumnParallelDense(F, mesh=mesh, config=config, name="fc1")(x)
+      return L.RowParallelDense(D, mesh=mesh, config=config, name="fc2")(jax.nn.gelu(h))
+
+  x, _, _ = _inputs(seed=7)
+  model = Mlp()
+  variables = model.init(jax.random.key(0), x)
+  histories = variables[OVERWRITE_WITH_GRADIENT]
+  assert set(histories) == {"fc1", "fc2"}
+  assert all(float(jnp.sum(h)) == 0 for h in jax.tree.leaves(histories))
+  state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.sgd(1e-3))
+
+  @jax.jit
+  def train_step(state, x):
+    grads = jax.grad(lambda v: jnp.sum(state.apply_fn(v, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  state = train_step(state, x)
+  fc1 = state.params[OVERWRITE_WITH_GRADIENT]["fc1"]["fp8_amax_history"]
+  assert float(fc1.x[0]) == float(jnp.max(jnp.abs(x)))
+  kernel = variables["params"]["fc1"]["kernel"]
+  kernel = getattr(kernel, "value", kernel)
+  assert float(fc1.w[0]) == float(jnp.max(jnp.abs(kernel)))
+  state = train_step(state, 2 * x)  # the history moves on, newest first
+  fc1 = state.params[OVERWRITE_WITH_GRADIENT]["fc1"]["fp8_amax_history"]
+  assert float(fc1.x[0]) == 2 * float(jnp.max(jnp.abs(x)))
+  assert float(fc1.x[1]) == float(jnp.max(jnp.abs(x)))
+  assert float(fc1.dy[0]) > 0 and float(fc1.dy[1]) > 0
+
+
+def test_the_functional_layers_take_a_history():
+  """column_parallel_dense on global arrays with fp8_history: the same result
+  as the op with that history, and its gradient is the next history."""
+  import jax_comm_gemm as jcg
+  from jax_comm_gemm import sharded
+
+  mesh = cpu_mesh(2)
+  config = jcg.CommGemmConfig(fp8=DELAYED)
+  x, w1, _ = _inputs(seed=8)
+  h = AmaxHistory(jnp.array([9.0, 0, 0, 0]), jnp.array([2.0, 0, 0, 0]), jnp.zeros(4))
+  f = jax.jit(lambda x, w, h: sharded.column_parallel_dense(x, w, mesh=mesh, config=config,
+                                                             fp8_history=h))
+  op = jax.jit(jax.shard_map(
+      lambda x, w, h: fp8_all_gather_matmul(x, w, "tp", recipe=DELAYED, history=h),
+      mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P()), out_specs=P(None, "tp")))
+  np.testing.assert_array_equal(np.asarray(f(x, w1, h)), np.asarray(op(x, w1, h)))
+  nxt = jax.grad(lambda h: jnp.sum(f(x, w1, h)))(h)
+  assert nxt.x.tolist()[1:] == [9.0, 0.0, 0.0] and float(nxt.x[0]) == float(
+      jnp.max(jnp.abs(x)))
+
+
+def test_front_ends_without_histories_say_so():
+  """The blocks, the MLP helpers and NNX carry no histories: a "delayed"
+  config is a ValueError naming the front end; a history for a config that is
+  not "delayed" is one too."""
+  import jax_comm_gemm as jcg
+  from jax_comm_gemm import nnx as X, sharded
+  from jax_comm_gemm.layers import transformer
+
+  config = jcg.CommGemmConfig(fp8=DELAYED)
+  mesh = cpu_mesh(2)
+  x, w1, w2 = _inputs()
+  with pytest.raises(ValueError, match=r"BlockOptions: FP8 'delayed' scaling keeps an amax "
+                                       r"history per dense layer"):
+    transformer.BlockOptions(num_heads=2, config=config)
+  with pytest.raises(ValueError, match=r"sharded.mlp: FP8 'delayed' scaling"):
+    sharded.mlp(x, w1, w2, mesh=mesh, config=config)
+  from flax import nnx
+  with pytest.raises(ValueError, match=r"ColumnParallelDense: FP8 'delayed' scaling"):
+    X.ColumnParallelDense(D, F, mesh=mesh, config=config, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"`fp8_history` is for CommGemmConfig"):
+    jax.eval_shape(lambda x, w: sharded.column_parallel_dense(
+        x, w, mesh=mesh, config=jcg.CommGemmConfig(fp8=Fp8Recipe()),
+        fp8_history=AmaxHistory.zeros(DELAYED)), x, w1)

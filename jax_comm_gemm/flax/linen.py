@@ -52,7 +52,10 @@ from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
 from flax.typing import Array
 
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+
 from jax_comm_gemm import validation
+from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split,
                                        check_token_inputs, kw_only, options_of, path_reason)
 from jax_comm_gemm.layers import dispatch, placement
@@ -117,6 +120,12 @@ class _ParallelDense(LinenOptions):
     layer = dict(precision=self.precision, config=self.config, dot_general=dot_general)
     if self._kind == "column":
       layer["keep_gathered_input"] = self.keep_gathered_input
+    recipe = self.config.fp8
+    if recipe is not None and recipe.scaling == "delayed" and dot_general is None:
+      # Flax's overwrite-with-gradient collection (TrainState replaces it with
+      # its gradient): the op's gradient with respect to it is the next history.
+      layer["fp8_history"] = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
+                                           AmaxHistory.zeros, recipe).value
     return dispatch.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
                         **layer)
 
@@ -207,6 +216,7 @@ class SequenceParallelMLP(LinenOptions):
     data = check_options(owner, options | {"activation": self.activation,
                                            "keep_gathered_input": self.keep_gathered_input},
                          features={"hidden_features": self.hidden_features})
+    validation.check_no_delayed_fp8(owner, self.config)
     where = placement.place(owner, self.mesh, self.axis_name, data)
     check_token_inputs(owner, inputs, where)
     check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name,

@@ -69,6 +69,7 @@ def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],
   """
   options = nnx_options(owner, given, extra)
   options["data_axes"] = check_options(owner, options, features=features)
+  validation.check_no_delayed_fp8(owner, options["config"])  # NNX has no overwrite-with-gradient
   known = _known_mesh(options["mesh"])
   if known is not None:
     size, _ = placement.check_mesh(owner, known, options["axis_name"], options["data_axes"])

@@ -122,6 +122,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
   (2, 3)
   """
   op = "mlp"
+  validation.check_no_delayed_fp8(op, config)
   validation.bound_axis_size(op, axis_name)
   validation.check_callable(op, "activation", activation)
   options = checked_options(op, keep_gathered_input, precision, config, None)
@@ -185,9 +186,10 @@ def row_local(names: Names, h, kernel, bias, *, where: Placement, **options):
 
 def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                     precision=None, config=DEFAULT_CONFIG, dot_general=None,
-                    dot_kwargs=()):
+                    dot_kwargs=(), fp8_history=None):
   """:func:`column_parallel_dense` for callers that validated the arguments;
-  `dot_kwargs` are (name, value) pairs passed to an injected `dot_general`.
+  `dot_kwargs` are (name, value) pairs passed to an injected `dot_general`;
+  `fp8_history` is a "delayed" FP8 recipe's AmaxHistory.
 
   >>> import jax.numpy as jnp; from jax.sharding import PartitionSpec as P
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -205,14 +207,16 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
     y = all_gather_matmul_unchecked(x.reshape(-1, np.shape(x)[-1]), kernel, axis_name,
                                     transpose_w=False, return_gathered=False,
                                     keep_gathered_input=keep_gathered_input,
-                                    precision=precision, config=config)
+                                    precision=precision, config=config,
+                                    fp8_history=fp8_history)
     y = y.reshape((lead[0] * size,) + lead[1:] + (np.shape(kernel)[-1],))
   return y if bias is None else y + bias
 
 
 def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_CONFIG,
-                 dot_general=None, dot_kwargs=()):
-  """:func:`row_parallel_dense` for callers that validated the arguments.
+                 dot_general=None, dot_kwargs=(), fp8_history=None):
+  """:func:`row_parallel_dense` for callers that validated the arguments
+  (`fp8_history` as in :func:`column_parallel`).
 
   >>> import jax.numpy as jnp; from jax.sharding import PartitionSpec as P
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -229,7 +233,7 @@ def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_C
     lead = np.shape(h)[:-1]
     y = matmul_reduce_scatter_unchecked(h.reshape(-1, np.shape(h)[-1]), kernel, axis_name,
                                         transpose_w=False, precision=precision,
-                                        config=config)
+                                        config=config, fp8_history=fp8_history)
     y = y.reshape((lead[0] // size,) + lead[1:] + (np.shape(kernel)[-1],))
   return y if bias is None else y + bias
 

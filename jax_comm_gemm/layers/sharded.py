@@ -41,10 +41,12 @@ _STATIC = ("mesh", "axis_name", "data_axes", "precision", "config")
 def column_parallel_dense(x, kernel, bias=None, *, mesh=None, axis_name: str = "tp",
                           data_axes: Sequence[str] = (), keep_gathered_input: bool = False,
                           precision=None, config: CommGemmConfig = DEFAULT_CONFIG,
-                          names: Names | None = None, dot_general=None):
+                          names: Names | None = None, dot_general=None, fp8_history=None):
   """``x @ kernel + bias`` for global ``x [n, ..., K]`` sharded along tokens,
   ``kernel [K, F]`` sharded along F; returns ``[n, ..., F]`` sharded along F.
-  `names` (the Flax modules pass theirs) are what errors call things.
+  `names` (the Flax modules pass theirs) are what errors call things;
+  `fp8_history`: a "delayed" FP8 recipe's :class:`~jax_comm_gemm.fp8.AmaxHistory`
+  (its gradient is the next one).
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> column_parallel_dense(np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
@@ -53,16 +55,18 @@ def column_parallel_dense(x, kernel, bias=None, *, mesh=None, axis_name: str = "
   """
   names = names or Names("sharded.column_parallel_dense")
   where = global_placement(names.op, mesh, axis_name, data_axes)
-  return column_global(names, x, kernel, bias, where=where, **local.checked_options(
-      names.op, keep_gathered_input, precision, config, dot_general))
+  return column_global(names, x, kernel, bias, where=where, fp8_history=fp8_history,
+                       **local.checked_options(names.op, keep_gathered_input, precision,
+                                               config, dot_general))
 
 
 def row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: str = "tp",
                        data_axes: Sequence[str] = (), precision=None,
                        config: CommGemmConfig = DEFAULT_CONFIG, names: Names | None = None,
-                       dot_general=None):
+                       dot_general=None, fp8_history=None):
   """``h @ kernel + bias`` for global ``h [n, ..., F]`` sharded along F,
-  ``kernel [F, K]`` sharded along F; returns ``[n, ..., K]`` sharded along tokens.
+  ``kernel [F, K]`` sharded along F; returns ``[n, ..., K]`` sharded along tokens
+  (`fp8_history` as in :func:`column_parallel_dense`).
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> row_parallel_dense(np.ones((2, 4), np.float32), np.ones((4, 3), np.float32),
@@ -73,7 +77,7 @@ def row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: str = "tp"
   where = global_placement(names.op, mesh, axis_name, data_axes)
   options = local.checked_options(names.op, False, precision, config, dot_general)
   del options["keep_gathered_input"]
-  return row_global(names, h, kernel, bias, where=where, **options)
+  return row_global(names, h, kernel, bias, where=where, fp8_history=fp8_history, **options)
 
 
 def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
@@ -89,6 +93,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
   (2, 3)
   """
   op = "sharded.mlp"
+  validation.check_no_delayed_fp8(op, config)
   where = global_placement(op, mesh, axis_name, data_axes)
   validation.check_callable(op, "activation", activation)
   options = local.checked_options(op, keep_gathered_input, precision, config, None)
@@ -106,7 +111,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
 # --- checked entries on global arrays (the dispatch's global side) -------------------
 
 def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathered_input,
-                  precision, config, dot_general=None, dot_kwargs=()):
+                  precision, config, dot_general=None, dot_kwargs=(), fp8_history=None):
   """A column-parallel call on global arrays: checks, then runs (the fused
   ops in one shard_map, or an injected `dot_general` on XLA's collectives).
 
@@ -119,9 +124,9 @@ def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathe
   check_global_column(names, x, kernel, bias, where)
   data, axis_name = where.data_axes, where.axis_name
   if dot_general is None:
-    return _column(x, kernel, bias, mesh=where.mesh, axis_name=axis_name, data_axes=data,
-                   keep_gathered_input=keep_gathered_input, precision=precision,
-                   config=config)
+    return _column(x, kernel, bias, fp8_history, mesh=where.mesh, axis_name=axis_name,
+                   data_axes=data, keep_gathered_input=keep_gathered_input,
+                   precision=precision, config=config)
   _, features = _specs(np.ndim(x), data, axis_name)
   gathered = _constrain(x, where.mesh, P(data or None))  # XLA's all-gather
   y = _constrain(local._injected(dot_general, gathered, kernel, precision, dot_kwargs),
@@ -130,7 +135,7 @@ def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathe
 
 
 def row_global(names: Names, h, kernel, bias, *, where: Placement, precision, config,
-               dot_general=None, dot_kwargs=()):
+               dot_general=None, dot_kwargs=(), fp8_history=None):
   """A row-parallel call on global arrays: checks, then runs.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -142,8 +147,8 @@ def row_global(names: Names, h, kernel, bias, *, where: Placement, precision, co
   check_global_row(names, h, kernel, bias, where)
   data, axis_name = where.data_axes, where.axis_name
   if dot_general is None:
-    return _row(h, kernel, bias, mesh=where.mesh, axis_name=axis_name, data_axes=data,
-                precision=precision, config=config)
+    return _row(h, kernel, bias, fp8_history, mesh=where.mesh, axis_name=axis_name,
+                data_axes=data, precision=precision, config=config)
   tokens, _ = _specs(np.ndim(h), data, axis_name)
   # The partial sums, then XLA's reduce-scatter onto the token shards.
   y = _constrain(local._injected(dot_general, h, kernel, precision, dot_kwargs),
@@ -164,32 +169,36 @@ def _specs(ndim, data, axis_name):
   return P((*data, axis_name), *lead, None), P(data or None, *lead, axis_name)
 
 
+# An FP8 amax history (a "delayed" recipe's) is one array for every shard: P().
+
 @partial(jax.jit, static_argnames=(*_STATIC, "keep_gathered_input"))
-def _column(x, kernel, bias, *, mesh, axis_name, data_axes, keep_gathered_input, precision,
-            config):
+def _column(x, kernel, bias, history, *, mesh, axis_name, data_axes, keep_gathered_input,
+            precision, config):
   tokens, features = _specs(np.ndim(x), data_axes, axis_name)
 
-  def body(x, kernel, bias):
+  def body(x, kernel, bias, history):
     return local.column_parallel(x, kernel, bias, axis_name=axis_name,
                                  keep_gathered_input=keep_gathered_input,
-                                 precision=precision, config=config)
+                                 precision=precision, config=config, fp8_history=history)
 
-  bias_spec = None if bias is None else P(axis_name)
-  return jax.shard_map(body, mesh=mesh, in_specs=(tokens, P(None, axis_name), bias_spec),
-                       out_specs=features)(x, kernel, bias)
+  specs = (tokens, P(None, axis_name), None if bias is None else P(axis_name),
+           None if history is None else P())
+  return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=features)(
+      x, kernel, bias, history)
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def _row(h, kernel, bias, *, mesh, axis_name, data_axes, precision, config):
+def _row(h, kernel, bias, history, *, mesh, axis_name, data_axes, precision, config):
   tokens, features = _specs(np.ndim(h), data_axes, axis_name)
 
-  def body(h, kernel, bias):
+  def body(h, kernel, bias, history):
     return local.row_parallel(h, kernel, bias, axis_name=axis_name, precision=precision,
-                              config=config)
+                              config=config, fp8_history=history)
 
-  bias_spec = None if bias is None else P(None)
-  return jax.shard_map(body, mesh=mesh, in_specs=(features, P(axis_name, None), bias_spec),
-                       out_specs=tokens)(h, kernel, bias)
+  specs = (features, P(axis_name, None), None if bias is None else P(None),
+           None if history is None else P())
+  return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(
+      h, kernel, bias, history)
 
 
 @partial(jax.jit, static_argnames=(*_STATIC, "keep_gathered_input", "activation"))

@@ -96,6 +96,7 @@ class BlockOptions:
     op = type(self).__name__
     validation.check_callable(op, "activation", self.activation)
     validation.check_config(op, self.config)
+    validation.check_no_delayed_fp8(op, self.config)
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
 
