@@ -7,19 +7,22 @@ which must find the GPUs' memory free. 8 simulated CPU devices. Both must be
 set before jax is imported.
 
 On the CPU, the process compiles its programs with LLVM's optimizations off
+and with XLA's loop emitters for fusions instead of its MLIR fusion emitters
 (CPU_TEST_FLAGS): the tests compile hundreds of small programs and run each a
-few times, so LLVM's passes took more than half of the suite's time, and they
-change neither the HLO (what the tests count) nor what is computed. XLA reads
-XLA_FLAGS once, when the backend starts: the flag is set for that moment only,
-so the processes that the tests start (the GPU workers above all) do not
-inherit it; a test that starts a CPU process passes CPU_TEST_FLAGS itself.
+few times, so compiling took most of the suite's time. Both flags change how
+the CPU code is generated, not the collectives of the compiled HLO (what the
+tests count), and compute the same numbers up to rounding. XLA
+reads XLA_FLAGS once, when the backend starts: the flags are set for that
+moment only, so the processes that the tests start (the GPU workers above
+all) do not inherit them; a test that starts a CPU process passes
+CPU_TEST_FLAGS itself.
 """
 
 import os
 
 import pytest
 
-CPU_TEST_FLAGS = "--xla_backend_optimization_level=0"
+CPU_TEST_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "")

@@ -12,9 +12,9 @@ from jax_comm_gemm.runtime.settings import Settings
 
 
 # The XLA flags of the CPU processes that tests start (the examples, the
-# multi-process workers): LLVM's optimizations off, as the root conftest.py
-# sets them for the pytest process (its docstring says why).
-CPU_TEST_FLAGS = "--xla_backend_optimization_level=0"
+# multi-process workers): faster compiles, as the root conftest.py sets them
+# for the pytest process (its docstring says why).
+CPU_TEST_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def cpu_mesh(size: int, axis_name: str = "tp") -> Mesh:
