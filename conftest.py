@@ -40,9 +40,11 @@ if os.environ["JAX_PLATFORMS"] == "cpu":
     os.environ["XLA_FLAGS"] = _inherited
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
   """Under pytest-xdist (make test: -n 2 --dist loadgroup), the GPU tests all
   run in one worker, one at a time: two of them at once would share the GPUs."""
+  if not config.pluginmanager.hasplugin("xdist"):
+    return
   for item in items:
     if item.get_closest_marker("gpu") is not None:
       item.add_marker(pytest.mark.xdist_group("gpu"))
