@@ -15,9 +15,8 @@ gradient. The weight gradient needs the gathered operand, and
   ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
   ``lax.all_gather`` of the input.
 
-With ``config.fp8`` set, both ops run the FP8 custom_vjps of
-:mod:`jax_comm_gemm.fp8` instead, their fused steps on XLA's collectives or the
-ring (``routes.fp8_route``, ``routes.fp8_collectives``).
+With ``config.fp8`` set, both ops run :mod:`jax_comm_gemm.fp8`'s custom_vjps
+instead (``routes.fp8_route``, ``routes.fp8_collectives``).
 
 No exception is raised or caught on this path: the routing is a trace-time
 branch on the routing plan (runtime/plan.py). The routes live in routes.py.
@@ -35,15 +34,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-import jax_comm_gemm.backends.auto as auto
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import Backend, all_gather_tokens
+from jax_comm_gemm.backends.auto import AG, RS
 from jax_comm_gemm.backends.select import resolve_backend
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
-from jax_comm_gemm.routes import (GatheredRoute, WeightGradientRoute,  # noqa: F401
-                                  fp8_collectives, fp8_route, gathered_route,
+from jax_comm_gemm.routes import (fp8_collectives, fp8_route, gathered_route,
                                   weight_gradient_route)
 
 
@@ -76,9 +74,7 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
     precision: ``lax.Precision`` of the GEMMs that XLA runs (forward and
       gradients); cuBLASMp always accumulates in float32.
     config: backend and algorithm choices.
-    fp8_history: with ``config.fp8`` a ``"delayed"`` recipe, this call's
-      :class:`~jax_comm_gemm.fp8.AmaxHistory` (its gradient is the next one);
-      else None.
+    fp8_history: a ``"delayed"`` ``config.fp8``'s AmaxHistory; its gradient: the next.
 
   Returns:
     ``y`` of shape ``[n, m]``, or ``(y, gathered_x)``.
@@ -98,11 +94,10 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
   validation.bound_axis_size(op, axis_name)
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
-  return all_gather_matmul_unchecked(x, w, axis_name, transpose_w=transpose_w,
-                                     return_gathered=return_gathered,
-                                     keep_gathered_input=keep_gathered_input,
-                                     precision=precision, config=config,
-                                     fp8_history=fp8_history)
+  return all_gather_matmul_unchecked(
+      x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
+      keep_gathered_input=keep_gathered_input, precision=precision, config=config,
+      fp8_history=fp8_history)
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -142,15 +137,13 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config, fp8_history=None):
   """:func:`all_gather_matmul` for callers that validated the arguments."""
-  _check_history("all_gather_matmul", config, fp8_history)
+  validation.check_fp8_history("all_gather_matmul", config, fp8_history)
   if fp8_route(config).fp8:
-    p = auto.problem(auto.AG, x, w, transpose_w, axis_name,
-                     gathered=return_gathered or keep_gathered_input, fp8=config.fp8.key)
-    return fp8_all_gather_matmul(x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
-                                 keep_gathered_input=keep_gathered_input,
-                                 return_gathered=return_gathered,
-                                 collectives=fp8_collectives(config, p)[0],
-                                 history=fp8_history)
+    gathered = return_gathered or keep_gathered_input
+    return fp8_all_gather_matmul(
+        x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
+        keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
+        collectives=fp8_collectives(config, AG, x, w, transpose_w, axis_name, gathered)[0])
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, return_gathered, keep_gathered_input, precision)
   return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
@@ -159,14 +152,12 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
                                     fp8_history=None):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
-  _check_history("matmul_reduce_scatter", config, fp8_history)
+  validation.check_fp8_history("matmul_reduce_scatter", config, fp8_history)
   if fp8_route(config).fp8:
-    p = auto.problem(auto.RS, x, w, transpose_w, axis_name, fp8=config.fp8.key)
-    return fp8_matmul_reduce_scatter(x, w, axis_name, recipe=config.fp8,
-                                     transpose_w=transpose_w,
-                                     reuse_gathered=config.reuse_gathered is not False,
-                                     collectives=fp8_collectives(config, p)[0],
-                                     history=fp8_history)
+    return fp8_matmul_reduce_scatter(
+        x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
+        reuse_gathered=config.reuse_gathered is not False, history=fp8_history,
+        collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0])
   static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
                    config.reuse_gathered, precision=precision,
                    fuse_weight_gradient=config.fuse_weight_gradient)
@@ -194,14 +185,6 @@ def _gathering_matmul(s: _Static, x, w, transpose_w):
                                   return_gathered=False, precision=s.precision)
   with jax.named_scope("jax_comm_gemm.all_gather"):
     return y, all_gather_tokens(x, s.axis_name)
-
-
-def _check_history(op, config, fp8_history):
-  """An FP8 history only where the config's recipe is "delayed" (the FP8 op
-  checks the rest, and that a delayed one has it)."""
-  if fp8_history is not None and (config.fp8 is None or config.fp8.scaling != "delayed"):
-    raise ValueError(f"{op}: `fp8_history` is for CommGemmConfig(fp8=Fp8Recipe('delayed')); "
-                     f"this config's fp8 is {config.fp8!r}")
 
 
 # --- all_gather_matmul -------------------------------------------------------

@@ -122,18 +122,21 @@ def _fp8_backend(config) -> str:
   return forced if forced in ("xla", "ring") else config.backend
 
 
-def fp8_collectives(config, p) -> tuple[str, str]:
-  """(collectives, why) for FP8 problem `p` (``backends.auto.problem(...,
-  fp8=recipe.key)``): "xla" or "ring", as the backend names it, else as
-  ``backend="auto"`` chooses per problem (autotune's measurement in the plan,
-  or XLA's).
+def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
+                    gathered: bool = False) -> tuple[str, str]:
+  """(collectives, why) for FP8 op `op` (``backends.auto.AG`` or ``RS``) on
+  `x` and `w`: "xla" or "ring", as the backend names it, else as
+  ``backend="auto"`` chooses for the problem, whose key carries the recipe
+  (autotune's measurement in the plan, or XLA's).
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
-  >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), None)
+  >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), auto.AG, None,
+  ...                 None, False, "tp")
   ('ring', "backend='ring'")
   """
   backend = _fp8_backend(config)
   if backend in ("xla", "ring"):
     return backend, f"backend={backend!r}"
-  return auto.choose(p, "xla")
+  return auto.choose(auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered,
+                                  fp8=config.fp8.key), "xla")

@@ -239,6 +239,18 @@ def check_no_delayed_fp8(where: str, config) -> None:
         f"RowParallelDense), or scaling 'tensor' or 'row'")
 
 
+def check_fp8_history(where: str, config, fp8_history) -> None:
+  """An FP8 amax history only where the config's recipe is "delayed" (the FP8
+  op checks the history itself, and that a delayed recipe has one).
+
+  >>> check_fp8_history("f", CommGemmConfig(), None)
+  """
+  fp8 = getattr(config, "fp8", None)
+  if fp8_history is not None and (fp8 is None or fp8.scaling != "delayed"):
+    raise ValueError(f"{where}: `fp8_history` is for CommGemmConfig(fp8=Fp8Recipe('delayed')); "
+                     f"this config's fp8 is {fp8!r}")
+
+
 def check_config(where: str, config) -> None:
   """Raises TypeError naming `config` unless it is a CommGemmConfig.
 

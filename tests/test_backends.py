@@ -183,7 +183,7 @@ def test_auto_fuses_the_weight_gradient_where_its_choice_can(monkeypatch, chosen
 
 
 def test_asking_for_the_fused_weight_gradient_where_it_cannot_run_fails():
-  """A caller that skips collective_matmul.weight_gradient_route cannot make
+  """A caller that skips routes.weight_gradient_route cannot make
   the weight-gradient call where the gathered operand's place is unverified,
   nor on "pipelined", which gathers into an XLA buffer."""
   mesh = cpu_mesh(2)
@@ -200,7 +200,7 @@ def test_asking_for_the_fused_weight_gradient_where_it_cannot_run_fails():
 
 
 def test_asking_for_the_gathered_operand_without_a_verdict_fails():
-  """A caller that skips collective_matmul.gathered_route cannot get the
+  """A caller that skips routes.gathered_route cannot get the
   operand out of a workspace whose layout nothing verified."""
   mesh = cpu_mesh(2)
   x, w = random_inputs(80, [(N, K), (K, M)], jnp.float32)

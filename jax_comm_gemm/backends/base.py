@@ -4,7 +4,7 @@ local shards inside ``jax.shard_map``.
 Backends are frozen dataclasses: they are static arguments of the custom_vjp
 rules in ``collective_matmul.py``, so they must hash and compare by value. They
 do what they are told; whether to ask for the gathered operand is decided in
-``collective_matmul.gathered_route`` alone.
+``routes.gathered_route`` alone.
 """
 
 from __future__ import annotations

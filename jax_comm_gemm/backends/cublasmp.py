@@ -46,7 +46,7 @@ class CublasMpBackend(Backend):
                                             precision=precision)
     if return_gathered:
       verdict = self.gathered_reuse(lax.axis_size(axis_name), x.dtype, transpose_w)
-      if not verdict.ok:  # a caller that skipped collective_matmul.gathered_route
+      if not verdict.ok:  # a caller that skipped routes.gathered_route
         raise RuntimeError(f"the gathered operand was asked for without a passing "
                            f"verdict: {verdict.reason}")
     # The pipelined algorithm receives the shards into the gathered output.
@@ -60,7 +60,7 @@ class CublasMpBackend(Backend):
   def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
                                         precision=None):
     verdict = self.weight_gradient_fusion(x, w, axis_name, transpose_w)
-    if not verdict.ok:  # a caller that skipped collective_matmul.weight_gradient_route
+    if not verdict.ok:  # a caller that skipped routes.weight_gradient_route
       raise RuntimeError(f"the fused weight gradient was asked for where it cannot run: "
                          f"{verdict.reason}")
     return primitives.all_gather_matmul_weight_gradient(

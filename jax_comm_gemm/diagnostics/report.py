@@ -5,7 +5,7 @@ For reports (the example) and tests: what the design promises, to set beside
 what :func:`jax_comm_gemm.diagnostics.hlo.compiled_collectives` counts in a
 compiled program. Both questions are answered by the functions that decide at
 trace time (``backends.select.choose_backend`` and
-``collective_matmul.gathered_route``): nothing is re-derived here.
+``routes.gathered_route``): nothing is re-derived here.
 """
 
 from __future__ import annotations
