@@ -234,9 +234,9 @@ def check_no_delayed_fp8(where: str, config) -> None:
   if fp8 is not None and fp8.scaling == "delayed":
     raise ValueError(
         f"{where}: FP8 'delayed' scaling keeps an amax history per dense layer, which "
-        f"{where} does not carry; use the dense layers (column_parallel_dense / "
-        f"row_parallel_dense with fp8_history=, or the linen ColumnParallelDense / "
-        f"RowParallelDense), or scaling 'tensor' or 'row'")
+        f"{where} does not carry; use the dense layers or the transformer block "
+        f"(fp8_history= / fp8_histories=, or the linen modules), or scaling 'tensor' or "
+        f"'row'")
 
 
 def check_fp8_history(where: str, config, fp8_history) -> None:

@@ -3,6 +3,8 @@ amax history, the next history (the op's gradient with respect to it) holds
 this step's amax agreed over every replica, an empty history scales as
 current scaling does, and the arguments are checked."""
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,9 +235,9 @@ def test_the_functional_layers_take_a_history():
 
 
 def test_front_ends_without_histories_say_so():
-  """The blocks, the MLP helpers and NNX carry no histories: a "delayed"
-  config is a ValueError naming the front end; a history for a config that is
-  not "delayed" is one too."""
+  """A block called without its histories, the MLP helpers and NNX (which
+  carry none): a "delayed" config is a ValueError naming the front end; a
+  history for a config that is not "delayed" is one too."""
   import jax_comm_gemm as jcg
   from jax_comm_gemm import nnx as X, sharded
   from jax_comm_gemm.layers import transformer
@@ -243,9 +245,11 @@ def test_front_ends_without_histories_say_so():
   config = jcg.CommGemmConfig(fp8=DELAYED)
   mesh = cpu_mesh(2)
   x, w1, w2 = _inputs()
-  with pytest.raises(ValueError, match=r"BlockOptions: FP8 'delayed' scaling keeps an amax "
-                                       r"history per dense layer"):
-    transformer.BlockOptions(num_heads=2, config=config)
+  params = jax.tree.map(lambda spec: jnp.ones(spec.shape),
+                        transformer.param_layout(D, 2 * D, "tp"))
+  with pytest.raises(ValueError, match=r"FP8 'delayed' scaling needs `fp8_histories`"):
+    transformer.sharded_transformer_block(x.reshape(N, 1, D), params, mesh=mesh,
+                                          options=transformer.BlockOptions(2, config=config))
   with pytest.raises(ValueError, match=r"sharded.mlp: FP8 'delayed' scaling"):
     sharded.mlp(x, w1, w2, mesh=mesh, config=config)
   from flax import nnx
@@ -255,3 +259,66 @@ def test_front_ends_without_histories_say_so():
     jax.eval_shape(lambda x, w: sharded.column_parallel_dense(
         x, w, mesh=mesh, config=jcg.CommGemmConfig(fp8=Fp8Recipe()),
         fp8_history=AmaxHistory.zeros(DELAYED)), x, w1)
+
+
+def test_the_transformer_block_carries_a_history_per_dense_layer():
+  """The functional block with init_fp8_histories: empty histories compute what
+  "tensor" scaling computes, bit for bit, and the next ones hold each dense
+  layer's amaxes (the weight's exactly)."""
+  import jax_comm_gemm as jcg
+  from jax_comm_gemm.layers import transformer
+
+  mesh = cpu_mesh(2)
+  keys = jax.random.split(jax.random.key(9), 12)
+  layout = transformer.param_layout(D, 2 * D, "tp")
+  leaves, tree = jax.tree.flatten(layout, is_leaf=lambda v: isinstance(v, transformer.ParamSpec))
+  params = jax.tree.unflatten(tree, [jax.random.normal(k, spec.shape) / np.sqrt(spec.shape[0])
+                                     for k, spec in zip(keys, leaves)])
+  x = jax.random.normal(keys[-1], (N, 2, D))
+  delayed = transformer.BlockOptions(4, config=jcg.CommGemmConfig(fp8=DELAYED))
+  tensor = transformer.BlockOptions(4, config=jcg.CommGemmConfig(fp8=Fp8Recipe()))
+  histories = transformer.init_fp8_histories(delayed)
+  assert set(histories) == set(transformer.FP8_LAYERS)
+
+  def loss(params, histories, options):
+    y = transformer.sharded_transformer_block(x, params, mesh=mesh, options=options,
+                                              fp8_histories=histories)
+    return jnp.sum(y * jnp.cos(jnp.arange(D, dtype=jnp.float32)))
+
+  got, (_, nxt) = jax.jit(jax.value_and_grad(partial(loss, options=delayed),
+                                             argnums=(0, 1)))(params, histories)
+  want = jax.jit(partial(loss, histories=None, options=tensor))(params)
+  assert float(got) == float(want)
+  kernels = {"qkv": params["attention"]["qkv"], "out": params["attention"]["out"],
+             "fc1": params["mlp"]["fc1"], "fc2": params["mlp"]["fc2"]}
+  for name, layer in kernels.items():
+    assert float(nxt[name].w[0]) == float(jnp.max(jnp.abs(layer["kernel"]))), name
+    assert float(nxt[name].x[0]) > 0 and float(nxt[name].dy[0]) > 0, name
+
+
+def test_the_linen_block_keeps_its_histories_in_the_overwrite_collection():
+  import optax
+  from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+  from flax.training.train_state import TrainState
+
+  import jax_comm_gemm as jcg
+  from jax_comm_gemm import linen as L
+
+  mesh = cpu_mesh(2)
+  block = L.SequenceParallelTransformerBlock(4, 2 * D, mesh=mesh,
+                                             config=jcg.CommGemmConfig(fp8=DELAYED))
+  x = jax.random.normal(jax.random.key(10), (N, 2, D))
+  variables = block.init(jax.random.key(0), x)
+  state = TrainState.create(apply_fn=block.apply, params=variables, tx=optax.sgd(1e-3))
+
+  @jax.jit
+  def train_step(state, x):
+    grads = jax.grad(lambda v: jnp.sum(state.apply_fn(v, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  first = train_step(state, x).params[OVERWRITE_WITH_GRADIENT]["fp8_amax_history"]
+  second = train_step(train_step(state, x), x).params[OVERWRITE_WITH_GRADIENT][
+      "fp8_amax_history"]
+  for name in ("qkv", "out", "fc1", "fc2"):
+    assert float(first[name].x[0]) > 0 and float(first[name].x[1]) == 0, name
+    assert float(second[name].x[1]) == float(first[name].x[0]), name

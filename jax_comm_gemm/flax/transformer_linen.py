@@ -40,6 +40,7 @@ from typing import Callable
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen import initializers
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Array, Dtype, Initializer
 
 from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split, kw_only,
@@ -154,5 +155,9 @@ class SequenceParallelTransformerBlock(LinenOptions):
         epsilon=self.epsilon, dtype=self.dtype, precision=self.precision,
         keep_gathered_input=self.keep_gathered_input,
         attention_implementation=self.attention_implementation, config=self.config)
+    histories = transformer.init_fp8_histories(block_options)
+    if histories is not None:  # "delayed" FP8: Flax's overwrite-with-gradient collection
+      histories = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
+                                lambda: histories).value
     return dispatch.run("block", where, Names(owner, x="inputs"), inputs, params,
-                        options=block_options)
+                        options=block_options, fp8_histories=histories)

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.layers import local
 from jax_comm_gemm.layers.placement import Placement, global_placement
 from jax_comm_gemm.validation import Names
@@ -96,7 +97,6 @@ class BlockOptions:
     op = type(self).__name__
     validation.check_callable(op, "activation", self.activation)
     validation.check_config(op, self.config)
-    validation.check_no_delayed_fp8(op, self.config)
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
 
@@ -135,13 +135,34 @@ def partition_specs(params, axis_name: str) -> dict:
   return jax.tree.map(lambda s: P(*s.names), layout)
 
 
+# The dense layers whose FP8 amax histories a "delayed" block carries.
+FP8_LAYERS = ("qkv", "out", "fc1", "fc2")
+
+
+def init_fp8_histories(options: BlockOptions):
+  """A block's empty FP8 amax histories (``{layer: AmaxHistory}``) where its
+  config's recipe is "delayed", else None. Pass them as ``fp8_histories``; the
+  block's gradient with respect to them is the next step's (replace, do not
+  apply: ``AmaxHistory``).
+
+  >>> init_fp8_histories(BlockOptions(2)) is None
+  True
+  """
+  recipe = options.config.fp8
+  if recipe is None or recipe.scaling != "delayed":
+    return None
+  return {name: AmaxHistory.zeros(recipe) for name in FP8_LAYERS}
+
+
 # --- local shards -------------------------------------------------------------------
 
-def transformer_block(x, params, *, axis_name: str, options: BlockOptions):
+def transformer_block(x, params, *, axis_name: str, options: BlockOptions,
+                      fp8_histories=None):
   """The block on local shards, inside ``jax.shard_map`` over `axis_name`.
 
   ``x`` is ``[seq/P, batch, d]``; `params` holds this shard's slices of the
-  parameters (cut by :func:`partition_specs`). Returns ``[seq/P, batch, d]``.
+  parameters (cut by :func:`partition_specs`); `fp8_histories`: a "delayed"
+  FP8 config's (:func:`init_fp8_histories`). Returns ``[seq/P, batch, d]``.
 
   >>> import numpy as np; from jax.sharding import PartitionSpec as P
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -156,10 +177,11 @@ def transformer_block(x, params, *, axis_name: str, options: BlockOptions):
   validation.check_type(names.op, "options", options, BlockOptions)
   size = validation.bound_axis_size(names.op, axis_name)
   return block_local(names, x, params, where=Placement(True, axis_name, size),
-                     options=options)
+                     options=options, fp8_histories=fp8_histories)
 
 
-def block_local(names: Names, x, params, *, where: Placement, options: BlockOptions):
+def block_local(names: Names, x, params, *, where: Placement, options: BlockOptions,
+                fp8_histories=None):
   """:func:`transformer_block` for a known placement: checks, then runs.
 
   >>> import numpy as np; from jax.sharding import PartitionSpec as P
@@ -173,10 +195,11 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
   """
   check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=True)
-  return block(x, params, axis_name=where.axis_name, options=options)
+  return block(x, params, axis_name=where.axis_name, options=options,
+               fp8_histories=_checked_histories(names.op, options, fp8_histories))
 
 
-def block(x, params, *, axis_name: str, options: BlockOptions):
+def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None):
   """:func:`transformer_block` for callers that validated the arguments.
 
   >>> import numpy as np; from jax.sharding import PartitionSpec as P
@@ -192,26 +215,45 @@ def block(x, params, *, axis_name: str, options: BlockOptions):
   heads = o.num_heads // jax.lax.axis_size(axis_name)
   x = x.astype(dtype)
   sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype)
+  h = fp8_histories or dict.fromkeys(FP8_LAYERS)
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
       x = sublayer(x, params["ln_1"], params["attention"]["qkv"], params["attention"]["out"],
                    partial(attention, heads=heads, causal=o.causal,
-                           implementation=o.attention_implementation))
+                           implementation=o.attention_implementation),
+                   histories=(h["qkv"], h["out"]))
     with jax.named_scope("mlp"):
       return sublayer(x, params["ln_2"], params["mlp"]["fc1"], params["mlp"]["fc2"],
-                      o.activation)
+                      o.activation, histories=(h["fc1"], h["fc2"]))
 
 
-def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype):
+def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype, histories):
   """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
   row-parallel dense around `inner` (attention, or the MLP's activation)."""
   o = options
   h = layer_norm(x, norm, o.epsilon, dtype)
   h = local.column_parallel(h, *_dense_params(first, dtype), axis_name=axis_name,
                             keep_gathered_input=o.keep_gathered_input,
-                            precision=o.precision, config=o.config)
+                            precision=o.precision, config=o.config, fp8_history=histories[0])
   return x + local.row_parallel(inner(h), *_dense_params(second, dtype),
-                                axis_name=axis_name, precision=o.precision, config=o.config)
+                                axis_name=axis_name, precision=o.precision, config=o.config,
+                                fp8_history=histories[1])
+
+
+def _checked_histories(op, options, fp8_histories):
+  """`fp8_histories`, which a "delayed" FP8 config needs ({layer: AmaxHistory}
+  for FP8_LAYERS) and the others refuse."""
+  delayed = options.config.fp8 is not None and options.config.fp8.scaling == "delayed"
+  if fp8_histories is None and not delayed:
+    return None
+  if not delayed:
+    raise ValueError(f"{op}: `fp8_histories` is for a block whose config's FP8 recipe is "
+                     f"'delayed'; this one's fp8 is {options.config.fp8!r}")
+  if not isinstance(fp8_histories, dict) or set(fp8_histories) != set(FP8_LAYERS):
+    raise ValueError(f"{op}: FP8 'delayed' scaling needs `fp8_histories`, a dict of an "
+                     f"AmaxHistory for each of {FP8_LAYERS} (init_fp8_histories(options)), "
+                     f"got {type(fp8_histories).__name__}")
+  return fp8_histories
 
 
 def layer_norm(x, p, epsilon: float, dtype):
@@ -253,13 +295,14 @@ def _dense_params(p, dtype):
 
 def sharded_transformer_block(x, params, *, mesh=None, axis_name: str = "tp",
                               data_axes: Sequence[str] = (), options: BlockOptions,
-                              op: str = "sharded_transformer_block", x_name: str = "x"):
+                              op: str = "sharded_transformer_block", x_name: str = "x",
+                              fp8_histories=None):
   """The block on global arrays: ``x [seq, batch, d]`` with the sequence
   sharded over `axis_name` and the batch over `data_axes` (an axis name or a
   sequence of them; every other mesh axis of size > 1 must be among them);
   `params` with global shapes, sharded as :func:`partition_specs` says.
   Returns an array of ``x``'s shape and sharding. `op` and `x_name` are what
-  errors call things.
+  errors call things; `fp8_histories` as in :func:`transformer_block`.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
@@ -269,10 +312,12 @@ def sharded_transformer_block(x, params, *, mesh=None, axis_name: str = "tp",
   """
   validation.check_type(op, "options", options, BlockOptions)
   where = global_placement(op, mesh, axis_name, data_axes)
-  return block_global(Names(op, x=x_name), x, params, where=where, options=options)
+  return block_global(Names(op, x=x_name), x, params, where=where, options=options,
+                      fp8_histories=fp8_histories)
 
 
-def block_global(names: Names, x, params, *, where: Placement, options: BlockOptions):
+def block_global(names: Names, x, params, *, where: Placement, options: BlockOptions,
+                 fp8_histories=None):
   """:func:`sharded_transformer_block` for a known placement: checks, then runs.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -287,16 +332,20 @@ def block_global(names: Names, x, params, *, where: Placement, options: BlockOpt
   shards = int(np.prod([where.mesh.shape[a] for a in data]))
   validation.check_divisible(op, names.x, "sequences (second dimension, the batch)",
                              np.shape(x)[1], "*".join(data) or "()", shards)
-  return _sharded(x, params, mesh=where.mesh, axis_name=where.axis_name, data_axes=data,
-                  options=options)
+  histories = _checked_histories(op, options, fp8_histories)
+  return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
+                  data_axes=data, options=options)
 
 
 @partial(jax.jit, static_argnames=("mesh", "axis_name", "data_axes", "options"))
-def _sharded(x, params, *, mesh, axis_name, data_axes, options):
+def _sharded(x, params, histories, *, mesh, axis_name, data_axes, options):
   tokens = P(axis_name, data_axes or None, None)
-  body = partial(block, axis_name=axis_name, options=options)
-  return jax.shard_map(body, mesh=mesh, in_specs=(tokens, partition_specs(params, axis_name)),
-                       out_specs=tokens)(x, params)
+
+  def body(x, params, histories):
+    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories)
+
+  specs = (tokens, partition_specs(params, axis_name), None if histories is None else P())
+  return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(x, params, histories)
 
 
 # --- checks -------------------------------------------------------------------------
