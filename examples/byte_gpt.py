@@ -23,6 +23,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import linen as nn
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -79,6 +80,13 @@ def loss_fn(model: ByteGPT, params, tokens, targets):
   return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
+def trained(variables):
+  """What the optimizer updates: the parameters, without a "delayed" FP8
+  recipe's amax histories (Flax's overwrite-with-gradient collection, which
+  the step replaces with its gradient, as flax's TrainState does)."""
+  return variables["params"] if OVERWRITE_WITH_GRADIENT in variables else variables
+
+
 def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
   warmup = max(1, min(100, steps // 10))
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
@@ -107,8 +115,9 @@ class Trainer:
     abstract = jax.eval_shape(init, jax.random.key(seed))
     param_shardings = nn.get_sharding(abstract, mesh)
     params = jax.jit(init, out_shardings=param_shardings)(jax.random.key(seed))
-    opt_shardings = nn.get_sharding(jax.eval_shape(tx.init, params), mesh)
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    opt_init = lambda params: tx.init(trained(params))
+    opt_shardings = nn.get_sharding(jax.eval_shape(opt_init, params), mesh)
+    opt_state = jax.jit(opt_init, out_shardings=opt_shardings)(params)
     return cls(model, tx, mesh, param_shardings, opt_shardings), params, opt_state
 
   def with_config(self, model: ByteGPT) -> "Trainer":
@@ -123,10 +132,12 @@ class Trainer:
     def step(params, opt_state, tokens, targets):
       loss, grads = jax.value_and_grad(loss_fn, argnums=1)(self.model, params, tokens,
                                                           targets)
-      updates, opt_state = self.tx.update(grads, opt_state, params)
+      updates, opt_state = self.tx.update(trained(grads), opt_state, trained(params))
+      new = optax.apply_updates(trained(params), updates)
+      if OVERWRITE_WITH_GRADIENT in params:  # FP8 amax histories: the gradient is the next
+        new = {"params": new, OVERWRITE_WITH_GRADIENT: grads[OVERWRITE_WITH_GRADIENT]}
       pin = jax.lax.with_sharding_constraint
-      return (pin(optax.apply_updates(params, updates), self.param_shardings),
-              pin(opt_state, self.opt_shardings), loss)
+      return (pin(new, self.param_shardings), pin(opt_state, self.opt_shardings), loss)
 
     return step
 

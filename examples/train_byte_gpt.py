@@ -106,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
   comm.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto",
                     help="'auto': cuBLASMp where it runs, else XLA's collectives; "
                          "'cublasmp': fail where it cannot run")
-  comm.add_argument("--fp8", choices=("tensor", "row"),
+  comm.add_argument("--fp8", choices=("tensor", "row", "delayed"),
                     help="run every dense GEMM in FP8 (E4M3 forward, E5M2 gradients) with "
-                         "this scaling: one scale per tensor agreed over the tp group, or "
-                         "one per token row; FP8 bytes are all-gathered (docs/fp8.md) "
+                         "this scaling: one scale per tensor agreed over the tp group, one "
+                         "per token row, or per tensor from an amax history of 16 steps; FP8 "
+                         "bytes are all-gathered (docs/fp8.md) "
                          "(default: none, the GEMMs run in --dtype)")
   comm.add_argument("--fp8-gemm", choices=GEMM_FORMS, default=Fp8Recipe.gemm_form,
                     help="how --fp8 runs its GEMMs: XLA's FP8 GEMM ('direct', "

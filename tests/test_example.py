@@ -121,6 +121,26 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
 
 
+def test_fp8_delayed_trains_and_resumes_with_its_amax_histories(tmp_path):
+  """--fp8 delayed: every layer runs in FP8, the report's counts hold, and the
+  amax histories are checkpointed with the parameters: a resumed run repeats
+  the first run's losses (with histories lost, its scales would differ)."""
+  checkpoints = tmp_path / "checkpoints"
+  flags = ("--layers", "1", "--steps", "6", "--checkpoint-every", "3", "--eval-every", "6",
+           "--fp8", "delayed", "--ab-steps", "0", "--checkpoint-dir", str(checkpoints))
+  stdout, _, first = run_example(tmp_path, *flags, name="first")
+  assert re.search(r"block0: +qkv fp8 on xla +out-proj fp8 on xla", stdout), stdout
+  assert "FP8 (delayed scaling)" in stdout and "MISMATCH" not in stdout
+  assert first["counts"]["standalone_all_gathers"] == first["expected"][
+      "standalone_all_gathers"] == 4
+  train = first["history"]["train"]
+  assert train[-1][1] < train[0][1] - 0.2, train  # it learns (in 6 steps, warm-up included)
+  shutil.rmtree(checkpoints / "6")
+  _, _, resumed = run_example(tmp_path, *flags, "--resume", name="resumed")
+  np.testing.assert_allclose([l for _, l in resumed["history"]["train"]],
+                             [l for _, l in train[3:]], rtol=1e-5)
+
+
 def test_bfloat16_keep_remat_and_the_ab(tmp_path):
   stdout, _, summary = run_example(tmp_path, "--steps", "4", "--dtype", "bfloat16",
                                    "--keep-gathered-input", "--remat", "--no-checkpoint",
