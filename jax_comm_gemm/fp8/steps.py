@@ -13,8 +13,8 @@ import jax
 from jax import lax
 
 import jax_comm_gemm.fp8.quantize as qz
-from jax_comm_gemm import vma
 import jax_comm_gemm.fp8.ring as ring
+from jax_comm_gemm import vma
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
 from jax_comm_gemm.fp8.recipe import Fp8Recipe, pushed, scaling_amax
 
@@ -78,7 +78,7 @@ def _everywhere(a):
 
 def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
   """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv):
-  with the agreed amax `a` ("tensor"), or per row / per column ("row")."""
+  with the agreed amax `a` (one scale per tensor), or per row / per column ("row")."""
   out = []
   if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
@@ -99,14 +99,14 @@ def gather(s: Static, q, inv, *, standalone: bool):
   """The FP8 rows of every rank, with their scales if per row (same call)."""
   if lax.axis_size(s.axis_name) == 1:
     return q, inv
-  tree = (q, inv) if not s.recipe.per_tensor else (q,)
+  tree = (q,) if s.recipe.per_tensor else (q, inv)
   if standalone:
     with jax.named_scope(STANDALONE_SCOPE):
       out = xla_gather(tree, s.axis_name)
   else:
     with jax.named_scope(FUSED_SCOPE):
       out = s.gather(tree, s.axis_name)
-  return (out[0], out[1]) if not s.recipe.per_tensor else (out[0], inv)
+  return (out[0], inv) if s.recipe.per_tensor else (out[0], out[1])
 
 
 def reduce_scatter(s: Static, y):
