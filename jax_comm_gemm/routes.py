@@ -78,13 +78,15 @@ def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Route:
-  """Whether the collective matmuls run in FP8 (``fp8``), and why.
+  """Whether the collective matmuls run in FP8 (``fp8``), and why; `backend`
+  is what their fused steps run on: "xla", "ring" or "auto" (per problem).
 
   >>> Fp8Route(False, "no FP8 recipe").fp8
   False
   """
   fp8: bool
   reason: str
+  backend: str = ""
 
 
 def fp8_route(config) -> Fp8Route:
@@ -108,11 +110,12 @@ def fp8_route(config) -> Fp8Route:
                        f"set it to one of {FP8_BACKENDS}")
   reuse = ("the gathered grad_output gathered again (reuse_gathered=False)"
            if config.reuse_gathered is False else "the gathered grad_output reused")
+  backend = _fp8_backend(config)
   where = {"ring": "on the ring (per-shard FP8 GEMMs overlapped with ppermutes)",
            "xla": "on XLA's collectives"}.get(
-      _fp8_backend(config), "per shape on XLA's collectives or the ring, as autotune measured")
+      backend, "per shape on XLA's collectives or the ring, as autotune measured")
   return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) {where}: FP8 bytes on the "
-                        f"wire, {reuse}")
+                        f"wire, {reuse}", backend)
 
 
 def _fp8_backend(config) -> str:

@@ -72,8 +72,7 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
       return LayerPath(FP8_ON_XLA, f"FP8 GEMMs; {single_device_reason(axis_name)}")
     # "auto" runs each shape as measured; the counts below are XLA's, the
     # default where nothing was measured (the compiled step's show which).
-    ring = "on the ring" in fp8.reason
-    return LayerPath(FP8_ON_RING if ring else FP8_ON_XLA, fp8.reason)
+    return LayerPath(FP8_ON_RING if fp8.backend == "ring" else FP8_ON_XLA, fp8.reason)
   choice = choose_backend(config, axis_name, mesh)
   if size == 1:  # whatever the backend: each layer is a plain GEMM
     return LayerPath(XLA_FALLBACK, single_device_reason(axis_name))

@@ -50,9 +50,8 @@ from typing import Any, Callable
 import jax.numpy as jnp
 from flax import linen as nn
 from flax.linen.dtypes import promote_dtype
-from flax.typing import Array
-
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.typing import Array
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.fp8 import AmaxHistory

@@ -138,15 +138,11 @@ def _fp8_gemm_cuda(ctx, a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
                                                 fast_accum=bool(fast_accum))
 
 
-def _fp8_gemm_primitive():
-  p = Primitive(TARGETS["fp8_gemm"])
-  p.def_abstract_eval(_fp8_gemm_abstract)
-  mlir.register_lowering(p, _fp8_gemm_cuda, platform="cuda")
-  mlir.register_lowering(p, _lower_elsewhere)
-  return p, TARGETS["fp8_gemm"]
-
-
-_fp8_gemm_p, _FP8_GEMM_TARGET = _fp8_gemm_primitive()
+_FP8_GEMM_TARGET = TARGETS["fp8_gemm"]
+_fp8_gemm_p = Primitive(_FP8_GEMM_TARGET)
+_fp8_gemm_p.def_abstract_eval(_fp8_gemm_abstract)
+mlir.register_lowering(_fp8_gemm_p, _fp8_gemm_cuda, platform="cuda")
+mlir.register_lowering(_fp8_gemm_p, _lower_elsewhere)
 
 
 @partial(jax.jit, static_argnames=("out_dtype", "timed", "fast_accum"))

@@ -50,7 +50,6 @@ class Fp8Recipe:
       XLA rewrites into the FP8 GEMM with scale operands) or ``"cublaslt"`` (the
       project's FP8 GEMM custom call: cuBLASLt applies the scales, and its
       algorithm is timed at the first call; "direct" where it cannot run).
-
     amax_history: ``"delayed"`` only: how many steps' amaxes a history keeps
       (an int >= 1).
     accumulation: Hopper's FP8 fast accumulation (partial sums along k kept in
