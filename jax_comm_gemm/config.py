@@ -18,10 +18,11 @@ from jax_comm_gemm.runtime.settings import BACKENDS
 # project's pipelined_ce).
 REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
 _FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
-# The backends an FP8 config may name: its fused steps run on XLA's collectives
-# or the ring; "auto" picks per problem (the cuBLASMp and own-algorithm FP8 ops
-# are not built: docs/fp8.md).
-FP8_BACKENDS = ("auto", "xla", "ring")
+# The backends an FP8 config may name: its fused steps run on XLA's collectives,
+# the ring, or the extension's fused FP8 ops ("cublasmp": the config's
+# algorithms, one scale per tensor); "auto" picks per problem between XLA's
+# collectives and the ring (docs/fp8.md).
+FP8_BACKENDS = ("auto", "xla", "ring", "cublasmp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +63,9 @@ class CommGemmConfig:
       bytes are all-gathered, and the row-parallel backward reuses the
       gathered FP8 grad_output (docs/fp8.md). FP8 runs with ``backend``
       "xla" (XLA's collectives), "ring" (per-shard FP8 GEMMs overlapped with
-      ppermutes) or "auto" (per problem, as autotune measured; else XLA's).
+      ppermutes), "cublasmp" (the extension's fused FP8 ops on
+      ``all_gather_algorithm`` and ``reduce_scatter``; one scale per tensor)
+      or "auto" (per problem, xla or ring as autotune measured; else XLA's).
 
   >>> CommGemmConfig().backend
   'auto'
@@ -103,8 +106,13 @@ class CommGemmConfig:
         raise ValueError("CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe, "
                          f"got {self.fp8!r}")
       if self.backend not in FP8_BACKENDS:
-        raise ValueError(f"CommGemmConfig.fp8: FP8 runs on XLA's collectives or the ring; "
-                         f"backend must be one of {FP8_BACKENDS}, got {self.backend!r}")
+        raise ValueError(f"CommGemmConfig.fp8: FP8 runs on XLA's collectives, the ring or "
+                         f"the fused ops; backend must be one of {FP8_BACKENDS}, got "
+                         f"{self.backend!r}")
+      if self.backend == "cublasmp" and not self.fp8.per_tensor:
+        raise ValueError(f"CommGemmConfig.fp8: backend 'cublasmp' runs FP8 with one scale "
+                         f"per tensor ('tensor' or 'delayed' scaling); {self.fp8.scaling!r} "
+                         f"scaling runs on backend 'xla', 'ring' or 'auto'")
 
 
 def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:

@@ -9,9 +9,10 @@ the same functions.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax_comm_gemm.backends.auto as auto
-from jax_comm_gemm.backends import Backend
+from jax_comm_gemm.backends import Backend, CublasMpBackend
 from jax_comm_gemm.config import FP8_BACKENDS
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.registry import current_plan
@@ -91,10 +92,10 @@ class Fp8Route:
 
 def fp8_route(config) -> Fp8Route:
   """Whether `config`'s ops run in FP8 under the plan in force: where it holds
-  a recipe. FP8's fused steps run on XLA's collectives or the ring
-  (:func:`fp8_collectives`), so a backend that ``JAX_COMM_GEMM_BACKEND``
-  forces and that is neither is an error here (``CommGemmConfig`` refuses
-  such a ``backend`` itself).
+  a recipe. FP8's fused steps run on XLA's collectives, the ring or the
+  extension's fused FP8 ops (:func:`fp8_collectives`), so a backend that
+  ``JAX_COMM_GEMM_BACKEND`` forces and that is none of them is an error here
+  (``CommGemmConfig`` refuses such a ``backend`` itself).
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
@@ -106,13 +107,15 @@ def fp8_route(config) -> Fp8Route:
   forced = current_plan().settings.backend
   if forced not in ("", *FP8_BACKENDS):
     raise RuntimeError(f"{settings.BACKEND}={forced} cannot run CommGemmConfig.fp8: FP8 "
-                       f"runs on XLA's collectives or the ring (docs/fp8.md); unset it or "
-                       f"set it to one of {FP8_BACKENDS}")
+                       f"runs on XLA's collectives, the ring or the fused ops (docs/fp8.md); "
+                       f"unset it or set it to one of {FP8_BACKENDS}")
   reuse = ("the gathered grad_output gathered again (reuse_gathered=False)"
            if config.reuse_gathered is False else "the gathered grad_output reused")
   backend = _fp8_backend(config)
   where = {"ring": "on the ring (per-shard FP8 GEMMs overlapped with ppermutes)",
-           "xla": "on XLA's collectives"}.get(
+           "xla": "on XLA's collectives",
+           "cublasmp": (f"on the fused FP8 ops ({config.all_gather_algorithm}; "
+                        f"reduce-scatter {config.reduce_scatter})")}.get(
       backend, "per shape on XLA's collectives or the ring, as autotune measured")
   return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) {where}: FP8 bytes on the "
                         f"wire, {reuse}", backend)
@@ -120,17 +123,18 @@ def fp8_route(config) -> Fp8Route:
 
 def _fp8_backend(config) -> str:
   """The backend FP8 runs on: ``JAX_COMM_GEMM_BACKEND`` if it forces one, else
-  the config's ("auto", "xla" or "ring")."""
+  the config's (one of ``FP8_BACKENDS``)."""
   forced = current_plan().settings.backend
-  return forced if forced in ("xla", "ring") else config.backend
+  return forced if forced in FP8_BACKENDS and forced != "auto" else config.backend
 
 
 def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
-                    gathered: bool = False) -> tuple[str, str]:
+                    gathered: bool = False) -> tuple[Any, str]:
   """(collectives, why) for FP8 op `op` (``backends.auto.AG`` or ``RS``) on
-  `x` and `w`: "xla" or "ring", as the backend names it, else as
-  ``backend="auto"`` chooses for the problem, whose key carries the recipe
-  (autotune's measurement in the plan, or XLA's).
+  `x` and `w`: "xla" or "ring", or for backend "cublasmp" a CublasMpBackend of
+  the config's algorithms (the extension's fused FP8 ops), as the backend
+  names it, else as ``backend="auto"`` chooses for the problem, whose key
+  carries the recipe (autotune's measurement in the plan, or XLA's).
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
@@ -141,5 +145,8 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
   backend = _fp8_backend(config)
   if backend in ("xla", "ring"):
     return backend, f"backend={backend!r}"
+  if backend == "cublasmp":
+    return (CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter),
+            "backend='cublasmp'")
   return auto.choose(auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered,
                                   fp8=config.fp8.key), "xla")

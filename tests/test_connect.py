@@ -26,54 +26,13 @@ import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
 from jax_comm_gemm.runtime.constants import TARGETS
 import jax_comm_gemm.runtime.plan as plan_lib
-from conftest import stand_in_plan
-
-
-class FakeNative:
-  """Records what the runtime asks of the extension."""
-
-  def __init__(self):
-    self.connected, self.bound = [], []
-
-  def cublasmp_version(self):
-    return 1000
-
-  def nccl_version(self):
-    return 23203
-
-  def nccl_unique_id(self):
-    return bytes(128)
-
-  def connect(self, groups, connect_timeout_s, call_timeout_s, time_gemms):
-    self.connected.append({"groups": [(key, n, members) for key, _, n, members in groups],
-                           "timeouts": (connect_timeout_s, call_timeout_s),
-                           "time_gemms": time_gemms})
-
-  def bind(self, ident, device_groups):
-    self.bound.append((ident, device_groups))
-
-  def contexts(self):
-    return []
-
-
-def fake_self_test(passing=lambda key: True):
-  def run(mesh, axis_name, ident, layout, version):
-    return {key: Capability(passing(key), "fake self-test")
-            for key in capability._cases(int(mesh.shape[axis_name]), layout)}
-  return run
+from fake_native import fake_self_test, install_fake_native
 
 
 @pytest.fixture
 def fake(monkeypatch):
   """REGISTRY with cuBLASMp "available" through FakeNative, emptied for the test."""
-  native = FakeNative()
-  for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
-                      ("_groups", set()), ("_attempts", {}), ("_wanted", {}), ("_seen", {}),
-                      ("_sentinel", None), ("_first", None)]:
-    monkeypatch.setattr(REGISTRY, name, value)
-  monkeypatch.setattr(connect_module, "self_test", fake_self_test())
-  plan_lib.publish(stand_in_plan())
-  return native
+  return install_fake_native(monkeypatch)
 
 
 def mesh_2x4():

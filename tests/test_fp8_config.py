@@ -28,10 +28,11 @@ TOLERANCE = 0.106
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"fp8": "tensor"}, r"CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe"),
-    ({"fp8": Fp8Recipe(), "backend": "cublasmp"},
-     r"CommGemmConfig.fp8: FP8 runs on XLA's collectives or the ring; backend must be one "
-     r"of \('auto', 'xla', 'ring'\), got 'cublasmp'"),
-    ({"fp8": Fp8Recipe(), "backend": "pallas"}, r"backend must be one of"),
+    ({"fp8": Fp8Recipe(), "backend": jcg.backends.PallasBackend()},
+     r"CommGemmConfig.fp8: FP8 runs on XLA's collectives, the ring or the fused ops; backend "
+     r"must be one of \('auto', 'xla', 'ring', 'cublasmp'\), got PallasBackend"),
+    ({"fp8": Fp8Recipe("row"), "backend": "cublasmp"},
+     r"backend 'cublasmp' runs FP8 with one scale per tensor"),
 ])
 def test_a_bad_fp8_config_names_the_field(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -75,12 +76,12 @@ def test_the_linen_module_runs_fp8_gemms():
   assert "f8_e4m3fn" in str(jax.make_jaxpr(layer.apply)(params, x))
 
 
-def test_a_forced_fused_backend_cannot_run_fp8():
-  """JAX_COMM_GEMM_BACKEND=cublasmp (read into the plan) with an FP8 config is
+def test_a_forced_backend_without_fp8_cannot_run_fp8():
+  """JAX_COMM_GEMM_BACKEND=pallas (read into the plan) with an FP8 config is
   an error naming the variable, not a silent bf16 run."""
   mesh = cpu_mesh(2)
-  plan_lib.publish(dataclasses.replace(stand_in_plan(), settings=Settings(backend="cublasmp")))
-  with pytest.raises(RuntimeError, match=r"JAX_COMM_GEMM_BACKEND=cublasmp cannot run "
+  plan_lib.publish(dataclasses.replace(stand_in_plan(), settings=Settings(backend="pallas")))
+  with pytest.raises(RuntimeError, match=r"JAX_COMM_GEMM_BACKEND=pallas cannot run "
                                          r"CommGemmConfig.fp8"):
     jax.eval_shape(_mlp(FP8, mesh), *_inputs())
 

@@ -18,6 +18,10 @@ inline constexpr char kMatmulReduceScatterTarget[] = "jax_comm_gemm_matmul_reduc
 // The AllGather+GEMM that also computes the weight gradient (weight_gradient.h).
 inline constexpr char kAllGatherMatmulWeightGradientTarget[] =
     "jax_comm_gemm_all_gather_matmul_weight_gradient";
+// The FP8 twins of the first two: FP8 x and w with their scales (plan.h).
+inline constexpr char kFp8AllGatherMatmulTarget[] = "jax_comm_gemm_fp8_all_gather_matmul";
+inline constexpr char kFp8MatmulReduceScatterTarget[] =
+    "jax_comm_gemm_fp8_matmul_reduce_scatter";
 // The FP8 GEMM with scale pointers and a timed algorithm (fp8_gemm.h), and the
 // name its FFI state type is registered under.
 inline constexpr char kFp8GemmTarget[] = "jax_comm_gemm_fp8_gemm";

@@ -17,6 +17,8 @@ NB_MODULE(_constants, m) {
     targets["all_gather_matmul"] = jcg::kAllGatherMatmulTarget;
     targets["matmul_reduce_scatter"] = jcg::kMatmulReduceScatterTarget;
     targets["all_gather_matmul_weight_gradient"] = jcg::kAllGatherMatmulWeightGradientTarget;
+    targets["fp8_all_gather_matmul"] = jcg::kFp8AllGatherMatmulTarget;
+    targets["fp8_matmul_reduce_scatter"] = jcg::kFp8MatmulReduceScatterTarget;
     targets["fp8_gemm"] = jcg::kFp8GemmTarget;
     nb::dict algorithms;
     for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {

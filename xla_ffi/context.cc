@@ -324,6 +324,7 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
     return Status();
   }
   JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
+  if (c.fp8()) JCG_RETURN_IF_ERROR(PointScales(plan.matmul, c));
   const float alpha = 1.0f, beta = 0.0f;
   JCG_CUBLASMP(cublasMpMatmul(
       handle_.get(), plan.matmul.get(), plan.m, plan.n, plan.k, &alpha, c.w, 1, 1,

@@ -31,6 +31,23 @@ Status CreateMatmulDesc(cublasOperation_t trans_a, cublasOperation_t trans_b, Lt
   return SetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, trans_b);
 }
 
+Status PointFp8Scales(const LtMatmulDesc& desc, const void* a_scale, const void* b_scale) {
+  JCG_RETURN_IF_ERROR(SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale));
+  return SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale);
+}
+
+Status SetFp8ScaleModes(const LtMatmulDesc& desc, bool outer_vectors) {
+  const int32_t mode = outer_vectors ? CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+                                     : CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+  JCG_RETURN_IF_ERROR(SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode));
+  return SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode);
+}
+
+Status SetFastAccumulation(const LtMatmulDesc& desc, bool on) {
+  const int8_t value = on ? 1 : 0;
+  return SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_FAST_ACCUM, value);
+}
+
 namespace {
 
 // Event marks around runs on one stream: marks[j] before the j-th run (or

@@ -20,7 +20,16 @@
 
 namespace jax_comm_gemm {
 
-inline size_t ElementBytes(cudaDataType_t t) { return t == CUDA_R_32F ? 4 : 2; }
+inline size_t ElementBytes(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_32F: return 4;
+    case CUDA_R_8F_E4M3:
+    case CUDA_R_8F_E5M2: return 1;
+    default: return 2;
+  }
+}
+
+inline bool IsFp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
 
 // A column-major rows x cols matrix with leading dimension `ld`.
 Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out);
@@ -28,6 +37,18 @@ Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, Lt
 // A GEMM descriptor with float32 accumulation and scaling (as cuBLASMp's
 // CUBLAS_COMPUTE_32F) and the given operations on A and B.
 Status CreateMatmulDesc(cublasOperation_t trans_a, cublasOperation_t trans_b, LtMatmulDesc* out);
+
+// FP8 operands: the device pointers to A's and B's dequantizing scales, one
+// float each (SCALAR_32F) or one per row of the operand as the GEMM reads it
+// (`outer_vectors`, OUTER_VEC_32F), applied in f32 before the one rounding
+// to D's type. The pointers are per call: point them again before each
+// call's GEMMs (the modes stay).
+Status PointFp8Scales(const LtMatmulDesc& desc, const void* a_scale, const void* b_scale);
+Status SetFp8ScaleModes(const LtMatmulDesc& desc, bool outer_vectors);
+
+// Hopper's FP8 fast accumulation: partial sums are not promoted to f32 along
+// k (faster, less precise; XLA's default for an FP8 dot).
+Status SetFastAccumulation(const LtMatmulDesc& desc, bool on);
 
 // Where to time cuBLASLt's candidates: the operands of one real call, ready
 // on `stream` (any values do; the call's own GEMM overwrites D after), the

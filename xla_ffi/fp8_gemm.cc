@@ -10,6 +10,7 @@
 #include "cublaslt.h"
 #include "cuda_wait.h"
 #include "ffi_status.h"
+#include "ffi_types.h"
 #include "handlers.h"
 #include "library_status.h"
 
@@ -25,40 +26,13 @@ namespace {
 // GEMM has no peer to wait for, so only a broken device gets near it.
 constexpr double kTrialTimeoutS = 120;
 
-Status Fp8Type(ffi::DataType t, const char* what, cudaDataType_t* out) {
-  switch (t) {
-    case ffi::DataType::F8E4M3FN: *out = CUDA_R_8F_E4M3; return Status();
-    case ffi::DataType::F8E5M2: *out = CUDA_R_8F_E5M2; return Status();
-    default:
-      return Status::InvalidArgument(std::string(what) +
-                                     " must be float8_e4m3fn or float8_e5m2");
-  }
-}
-
-Status OutType(ffi::DataType t, cudaDataType_t* out) {
-  switch (t) {
-    case ffi::DataType::BF16: *out = CUDA_R_16BF; return Status();
-    case ffi::DataType::F16: *out = CUDA_R_16F; return Status();
-    case ffi::DataType::F32: *out = CUDA_R_32F; return Status();
-    default: return Status::InvalidArgument("d must be bfloat16, float16 or float32");
-  }
-}
-
-std::string Dims(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
-}
-
 // The call's shape from its buffers, checked.
 Status Describe(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
                 ffi::AnyBuffer d, Fp8GemmShape* s) {
   JCG_RETURN_IF_ERROR(Fp8Type(a.element_type(), "a", &s->a_type));
   JCG_RETURN_IF_ERROR(Fp8Type(b.element_type(), "b", &s->b_type));
-  JCG_RETURN_IF_ERROR(OutType(d.element_type(), &s->d_type));
-  if (s->a_type == CUDA_R_8F_E5M2 && s->b_type == CUDA_R_8F_E5M2) {
-    return Status::InvalidArgument("cuBLASLt has no FP8 GEMM of two float8_e5m2 operands");
-  }
+  JCG_RETURN_IF_ERROR(WideType(d.element_type(), "d", &s->d_type));
+  JCG_RETURN_IF_ERROR(CheckFp8Pair(s->a_type, s->b_type));
   auto ad = a.dimensions(), bd = b.dimensions(), dd = d.dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1]) {
     return Status::InvalidArgument("a " + Dims(ad) + " and b " + Dims(bd) +
@@ -84,17 +58,9 @@ Status Describe(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyB
   return Status();
 }
 
-template <typename T>
-Status SetDescAttribute(const LtMatmulDesc& desc, cublasLtMatmulDescAttributes_t attr,
-                        const T& value) {
-  JCG_CUBLASLT(cublasLtMatmulDescSetAttribute(desc.get(), attr, &value, sizeof(value)));
-  return Status();
-}
-
 // The scales of this call: cuBLASLt's A is b8 (its scale sb), its B is a8 (sa).
 Status PointScales(const Fp8GemmPlan& plan, const void* sa, const void* sb) {
-  JCG_RETURN_IF_ERROR(SetDescAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, sb));
-  return SetDescAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, sa);
+  return PointFp8Scales(plan.desc, sb, sa);
 }
 
 // Row-major d[m, n] = a8 . b8^T is column-major d^T (n x m) = op(A) op(B)
@@ -103,15 +69,8 @@ Status PointScales(const Fp8GemmPlan& plan, const void* sa, const void* sb) {
 Status MakeDescriptors(const Fp8GemmShape& s, Fp8GemmPlan* plan) {
   plan->shape = s;
   JCG_RETURN_IF_ERROR(CreateMatmulDesc(CUBLAS_OP_T, CUBLAS_OP_N, &plan->desc));
-  if (s.row_scales) {
-    const int32_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
-    JCG_RETURN_IF_ERROR(SetDescAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode));
-    JCG_RETURN_IF_ERROR(SetDescAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode));
-  }
-  if (s.fast_accum) {
-    const int8_t on = 1;
-    JCG_RETURN_IF_ERROR(SetDescAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, on));
-  }
+  JCG_RETURN_IF_ERROR(SetFp8ScaleModes(plan->desc, s.row_scales));
+  JCG_RETURN_IF_ERROR(SetFastAccumulation(plan->desc, s.fast_accum));
   JCG_RETURN_IF_ERROR(CreateLayout(s.b_type, s.k, s.n, s.k, &plan->a));
   JCG_RETURN_IF_ERROR(CreateLayout(s.a_type, s.k, s.m, s.k, &plan->b));
   return CreateLayout(s.d_type, s.n, s.m, s.n, &plan->d);
@@ -157,10 +116,14 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
     JCG_CUBLASLT(cublasLtCreate(&lt));
     st->lt.reset(lt);
   }
-  if (!st->workspace) {
+  // The timed candidates may use up to kTrialWorkspaceBytes; the call site
+  // then keeps only what the chosen algorithm needs, since a training step
+  // has dozens of FP8 GEMMs (32 MiB each would hold 1.5 GiB in a 4-block step).
+  DeviceBuffer trial_space;
+  if (timed) {
     void* ptr = nullptr;
-    JCG_CUDA(cudaMalloc(&ptr, Fp8GemmState::kWorkspaceBytes));
-    st->workspace.reset(ptr);
+    JCG_CUDA(cudaMalloc(&ptr, Fp8GemmState::kTrialWorkspaceBytes));
+    trial_space.reset(ptr);
   }
   Fp8GemmPlan plan;
   JCG_RETURN_IF_ERROR(MakeDescriptors(shape, &plan));
@@ -168,7 +131,7 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
   CudaEvent done;
   GemmTrial trial;
   trial.a = b, trial.b = a, trial.d = d;
-  trial.workspace = st->workspace.get();
+  trial.workspace = trial_space.get();
   trial.stream = stream;
   trial.wait = [&]() -> Status {
     if (!done) {
@@ -190,9 +153,14 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
                            std::to_string(shape.k) + (shape.row_scales ? ", row scales" : "") +
                            (shape.fast_accum ? ", fast accumulation" : "");
   JCG_RETURN_IF_ERROR(PickAlgorithm(st->lt.get(), plan.desc, plan.a, plan.b, plan.d,
-                                    Fp8GemmState::kWorkspaceBytes, what,
+                                    Fp8GemmState::kTrialWorkspaceBytes, what,
                                     timed ? &trial : nullptr, &plan.algo,
                                     &plan.workspace_bytes));
+  if (plan.workspace_bytes > 0) {
+    void* ptr = nullptr;
+    JCG_CUDA(cudaMalloc(&ptr, plan.workspace_bytes));
+    st->workspace.reset(ptr);
+  }
   st->plan = std::move(plan);
   st->planned = true;
   return Status();

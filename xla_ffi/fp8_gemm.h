@@ -14,8 +14,8 @@
 // algorithms do) and keeps the fastest for the custom call's lifetime: the
 // shapes of one call site never change.
 //
-// The algorithm, the descriptors and a cuBLASLt handle and workspace live in
-// the custom call's FFI state (made at instantiation, filled at the first
+// The algorithm, the descriptors and a cuBLASLt handle and the workspace the
+// algorithm needs (often none) live in the custom call's FFI state (made at instantiation, filled at the first
 // call, freed with the executable): no global state, nothing per call but the
 // scale pointers and the GEMM itself. Unlike the collective handlers it is
 // command-buffer compatible: XLA may record it into the CUDA graphs it makes
@@ -66,7 +66,9 @@ struct Fp8GemmPlan {
 // instantiation, planned at the first call.
 struct Fp8GemmState {
   static xla::ffi::TypeId id;
-  static constexpr size_t kWorkspaceBytes = size_t{32} << 20;  // cuBLASLt's advice for Hopper
+  // What the timed candidates may use (cuBLASLt's advice for Hopper), at the
+  // first call only; `workspace` is then what the chosen algorithm needs.
+  static constexpr size_t kTrialWorkspaceBytes = size_t{32} << 20;
 
   std::mutex mu;  // one executable may run on several threads
   bool planned = false;

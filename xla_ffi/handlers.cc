@@ -19,6 +19,7 @@
 #include "constants.h"
 #include "context.h"
 #include "ffi_status.h"
+#include "ffi_types.h"
 #include "plan.h"
 #include "plan_key.h"
 #include "registry.h"
@@ -29,28 +30,50 @@ namespace ffi = xla::ffi;
 namespace jax_comm_gemm {
 namespace {
 
-Status CudaType(ffi::DataType t, cudaDataType_t* out) {
-  switch (t) {
-    case ffi::DataType::BF16: *out = CUDA_R_16BF; return Status();
-    case ffi::DataType::F16: *out = CUDA_R_16F; return Status();
-    case ffi::DataType::F32: *out = CUDA_R_32F; return Status();
-    default:
-      return Status::InvalidArgument(
-          "unsupported dtype: jax_comm_gemm's cuBLASMp ops take bfloat16, float16 or float32");
+// The element types of a bf16/f16/f32 call: x's, which w and y share.
+Status WideTypes(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, MatmulCall* call) {
+  if (!WideType(x.element_type(), "x", &call->x_type).ok()) {
+    return Status::InvalidArgument(
+        "unsupported dtype: jax_comm_gemm's cuBLASMp ops take bfloat16, float16 or float32 "
+        "(FP8 through their FP8 targets, with scales)");
   }
+  if (w.element_type() != x.element_type() || y.element_type() != x.element_type()) {
+    return Status::InvalidArgument("x, w and the result must share one dtype");
+  }
+  call->w_type = call->y_type = call->x_type;
+  return Status();
 }
 
-std::string Shape(ffi::AnyBuffer::Dimensions d) {
-  std::string s = "[";
-  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
-  return s + "]";
+// The element types and scales of an FP8 call (plan.h): x and w FP8, w in the
+// TN form, y wider, each scale one float32.
+Status Fp8Types(bool transpose_w, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y,
+                ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, bool fast_accum,
+                MatmulCall* call) {
+  JCG_RETURN_IF_ERROR(Fp8Type(x.element_type(), "x", &call->x_type));
+  JCG_RETURN_IF_ERROR(Fp8Type(w.element_type(), "w", &call->w_type));
+  JCG_RETURN_IF_ERROR(CheckFp8Pair(call->x_type, call->w_type));
+  JCG_RETURN_IF_ERROR(WideType(y.element_type(), "the result", &call->y_type));
+  if (!transpose_w) {
+    return Status::InvalidArgument(
+        "an FP8 comm-GEMM takes w as [features, k] (transpose_w): Hopper's FP8 GEMMs take "
+        "only operands that contract on their last axis");
+  }
+  for (const ffi::AnyBuffer& scale : {x_scale, w_scale}) {
+    if (scale.element_type() != ffi::DataType::F32 || scale.element_count() != 1) {
+      return Status::InvalidArgument("the scales must be float32 scalars (one scale per tensor)");
+    }
+  }
+  call->x_scale = x_scale.untyped_data();
+  call->w_scale = w_scale.untyped_data();
+  call->fast_accum = fast_accum;
+  return Status();
 }
 
 Status Expect(const char* what, ffi::AnyBuffer::Dimensions d, std::vector<int64_t> want) {
   if (d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin())) return Status();
   std::string w = "[";
   for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
-  return Status::InvalidArgument(std::string(what) + " has shape " + Shape(d) + ", expected " +
+  return Status::InvalidArgument(std::string(what) + " has shape " + Dims(d) + ", expected " +
                                  w + "]");
 }
 
@@ -61,32 +84,29 @@ Status Layout(int64_t number, GatheredLayout* out) {
   return Status();
 }
 
-// Fills `call` from the buffers and checks them against the context's group size.
+// Fills `call` from the buffers and checks them against the context's group
+// size; the element types are filled and checked before (WideTypes, Fp8Types).
 Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_w,
                ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, MatmulCall* call) {
-  JCG_RETURN_IF_ERROR(CudaType(x.element_type(), &call->dtype));
-  if (w.element_type() != x.element_type() || y.element_type() != x.element_type()) {
-    return Status::InvalidArgument("x, w and the result must share one dtype");
-  }
   // Unknown numbers, and "pipelined" for a GEMM+ReduceScatter, are refused here.
   JCG_RETURN_IF_ERROR(CheckAlgorithm(op, algorithm));
   call->algorithm = algorithm;
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2) {
-    return Status::InvalidArgument("x " + Shape(xd) + " and w " + Shape(wd) + " must be 2-D");
+    return Status::InvalidArgument("x " + Dims(xd) + " and w " + Dims(wd) + " must be 2-D");
   }
   const int64_t P = ctx.nranks();
   const int64_t k = transpose_w ? wd[1] : wd[0];
   const int64_t m = transpose_w ? wd[0] : wd[1];
   if (xd[1] != k) {
-    return Status::InvalidArgument("inner dimensions differ: x " + Shape(xd) + ", w " +
-                                   Shape(wd) + (transpose_w ? " (transposed)" : ""));
+    return Status::InvalidArgument("inner dimensions differ: x " + Dims(xd) + ", w " +
+                                   Dims(wd) + (transpose_w ? " (transposed)" : ""));
   }
   if (op == CommOp::kAllGather) {
     JCG_RETURN_IF_ERROR(Expect("the result", y.dimensions(), {xd[0] * P, m}));
   } else {
     if (xd[0] % P != 0) {
-      return Status::InvalidArgument("x " + Shape(xd) + ": its " + std::to_string(xd[0]) +
+      return Status::InvalidArgument("x " + Dims(xd) + ": its " + std::to_string(xd[0]) +
                                      " tokens do not split over " + std::to_string(P) + " ranks");
     }
     JCG_RETURN_IF_ERROR(Expect("the result", y.dimensions(), {xd[0] / P, m}));
@@ -164,6 +184,7 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t device, int64_t comm
                                ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rest) {
   return FfiGuard(kAllGatherMatmulTarget, [&] {
     return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
+      JCG_RETURN_IF_ERROR(WideTypes(x, w, *y, call));
       JCG_RETURN_IF_ERROR(
           Prepare(CommOp::kAllGather, ctx, algorithm, transpose_w, x, w, *y, call));
       return PrepareGathered(ctx, layout, x, rest, call);
@@ -179,6 +200,7 @@ ffi::Error AllGatherMatmulWeightGradientImpl(cudaStream_t stream, int32_t device
                                              ffi::Result<ffi::AnyBuffer> dw) {
   return FfiGuard(kAllGatherMatmulWeightGradientTarget, [&] {
     return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
+      JCG_RETURN_IF_ERROR(WideTypes(x, w, *y, call));
       JCG_RETURN_IF_ERROR(
           Prepare(CommOp::kAllGather, ctx, algorithm, transpose_w, x, w, *y, call));
       return PrepareWeightGradient(ctx, layout, x, h, *dw, call);
@@ -191,6 +213,40 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t device, int64_t 
                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
   return FfiGuard(kMatmulReduceScatterTarget, [&] {
     return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
+      JCG_RETURN_IF_ERROR(WideTypes(x, w, *y, call));
+      return Prepare(CommOp::kReduceScatter, ctx, algorithm, transpose_w, x, w, *y, call);
+    });
+  });
+}
+
+// The FP8 comm-GEMMs (plan.h): the same calls with FP8 x and w and their
+// scales. No fused weight gradient: the FP8 one needs the gathered x
+// transposed, which XLA makes from the gathered result (fp8/steps.py).
+ffi::Error Fp8AllGatherMatmulImpl(cudaStream_t stream, int32_t device, int64_t comm_id,
+                                  int64_t algorithm, bool transpose_w, bool fast_accum,
+                                  int64_t layout, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                  ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale,
+                                  ffi::Result<ffi::AnyBuffer> y, ffi::RemainingRets rest) {
+  return FfiGuard(kFp8AllGatherMatmulTarget, [&] {
+    return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
+      JCG_RETURN_IF_ERROR(
+          Fp8Types(transpose_w, x, w, *y, x_scale, w_scale, fast_accum, call));
+      JCG_RETURN_IF_ERROR(
+          Prepare(CommOp::kAllGather, ctx, algorithm, transpose_w, x, w, *y, call));
+      return PrepareGathered(ctx, layout, x, rest, call);
+    });
+  });
+}
+
+ffi::Error Fp8MatmulReduceScatterImpl(cudaStream_t stream, int32_t device, int64_t comm_id,
+                                      int64_t algorithm, bool transpose_w, bool fast_accum,
+                                      ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                      ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale,
+                                      ffi::Result<ffi::AnyBuffer> y) {
+  return FfiGuard(kFp8MatmulReduceScatterTarget, [&] {
+    return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
+      JCG_RETURN_IF_ERROR(
+          Fp8Types(transpose_w, x, w, *y, x_scale, w_scale, fast_accum, call));
       return Prepare(CommOp::kReduceScatter, ctx, algorithm, transpose_w, x, w, *y, call);
     });
   });
@@ -232,4 +288,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kMatmulReduceScatter, jax_comm_gemm::MatmulReduceS
                               jax_comm_gemm::CallBinding()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8AllGatherMatmul, jax_comm_gemm::Fp8AllGatherMatmulImpl,
+                              jax_comm_gemm::CallBinding()
+                                  .Attr<bool>("fast_accum")
+                                  .Attr<int64_t>("layout")
+                                  .Arg<ffi::AnyBuffer>()  // x8
+                                  .Arg<ffi::AnyBuffer>()  // w8, [m/P, k]
+                                  .Arg<ffi::AnyBuffer>()  // x's scale
+                                  .Arg<ffi::AnyBuffer>()  // w's scale
+                                  .Ret<ffi::AnyBuffer>()  // y
+                                  .RemainingRets());      // optional gathered x8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8MatmulReduceScatter,
+                              jax_comm_gemm::Fp8MatmulReduceScatterImpl,
+                              jax_comm_gemm::CallBinding()
+                                  .Attr<bool>("fast_accum")
+                                  .Arg<ffi::AnyBuffer>()  // x8
+                                  .Arg<ffi::AnyBuffer>()  // w8, [m, k/P]
+                                  .Arg<ffi::AnyBuffer>()  // x's scale
+                                  .Arg<ffi::AnyBuffer>()  // w's scale
                                   .Ret<ffi::AnyBuffer>());

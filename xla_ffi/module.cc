@@ -95,6 +95,10 @@ NB_MODULE(_comm_gemm, m) {
     d[jcg::kMatmulReduceScatterTarget] = nb::capsule(reinterpret_cast<void*>(kMatmulReduceScatter));
     d[jcg::kAllGatherMatmulWeightGradientTarget] =
         nb::capsule(reinterpret_cast<void*>(kAllGatherMatmulWeightGradient));
+    d[jcg::kFp8AllGatherMatmulTarget] =
+        nb::capsule(reinterpret_cast<void*>(kFp8AllGatherMatmul));
+    d[jcg::kFp8MatmulReduceScatterTarget] =
+        nb::capsule(reinterpret_cast<void*>(kFp8MatmulReduceScatter));
     nb::dict fp8;  // a stateful handler: one capsule per stage
     fp8["instantiate"] = nb::capsule(reinterpret_cast<void*>(kFp8GemmInstantiate));
     fp8["execute"] = nb::capsule(reinterpret_cast<void*>(kFp8GemmExecute));

@@ -132,7 +132,7 @@ bool SwapsBlocks(int nranks) { return nranks == 2; }
 
 Status EnqueueReduceScatterCe(const PipelineTarget& g, const PipelinedPlan& plan,
                               const MatmulCall& c, cudaStream_t run) {
-  const size_t count = plan.y_shard_bytes / ElementBytes(c.dtype);
+  const size_t count = plan.y_shard_bytes / ElementBytes(c.y_type);
   const bool swap = SwapsBlocks(g.nranks);
   const int peer = 1 - g.rank;  // swap only
   auto slot = [&](char* half, size_t chunk, int index) {
@@ -218,9 +218,10 @@ Status SendReceive(const void* send, void* receive, size_t bytes, int to, int fr
 
 // cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the block's
 // y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.
+// FP8 (plan.h): A = w8 transposed, B = x8, the TN form; the scale pointers are
+// the call's (EnqueuePipelined points them again at each call).
 Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
                          size_t workspace_bytes, const GemmTrial* trial, PipelinedPlan* plan) {
-  const cudaDataType_t t = c.dtype;
   const int64_t k = c.x_cols;
   const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
   int64_t r = c.x_rows;  // AllGather: one shard
@@ -229,7 +230,7 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
     JCG_RETURN_IF_ERROR(CheckAlgorithm(c.op, c.algorithm));
     plan->chunks = ChunksFor(c.x_rows / nranks, k, m);
     r = c.x_rows / nranks / plan->chunks;
-    plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(t);
+    plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(c.y_type);
     plan->blocks = ReduceScatterBlocks(c.x_rows, nranks, plan->chunks);
     if (nranks > 2) {
       cublasLtMatrixTransformDesc_t add = nullptr;
@@ -238,17 +239,21 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
     }
   }
   if (r <= 0) return Status::InvalidArgument("x has no rows to multiply");
-  plan->nccl_type = NcclType(t);
+  plan->nccl_type = NcclType(c.y_type);  // the partial sums'
 
   const cublasOperation_t trans_a = c.transpose_w ? CUBLAS_OP_T : CUBLAS_OP_N;
   JCG_RETURN_IF_ERROR(CreateMatmulDesc(trans_a, CUBLAS_OP_N, &plan->matmul));
-  if (c.transpose_w) {  // w [m, k] row-major is A (k x m), used transposed
-    JCG_RETURN_IF_ERROR(CreateLayout(t, k, m, k, &plan->a));
-  } else {  // w [k, m] row-major is A (m x k)
-    JCG_RETURN_IF_ERROR(CreateLayout(t, m, k, m, &plan->a));
+  if (c.fp8()) {
+    JCG_RETURN_IF_ERROR(SetFastAccumulation(plan->matmul, c.fast_accum));
+    JCG_RETURN_IF_ERROR(PointFp8Scales(plan->matmul, c.w_scale, c.x_scale));
   }
-  JCG_RETURN_IF_ERROR(CreateLayout(t, k, r, k, &plan->b));
-  JCG_RETURN_IF_ERROR(CreateLayout(t, m, r, m, &plan->d));
+  if (c.transpose_w) {  // w [m, k] row-major is A (k x m), used transposed
+    JCG_RETURN_IF_ERROR(CreateLayout(c.w_type, k, m, k, &plan->a));
+  } else {  // w [k, m] row-major is A (m x k)
+    JCG_RETURN_IF_ERROR(CreateLayout(c.w_type, m, k, m, &plan->a));
+  }
+  JCG_RETURN_IF_ERROR(CreateLayout(c.x_type, k, r, k, &plan->b));
+  JCG_RETURN_IF_ERROR(CreateLayout(c.y_type, m, r, m, &plan->d));
   // One block: x's first rows (a whole shard for an AllGather) into y's first.
   GemmTrial block;
   if (trial != nullptr) block = *trial, block.a = c.w, block.b = c.x, block.d = c.y;
@@ -256,8 +261,8 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
       lt, plan->matmul, plan->a, plan->b, plan->d, workspace_bytes,
       "a " + std::to_string(r) + " x " + std::to_string(k) + " x " + std::to_string(m) + " shard",
       trial != nullptr ? &block : nullptr, &plan->algo, &plan->workspace_bytes));
-  plan->x_row_bytes = static_cast<size_t>(k) * ElementBytes(t);
-  plan->y_row_bytes = static_cast<size_t>(m) * ElementBytes(t);
+  plan->x_row_bytes = static_cast<size_t>(k) * ElementBytes(c.x_type);
+  plan->y_row_bytes = static_cast<size_t>(m) * ElementBytes(c.y_type);
   plan->x_shard_bytes = static_cast<size_t>(r) * plan->x_row_bytes;
   plan->y_shard_bytes = static_cast<size_t>(r) * plan->y_row_bytes;
   return Status();
@@ -265,6 +270,8 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
 
 Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
                         const MatmulCall& c, cudaStream_t run) {
+  // cuBLASLt reads the scale pointers when a GEMM is enqueued.
+  if (c.fp8()) JCG_RETURN_IF_ERROR(PointFp8Scales(plan.matmul, c.w_scale, c.x_scale));
   // Each transfer follows its own GEMM on `run`, which follows XLA's work.
   if (c.op == CommOp::kReduceScatter) {
     return EnqueueReduceScatterCe(g, plan, c, run);  // MakePipelinedPlan refused "pipelined"

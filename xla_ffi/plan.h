@@ -24,9 +24,17 @@ namespace jax_comm_gemm {
 //   ReduceScatter:  y[n/P, m] = RS(x[n, k/P] @ w[k/P, m])   (w[m, k/P] if transpose_w)
 // An AllGather may also compute the weight gradient from the gathered x in
 // place (weight_gradient.h): dw (w's shape) from h (y's shape).
+// FP8: x and w are E4M3/E5M2, w is [m/P | m, k] (transpose_w: the TN form,
+// the only one Hopper's FP8 GEMMs take), y is wider, and
+//   y = (x8 . w8^T) * x_scale * w_scale
+// with the dequantizing scales one float each on the device, applied by the
+// GEMM through its scale pointers. The gathered x is then FP8 bytes.
 struct MatmulCall {
   CommOp op = CommOp::kAllGather;
-  cudaDataType_t dtype = CUDA_R_32F;
+  cudaDataType_t x_type = CUDA_R_32F, w_type = CUDA_R_32F, y_type = CUDA_R_32F;
+  const void* x_scale = nullptr;  // FP8 only, as is w_scale
+  const void* w_scale = nullptr;
+  bool fast_accum = false;        // FP8 only: Hopper's fast accumulation
   bool transpose_w = false;
   int64_t algorithm = CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT;  // algorithms.h
   const void* x = nullptr;
@@ -43,10 +51,18 @@ struct MatmulCall {
   const void* h = nullptr;
   void* dw = nullptr;
 
+  bool fp8() const { return x_scale != nullptr; }
+
   PlanKey key() const {
-    return {op,     static_cast<int64_t>(dtype), transpose_w, algorithm,
-            x_rows, x_cols,                      w_rows,      w_cols,
-            dw != nullptr};
+    PlanKey k;
+    k.op = op;
+    k.x_type = x_type, k.w_type = w_type, k.y_type = y_type;
+    k.transpose_w = transpose_w;
+    k.algorithm = algorithm;
+    k.x_rows = x_rows, k.x_cols = x_cols, k.w_rows = w_rows, k.w_cols = w_cols;
+    k.weight_gradient = dw != nullptr;
+    k.fast_accum = fast_accum;
+    return k;
   }
 };
 
@@ -75,6 +91,10 @@ struct PlanTarget {
 // Creates the cuBLASMp descriptors of `call` and asks cuBLASMp for its
 // workspace sizes (not for the pipelined algorithm: MakePipelinedPlan).
 Status MakePlan(const PlanTarget& target, const MatmulCall& call, Plan* plan);
+
+// FP8: points `matmul` (a plan's cuBLASMp descriptor) at the scales of `call`,
+// which change from call to call.
+Status PointScales(const MatmulDescriptor& matmul, const MatmulCall& call);
 
 }  // namespace jax_comm_gemm
 

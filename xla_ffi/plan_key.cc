@@ -13,16 +13,26 @@ namespace {
 
 // "JCGPKEY" and a format version: a rank running another build (or garbage)
 // is reported as such rather than as a shape mismatch.
-constexpr uint64_t kFormatWord = 0x4A4347504B455902ull;
+constexpr uint64_t kFormatWord = 0x4A4347504B455903ull;
 
+// The fields in wire order; the flags are the 0/1 ones.
+enum Field : size_t {
+  kOp, kXType, kWType, kYType, kTransposeW, kAlgorithm, kXRows, kXCols, kWRows, kWCols,
+  kWeightGradient, kFastAccum,
+};
 const char* const kFieldNames[kPlanKeyFields] = {
-    "operation", "dtype", "transpose_w", "algorithm", "x rows", "x cols", "w rows", "w cols",
-    "weight gradient",
+    "operation", "x dtype", "w dtype", "result dtype", "transpose_w", "algorithm",
+    "x rows",    "x cols",  "w rows",  "w cols",       "weight gradient", "fast accumulation",
 };
 
+bool IsFlag(size_t field) {
+  return field == kTransposeW || field == kWeightGradient || field == kFastAccum;
+}
+
 std::array<int64_t, kPlanKeyFields> Fields(const PlanKey& k) {
-  return {static_cast<int64_t>(k.op), k.dtype, k.transpose_w ? 1 : 0, k.algorithm,
-          k.x_rows, k.x_cols, k.w_rows, k.w_cols, k.weight_gradient ? 1 : 0};
+  return {static_cast<int64_t>(k.op), k.x_type, k.w_type, k.y_type, k.transpose_w ? 1 : 0,
+          k.algorithm, k.x_rows, k.x_cols, k.w_rows, k.w_cols, k.weight_gradient ? 1 : 0,
+          k.fast_accum ? 1 : 0};
 }
 
 std::string DtypeName(int64_t dtype) {
@@ -30,19 +40,22 @@ std::string DtypeName(int64_t dtype) {
     case CUDA_R_16BF: return "bfloat16";
     case CUDA_R_16F: return "float16";
     case CUDA_R_32F: return "float32";
+    case CUDA_R_8F_E4M3: return "float8_e4m3fn";
+    case CUDA_R_8F_E5M2: return "float8_e5m2";
     default: return "cudaDataType " + std::to_string(dtype);
   }
 }
 
 std::string FormatField(size_t field, int64_t value) {
+  if (IsFlag(field)) return value ? "true" : "false";
   switch (field) {
-    case 0:
+    case kOp:
       return value == static_cast<int64_t>(CommOp::kAllGather) ? kAllGatherMatmulTarget
                                                                : kMatmulReduceScatterTarget;
-    case 1: return DtypeName(value);
-    case 2:
-    case 8: return value ? "true" : "false";
-    case 3: {
+    case kXType:
+    case kWType:
+    case kYType: return DtypeName(value);
+    case kAlgorithm: {
       const char* name = AlgorithmNameOf(value);
       return name != nullptr ? name : "algorithm " + std::to_string(value);
     }
@@ -113,21 +126,26 @@ Status ParsePlanKey(const unsigned char* bytes, int rank, PlanKey* out) {
   for (size_t i = 0; i < kPlanKeyFields; ++i) {
     f[i] = static_cast<int64_t>(GetWord(bytes + 8 * (i + 1)));
   }
-  const bool known_op = f[0] == static_cast<int64_t>(CommOp::kAllGather) ||
-                        f[0] == static_cast<int64_t>(CommOp::kReduceScatter);
-  if (GetWord(bytes) != kFormatWord || !known_op || (f[2] != 0 && f[2] != 1) ||
-      (f[8] != 0 && f[8] != 1)) {
+  bool flags_ok = true;
+  for (size_t i = 0; i < kPlanKeyFields; ++i) {
+    flags_ok = flags_ok && (!IsFlag(i) || f[i] == 0 || f[i] == 1);
+  }
+  const bool known_op = f[kOp] == static_cast<int64_t>(CommOp::kAllGather) ||
+                        f[kOp] == static_cast<int64_t>(CommOp::kReduceScatter);
+  if (GetWord(bytes) != kFormatWord || !known_op || !flags_ok) {
     return Status::FailedPrecondition(
         "plan agreement: rank " + std::to_string(rank) +
         " sent something that is not a jax_comm_gemm plan key (do all processes run the "
         "same jax_comm_gemm build?)");
   }
-  out->op = static_cast<CommOp>(f[0]);
-  out->dtype = f[1];
-  out->transpose_w = f[2] != 0;
-  out->algorithm = f[3];
-  out->x_rows = f[4], out->x_cols = f[5], out->w_rows = f[6], out->w_cols = f[7];
-  out->weight_gradient = f[8] != 0;
+  out->op = static_cast<CommOp>(f[kOp]);
+  out->x_type = f[kXType], out->w_type = f[kWType], out->y_type = f[kYType];
+  out->transpose_w = f[kTransposeW] != 0;
+  out->algorithm = f[kAlgorithm];
+  out->x_rows = f[kXRows], out->x_cols = f[kXCols], out->w_rows = f[kWRows];
+  out->w_cols = f[kWCols];
+  out->weight_gradient = f[kWeightGradient] != 0;
+  out->fast_accum = f[kFastAccum] != 0;
   return Status();
 }
 

@@ -15,7 +15,7 @@ namespace jax_comm_gemm {
 //   w [k, f]:  dw^T (f x k) = H * G^T
 Status MakeWeightGradientPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
                               size_t workspace_bytes, WeightGradientPlan* plan) {
-  const cudaDataType_t t = c.dtype;
+  const cudaDataType_t t = c.x_type;  // never FP8 (handlers.cc)
   const int64_t n = c.x_rows * nranks, k = c.x_cols;
   const int64_t f = c.transpose_w ? c.w_rows : c.w_cols;
   if (n <= 0 || k <= 0 || f <= 0) return Status::InvalidArgument("an empty weight gradient");

@@ -85,6 +85,33 @@ class CublasMpBackend(Backend):
     return primitives.matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w,
                                             algorithm=ALGORITHMS[self.reduce_scatter])
 
+  # --- FP8 (jax_comm_gemm/fp8/steps.py calls these for `collectives=self`) ----
+  # One scale per tensor; w in the TN form [features, k]; the scales are the
+  # inverse (dequantizing) ones, f32 scalars (xla_ffi/plan.h).
+
+  def fp8_all_gather_matmul(self, x8, w8, x_inv, w_inv, axis_name, *, out_dtype,
+                            fast_accum, return_gathered):
+    """``(y, g8)``: y = ``AG(x8) . w8^T`` scaled, and the gathered x8 where
+    `return_gathered` asks for it and the self-test's verdict lets the op hand
+    it out (else None: the caller gathers again)."""
+    reuse = return_gathered and self.gathered_reuse(lax.axis_size(axis_name), x8.dtype,
+                                                    True).ok
+    outs = primitives.fp8_all_gather_matmul(
+        x8, w8, x_inv, w_inv, axis_name, out_dtype=out_dtype,
+        # The pipelined algorithm receives the shards into the gathered output.
+        return_gathered=reuse or self.all_gather_algorithm == "pipelined",
+        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout(),
+        fast_accum=fast_accum)
+    return outs[0], (outs[1] if reuse else None)
+
+  def fp8_matmul_reduce_scatter(self, x8, w8, x_inv, w_inv, axis_name, *, out_dtype,
+                                fast_accum):
+    """``RS(x8 . w8^T)`` scaled, on the algorithm `reduce_scatter` names (the
+    caller runs "xla" and "ring" itself, in FP8)."""
+    return primitives.fp8_matmul_reduce_scatter(
+        x8, w8, x_inv, w_inv, axis_name, out_dtype=out_dtype,
+        algorithm=ALGORITHMS[self.reduce_scatter], fast_accum=fast_accum)
+
   def gathered_reuse(self, axis_size, dtype, transpose_w):
     plan = current_plan()
     return plan.verdict(VerdictKey(int(axis_size), self.all_gather_algorithm,

@@ -23,6 +23,7 @@ from jax.interpreters import batching, mlir
 
 from jax_comm_gemm import vma
 from jax_comm_gemm.backends.xla import XlaBackend, weight_gradient
+from jax_comm_gemm.fp8.gemm import fp8_gemm_tn
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS, TARGETS
 
@@ -55,6 +56,29 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool, algorithm:
                     transpose_w=bool(transpose_w), algorithm=int(algorithm))
 
 
+def fp8_all_gather_matmul(x8, w8, x_inv, w_inv, axis_name: str, *, out_dtype,
+                          return_gathered: bool, algorithm: int, layout: str,
+                          fast_accum: bool):
+  """FP8 ``AG(x8) . w8^T * x_inv * w_inv`` in `out_dtype`: (y,) or (y, gathered
+  x8); x8 [n/P, k] and w8 [m/P, k] FP8, the inverse scales f32 scalars
+  (xla_ffi/plan.h). Checked by the caller."""
+  x8, w8, x_inv, w_inv = vma.match(x8, w8, x_inv, w_inv)
+  return tuple(_fp8_ag_p.bind(
+      x8, w8, x_inv, w_inv, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
+      out_dtype=jnp.dtype(out_dtype), return_gathered=bool(return_gathered),
+      algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout], fast_accum=bool(fast_accum)))
+
+
+def fp8_matmul_reduce_scatter(x8, w8, x_inv, w_inv, axis_name: str, *, out_dtype,
+                              algorithm: int, fast_accum: bool):
+  """FP8 ``RS(x8 . w8^T) * x_inv * w_inv`` in `out_dtype`, along the tokens;
+  x8 [n, k/P] and w8 [m, k/P]. Checked by the caller."""
+  x8, w8, x_inv, w_inv = vma.match(x8, w8, x_inv, w_inv)
+  return _fp8_rs_p.bind(x8, w8, x_inv, w_inv, axis_name=axis_name,
+                        axis_size=int(lax.axis_size(axis_name)), out_dtype=jnp.dtype(out_dtype),
+                        algorithm=int(algorithm), fast_accum=bool(fast_accum))
+
+
 def _out_features(w, transpose_w):
   return w.shape[0] if transpose_w else w.shape[1]
 
@@ -75,6 +99,19 @@ def _agw_abstract_eval(x, w, h, *, axis_size, transpose_w, **_):
 
 def _rs_abstract_eval(x, w, *, axis_size, transpose_w, **_):
   return x.update(shape=(x.shape[0] // axis_size, _out_features(w, transpose_w)))
+
+
+def _fp8_ag_abstract_eval(x8, w8, x_inv, w_inv, *, axis_size, out_dtype, return_gathered,
+                          **_):
+  n = x8.shape[0] * axis_size
+  outs = [x8.update(shape=(n, w8.shape[0]), dtype=out_dtype)]
+  if return_gathered:
+    outs.append(x8.update(shape=(n, x8.shape[1])))
+  return outs
+
+
+def _fp8_rs_abstract_eval(x8, w8, x_inv, w_inv, *, axis_size, out_dtype, **_):
+  return x8.update(shape=(x8.shape[0] // axis_size, w8.shape[0]), dtype=out_dtype)
 
 
 def _comm_id(ctx, axis_name: str) -> np.int64:
@@ -107,6 +144,36 @@ def _rs_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, algorithm):
   return jax.ffi.ffi_lowering(TARGETS["matmul_reduce_scatter"])(
       ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
       transpose_w=bool(transpose_w))
+
+
+# The FP8 ops always take w in the TN form [features, k] (transpose_w).
+def _fp8_ag_lowering(ctx, x8, w8, x_inv, w_inv, *, axis_name, axis_size, out_dtype,
+                     return_gathered, algorithm, layout, fast_accum):
+  del axis_size, out_dtype, return_gathered  # visible in the result types
+  return jax.ffi.ffi_lowering(TARGETS["fp8_all_gather_matmul"])(
+      ctx, x8, w8, x_inv, w_inv, comm_id=_comm_id(ctx, axis_name),
+      algorithm=np.int64(algorithm), transpose_w=True, fast_accum=bool(fast_accum),
+      layout=np.int64(layout))
+
+
+def _fp8_rs_lowering(ctx, x8, w8, x_inv, w_inv, *, axis_name, axis_size, out_dtype,
+                     algorithm, fast_accum):
+  del axis_size, out_dtype
+  return jax.ffi.ffi_lowering(TARGETS["fp8_matmul_reduce_scatter"])(
+      ctx, x8, w8, x_inv, w_inv, comm_id=_comm_id(ctx, axis_name),
+      algorithm=np.int64(algorithm), transpose_w=True, fast_accum=bool(fast_accum))
+
+
+def _fp8_ag_elsewhere(x8, w8, x_inv, w_inv, *, axis_name, out_dtype, return_gathered,
+                      fast_accum, **_):
+  g8 = lax.all_gather(x8, axis_name, axis=0, tiled=True)
+  y = fp8_gemm_tn(g8, w8, x_inv, w_inv, out_dtype, form="direct", fast_accum=fast_accum)
+  return [y, g8] if return_gathered else [y]
+
+
+def _fp8_rs_elsewhere(x8, w8, x_inv, w_inv, *, axis_name, out_dtype, fast_accum, **_):
+  y = fp8_gemm_tn(x8, w8, x_inv, w_inv, out_dtype, form="direct", fast_accum=fast_accum)
+  return lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True)
 
 
 def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
@@ -170,3 +237,7 @@ _agw_p = _primitive("all_gather_matmul_weight_gradient", _agw_abstract_eval, _ag
                     _agw_elsewhere, True)
 _rs_p = _primitive("matmul_reduce_scatter", _rs_abstract_eval, _rs_lowering, _rs_elsewhere,
                    False)
+_fp8_ag_p = _primitive("fp8_all_gather_matmul", _fp8_ag_abstract_eval, _fp8_ag_lowering,
+                       _fp8_ag_elsewhere, True)
+_fp8_rs_p = _primitive("fp8_matmul_reduce_scatter", _fp8_rs_abstract_eval, _fp8_rs_lowering,
+                       _fp8_rs_elsewhere, False)

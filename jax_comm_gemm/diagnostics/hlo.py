@@ -87,8 +87,10 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
       reduce_scatter=n("reduce-scatter", "reduce-scatter-start"),
       all_reduce=n("all-reduce", "all-reduce-start"),
       fused_all_gather_matmul=(calls(TARGETS["all_gather_matmul"])
-                               + calls(TARGETS["all_gather_matmul_weight_gradient"])),
-      fused_matmul_reduce_scatter=calls(TARGETS["matmul_reduce_scatter"]),
+                               + calls(TARGETS["all_gather_matmul_weight_gradient"])
+                               + calls(TARGETS["fp8_all_gather_matmul"])),
+      fused_matmul_reduce_scatter=(calls(TARGETS["matmul_reduce_scatter"])
+                                   + calls(TARGETS["fp8_matmul_reduce_scatter"])),
       fused_weight_gradient=calls(TARGETS["all_gather_matmul_weight_gradient"]),
       mosaic_gpu_kernels=calls(MOSAIC_GPU_TARGET, prefix=True),
       single_device=sum(_operand_count(line, op) for op, line in single))

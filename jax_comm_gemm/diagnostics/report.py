@@ -67,9 +67,19 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
     return LayerPath(XLA_FALLBACK, path_reason)
   size = int(mesh.shape[axis_name])
   fp8 = fp8_route(config)
-  if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives or the ring
+  if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives, the ring or fused
     if size == 1:
       return LayerPath(FP8_ON_XLA, f"FP8 GEMMs; {single_device_reason(axis_name)}")
+    if fp8.backend == "cublasmp":  # the fused FP8 ops: reuse as in bf16, FP8 bytes
+      if not (reduce_scatter_layer or keep_gathered_input):
+        return LayerPath(FUSED_WITH_ALL_GATHER, f"{fp8.reason}; a column-parallel layer "
+                         "gathers its input again in the backward pass unless "
+                         "keep_gathered_input=True")
+      gathered = config.fp8.backward_dtype if reduce_scatter_layer else config.fp8.forward_dtype
+      fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
+      route = gathered_route(fused, config.reuse_gathered, size, gathered, transpose_w=True)
+      return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
+                       f"{fp8.reason}; {route.reason}")
     # "auto" runs each shape as measured; the counts below are XLA's, the
     # default where nothing was measured (the compiled step's show which).
     return LayerPath(FP8_ON_RING if fp8.backend == "ring" else FP8_ON_XLA, fp8.reason)

@@ -60,7 +60,7 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.fl
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                           transpose_w: bool = False, keep_gathered_input: bool = False,
                           return_gathered: bool = False, gather: Callable | None = None,
-                          collectives: str = "xla", history: AmaxHistory | None = None):
+                          collectives="xla", history: AmaxHistory | None = None):
   """``all_gather(x) @ w`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``.
 
@@ -77,8 +77,12 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
     gather: ``gather(tree, axis_name)`` for the gathers that feed a GEMM
       (default :func:`xla_gather`); a backend or a test's stand-in.
     collectives: ``"xla"`` (an all-gather, then the GEMM; a GEMM, then a
-      reduce-scatter) or ``"ring"`` (per-shard FP8 GEMMs overlapped with
-      ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.fp8.ring`).
+      reduce-scatter), ``"ring"`` (per-shard FP8 GEMMs overlapped with
+      ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.fp8.ring`), or a
+      :class:`~jax_comm_gemm.backends.CublasMpBackend`: the extension's fused
+      FP8 ops on its algorithms (cuBLASMp's, or the project's pipelined ones;
+      its ``reduce_scatter`` may be "xla" or "ring" too), on a connected axis,
+      one scale per tensor, w's dims multiples of 16.
     history: the :class:`AmaxHistory` a ``"delayed"`` recipe scales with (its
       gradient is the next step's history); None for the other recipes.
 
@@ -98,7 +102,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               keep_gathered_input=bool(keep_gathered_input),
               return_gathered=bool(return_gathered), gather=gather or xla_gather,
-              collectives=_collectives(op, collectives))
+              collectives=st.checked_collectives(op, collectives, recipe, w))
   size = lax.axis_size(axis_name)
   lead = x.shape[:-1]
   out = _all_gather_matmul(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
@@ -109,7 +113,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
 
 def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                               transpose_w: bool = False, reuse_gathered: bool = True,
-                              gather: Callable | None = None, collectives: str = "xla",
+                              gather: Callable | None = None, collectives="xla",
                               history: AmaxHistory | None = None):
   """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call
   inside ``jax.shard_map``.
@@ -142,7 +146,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
                      f"of axis {axis_name!r} ({size})")
   s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               reuse_gathered=bool(reuse_gathered), gather=gather or xla_gather,
-              collectives=_collectives(op, collectives))
+              collectives=st.checked_collectives(op, collectives, recipe, w))
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
                              _history(op, recipe, history), s)
@@ -183,13 +187,6 @@ def _history(op, recipe, history):
   return AmaxHistory(*(jnp.asarray(h, jnp.float32) for h in history))
 
 
-def _collectives(op, collectives):
-  if collectives not in st.COLLECTIVES:
-    raise ValueError(f"{op}: `collectives` must be one of {st.COLLECTIVES}, "
-                     f"got {collectives!r}")
-  return collectives
-
-
 def _varying(axis_name, *xs):
   """Inputs varying along `axis_name` and each other's axes (as the bf16 ops)."""
   axes = frozenset({axis_name}).union(*(vma.varying_axes(x) for x in xs))
@@ -226,9 +223,9 @@ def _dy_amax(s: Static, dy, h):
 def _all_gather_matmul_fwd(x, w, h, s: Static):
   (ax, wf8, wf_inv, wb8, wb_inv), (hx, hw) = _operands(s, x, w, h)
   x8, x_inv = st.quantize(s, x, s.recipe.forward_dtype, ax)
-  y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
-  out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   keep = s.keep_gathered_input or s.return_gathered
+  y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
+  out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw)
 
 
@@ -274,7 +271,8 @@ def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   b8 = s.recipe.backward_dtype
   a_dy, h_dy = _dy_amax(s, dy, h)
   dy8, dy_inv = st.quantize(s, dy, b8, a_dy)
-  dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
+  dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True,
+                                 keep=s.reuse_gathered)
   if not s.reuse_gathered:
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)

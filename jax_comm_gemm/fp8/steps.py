@@ -1,8 +1,11 @@
 """The steps the FP8 collective matmuls share: agreed amaxes, quantizing an
 operand in the layouts its GEMMs want, the gathers (scales in the same call),
 the reduce-scatter, the wgrad's transposed operand, the GEMM call, and the two
-fused steps (AllGather+GEMM, GEMM+ReduceScatter) on XLA's collectives or the
-ring (:mod:`jax_comm_gemm.fp8.ring`)."""
+fused steps (AllGather+GEMM, GEMM+ReduceScatter) on XLA's collectives, the
+ring (:mod:`jax_comm_gemm.fp8.ring`), or the extension's fused FP8 ops (a
+:class:`~jax_comm_gemm.backends.CublasMpBackend` passed as `collectives`:
+cuBLASMp's algorithms or the project's pipelined ones; it is handed in, not
+imported, so that this package stays below the backends)."""
 
 from __future__ import annotations
 
@@ -48,7 +51,39 @@ class Static:
   return_gathered: bool = False
   reuse_gathered: bool = True
   gather: Callable = xla_gather
-  collectives: str = "xla"  # the fused steps' collectives: COLLECTIVES
+  # The fused steps' collectives: one of COLLECTIVES, or a CublasMpBackend
+  # (the extension's fused FP8 ops; one scale per tensor).
+  collectives: Any = "xla"
+
+
+# Hopper's FP8 tensor cores read rows of 16-byte multiples.
+FUSED_ALIGNMENT = 16
+
+
+def checked_collectives(op: str, collectives, recipe: Fp8Recipe, w):
+  """`collectives`, checked: one of ``steps.COLLECTIVES``, or the extension's
+  fused FP8 ops (a CublasMpBackend), which take one scale per tensor and a w
+  whose dims are multiples of 16."""
+  if isinstance(collectives, str) and collectives in COLLECTIVES:
+    return collectives
+  if not hasattr(collectives, "fp8_all_gather_matmul"):
+    raise ValueError(f"{op}: `collectives` must be one of {COLLECTIVES} or a "
+                     f"jax_comm_gemm.backends.CublasMpBackend (the extension's fused FP8 "
+                     f"ops), got {collectives!r}")
+  if not recipe.per_tensor:
+    raise ValueError(f"{op}: the extension's fused FP8 ops take one scale per tensor "
+                     f"('tensor' or 'delayed' scaling); {recipe.scaling!r} scaling runs on "
+                     f"collectives 'xla' or 'ring'")
+  if any(d % FUSED_ALIGNMENT for d in w.shape):
+    raise ValueError(f"{op}: the extension's fused FP8 ops need w's dims to be multiples "
+                     f"of {FUSED_ALIGNMENT} (Hopper's FP8 GEMMs), got w {tuple(w.shape)}; "
+                     f"collectives 'xla' or 'ring' take any shape")
+  return collectives
+
+
+def fused_ops(s: Static):
+  """The extension's fused FP8 ops (a CublasMpBackend), or None."""
+  return None if isinstance(s.collectives, str) else s.collectives
 
 
 def tensor_amaxes(s: Static, *xs):
@@ -125,17 +160,35 @@ def transposed(s: Static, g8, g_inv, dtype):
                                         margin=s.recipe.margin)
 
 
+def fast_accumulation(s: Static, gradient: bool) -> bool:
+  """Whether a GEMM of the layer (`gradient`: dx or dw) accumulates fast."""
+  return {"fast": True, "fast_forward": not gradient, "precise": False}[s.recipe.accumulation]
+
+
 def gemm(s: Static, a8, b8, ia, ib, out_dtype, *, gradient: bool = False):
   """A GEMM of the layer: its forward, or (`gradient`) dx or dw."""
-  fast = {"fast": True, "fast_forward": not gradient, "precise": False}[s.recipe.accumulation]
-  return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form, fast_accum=fast)
+  return fp8_gemm_tn(a8, b8, ia, ib, out_dtype, form=s.recipe.gemm_form,
+                     fast_accum=fast_accumulation(s, gradient))
 
 
-def gather_gemm(s: Static, q8, inv, b8, b_inv, out_dtype, *, gradient: bool = False):
+def gather_gemm(s: Static, q8, inv, b8, b_inv, out_dtype, *, gradient: bool = False,
+                keep: bool = True):
   """The fused AllGather+GEMM, ``AG(q8) . b8``: ``(y, g8, g_inv)``, with the
-  gathered FP8 operand (and its scales) for the weight gradient to reuse."""
+  gathered FP8 operand (and its scales) for the weight gradient to reuse
+  (`keep`: it will be used; XLA drops an unused one, the extension's ops are
+  asked for it only then)."""
   def gemm_with(a8, ia):
     return gemm(s, a8, b8, ia, b_inv, out_dtype, gradient=gradient)
+  fused = fused_ops(s)
+  if fused is not None and lax.axis_size(s.axis_name) > 1:
+    with jax.named_scope(FUSED_SCOPE):
+      y, g8 = fused.fp8_all_gather_matmul(q8, b8, inv, b_inv, s.axis_name,
+                                          out_dtype=out_dtype,
+                                          fast_accum=fast_accumulation(s, gradient),
+                                          return_gathered=keep)
+    if g8 is None and keep:  # the op could not hand it out: gather again
+      g8, _ = gather(s, q8, inv, standalone=True)
+    return y, g8, inv
   if s.collectives == "ring" and lax.axis_size(s.axis_name) > 1:
     with jax.named_scope(FUSED_SCOPE):
       return ring.all_gather_gemm(q8, inv, gemm_with, s.axis_name,
@@ -148,7 +201,14 @@ def gemm_reduce_scatter(s: Static, a8, ia, b8, ib, out_dtype, *, gradient: bool 
   """The fused GEMM+ReduceScatter, ``RS(a8 . b8)`` along the tokens."""
   def gemm_with(part8, inv):
     return gemm(s, part8, b8, inv, ib, out_dtype, gradient=gradient)
-  if s.collectives == "ring" and lax.axis_size(s.axis_name) > 1:
+  collectives, fused = s.collectives, fused_ops(s)
+  if fused is not None:  # its reduce_scatter: "xla", "ring" or an algorithm
+    collectives = fused.reduce_scatter
+    if collectives not in COLLECTIVES and lax.axis_size(s.axis_name) > 1:
+      return fused.fp8_matmul_reduce_scatter(a8, b8, ia, ib, s.axis_name,
+                                             out_dtype=out_dtype,
+                                             fast_accum=fast_accumulation(s, gradient))
+  if collectives == "ring" and lax.axis_size(s.axis_name) > 1:
     return ring.gemm_reduce_scatter(a8, ia, gemm_with, s.axis_name,
                                     row_scales=not s.recipe.per_tensor)
   return reduce_scatter(s, gemm_with(a8, ia))

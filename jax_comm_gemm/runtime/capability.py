@@ -54,8 +54,13 @@ FRONT_LAYOUT_SINCE = 1100
 # Every AllGather+GEMM algorithm the project offers may hand out its operand.
 SELF_TESTED_ALGORITHMS = tuple(ALGORITHMS)
 SELF_TESTED_DTYPES = ("bfloat16", "float16", "float32")
-# (local tokens, features, local outputs): aligned, and not a multiple of 128.
+# The FP8 ops' operand types (xla_ffi/plan.h), in their one form: w as
+# [features, k] (TN), the gathered x FP8 bytes.
+SELF_TESTED_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+# (local tokens, features, local outputs): aligned, and not a multiple of 128
+# (FP8: of 16, as its GEMMs need).
 PROBE_SHAPES = ((256, 1024, 512), (200, 520, 264))
+FP8_PROBE_SHAPES = ((256, 1024, 512), (200, 528, 272))
 
 
 def default_layout(cublasmp_version: int) -> str:
@@ -81,8 +86,28 @@ def _pattern(rows: int, cols: int, row0, dtype):
 
 
 def _cases(axis_size: int, layout: str):
-  return [VerdictKey(axis_size, a, d, t, layout) for a in SELF_TESTED_ALGORITHMS
+  wide = [VerdictKey(axis_size, a, d, t, layout) for a in SELF_TESTED_ALGORITHMS
           for d in SELF_TESTED_DTYPES for t in (False, True)]
+  fp8 = [VerdictKey(axis_size, a, d, True, layout) for a in SELF_TESTED_ALGORITHMS
+         for d in SELF_TESTED_FP8_DTYPES]
+  return wide + fp8
+
+
+def _gathered(case: VerdictKey, x, w, axis_size: int, comm_id: int, layout: str):
+  """The gathered x that the op of `case` hands out, in x's dtype."""
+  rows, features = x.shape
+  outputs = w.shape[0] if case.transpose_w else w.shape[1]
+  attributes = dict(comm_id=np.int64(comm_id), algorithm=np.int64(ALGORITHMS[case.algorithm]),
+                    transpose_w=case.transpose_w, layout=np.int64(GATHERED_LAYOUTS[layout]))
+  fp8 = case.dtype in SELF_TESTED_FP8_DTYPES
+  results = (jax.ShapeDtypeStruct((rows * axis_size, outputs),
+                                  jnp.bfloat16 if fp8 else x.dtype),
+             jax.ShapeDtypeStruct((rows * axis_size, features), x.dtype))
+  if fp8:  # w E4M3 (an E5M2 x takes an E4M3 w), unit scales
+    one = jnp.ones((), jnp.float32)
+    call = jax.ffi.ffi_call(TARGETS["fp8_all_gather_matmul"], results)
+    return call(x, w, one, one, fast_accum=True, **attributes)[1]
+  return jax.ffi.ffi_call(TARGETS["all_gather_matmul"], results)(x, w, **attributes)[1]
 
 
 def self_test(mesh, axis_name: str, comm_id: int, layout: str,
@@ -114,19 +139,18 @@ def _probe(mesh, axis_name: str, comm_id: int, layout: str, version: int,
     oks = []
     for case in cases:
       dtype = jnp.dtype(case.dtype)
+      fp8 = case.dtype in SELF_TESTED_FP8_DTYPES
       ok = jnp.bool_(True)
-      for rows, features, outputs in PROBE_SHAPES:
+      for rows, features, outputs in FP8_PROBE_SHAPES if fp8 else PROBE_SHAPES:
         x = _pattern(rows, features, rank * rows, dtype)
         w_shape = (outputs, features) if case.transpose_w else (features, outputs)
-        w = _pattern(*w_shape, 0, dtype)
-        call = jax.ffi.ffi_call(TARGETS["all_gather_matmul"], (
-            jax.ShapeDtypeStruct((rows * axis_size, outputs), dtype),
-            jax.ShapeDtypeStruct((rows * axis_size, features), dtype)))
-        _, gathered = call(x, w, comm_id=np.int64(comm_id),
-                           algorithm=np.int64(ALGORITHMS[case.algorithm]),
-                           transpose_w=case.transpose_w,
-                           layout=np.int64(GATHERED_LAYOUTS[layout]))
-        ok = ok & jnp.array_equal(gathered, lax.all_gather(x, axis_name, axis=0, tiled=True))
+        w = _pattern(*w_shape, 0, jnp.float8_e4m3fn if fp8 else dtype)
+        gathered = _gathered(case, x, w, axis_size, comm_id, layout)
+        expected = lax.all_gather(x, axis_name, axis=0, tiled=True)
+        if fp8:  # bit for bit: compare the bytes
+          gathered, expected = (lax.bitcast_convert_type(a, jnp.uint8)
+                                for a in (gathered, expected))
+        ok = ok & jnp.array_equal(gathered, expected)
       oks.append(ok.astype(jnp.int32))
     return lax.pmin(jnp.stack(oks), axes)
 

@@ -27,7 +27,7 @@ const std::string kAdvice =
 PlanKey Sample() {
   PlanKey k;
   k.op = CommOp::kAllGather;
-  k.dtype = CUDA_R_16BF;
+  k.x_type = k.w_type = k.y_type = CUDA_R_16BF;
   k.algorithm = CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P;
   k.x_rows = 512, k.x_cols = 1024, k.w_rows = 1024, k.w_cols = 2048;
   return k;
@@ -71,12 +71,13 @@ TEST(RanksWithTheSameValueAreGrouped) {
 
 TEST(EveryDifferingFieldIsNamed) {
   PlanKey other = Sample();
-  other.dtype = CUDA_R_32F;
+  other.x_type = other.w_type = CUDA_R_8F_E4M3;
   other.algorithm = jax_comm_gemm::kPipelinedCeAlgorithm;
   other.transpose_w = true;
   const Status s = CheckPlanAgreement({Sample(), other});
   CHECK_EQ(s.message(),
-           "plan mismatch in the group: dtype: rank 0 has bfloat16, rank 1 has float32; "
+           "plan mismatch in the group: x dtype: rank 0 has bfloat16, rank 1 has float8_e4m3fn; "
+           "w dtype: rank 0 has bfloat16, rank 1 has float8_e4m3fn; "
            "transpose_w: rank 0 has false, rank 1 has true; "
            "algorithm: rank 0 has split_p2p, rank 1 has pipelined_ce" + kAdvice);
 }
@@ -100,11 +101,11 @@ TEST(AFusedWeightGradientOnOneRankIsNamed) {
 TEST(OperationsAreNamedByTarget) {
   PlanKey other = Sample();
   other.op = CommOp::kReduceScatter;
-  other.dtype = 99;
+  other.y_type = 99;
   const Status s = CheckPlanAgreement({Sample(), other});
   CHECK_CONTAINS(s.message(), "operation: rank 0 has jax_comm_gemm_all_gather_matmul, "
                               "rank 1 has jax_comm_gemm_matmul_reduce_scatter");
-  CHECK_CONTAINS(s.message(), "dtype: rank 0 has bfloat16, rank 1 has cudaDataType 99");
+  CHECK_CONTAINS(s.message(), "result dtype: rank 0 has bfloat16, rank 1 has cudaDataType 99");
 }
 
 TEST(GatheredWireFormsAreChecked) {

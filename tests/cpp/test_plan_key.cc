@@ -19,7 +19,7 @@ namespace {
 PlanKey Sample() {
   PlanKey k;
   k.op = CommOp::kAllGather;
-  k.dtype = 14;  // CUDA_R_16BF
+  k.x_type = k.w_type = k.y_type = 14;  // CUDA_R_16BF
   k.transpose_w = false;
   k.algorithm = 1;
   k.x_rows = 512, k.x_cols = 1024, k.w_rows = 1024, k.w_cols = 2048;
@@ -28,16 +28,19 @@ PlanKey Sample() {
 
 // Each way of changing one field of Sample().
 std::vector<PlanKey> OneFieldChanged() {
-  std::vector<PlanKey> out(9, Sample());
+  std::vector<PlanKey> out(12, Sample());
   out[0].op = CommOp::kReduceScatter;
-  out[1].dtype = 0;
-  out[2].transpose_w = true;
-  out[3].algorithm = 5;
-  out[4].x_rows = 256;
-  out[5].x_cols = 1023;
-  out[6].w_rows = 1;
-  out[7].w_cols = 4096;
-  out[8].weight_gradient = true;
+  out[1].x_type = 28;  // CUDA_R_8F_E4M3
+  out[2].w_type = 29;  // CUDA_R_8F_E5M2
+  out[3].y_type = 0;
+  out[4].transpose_w = true;
+  out[5].algorithm = 5;
+  out[6].x_rows = 256;
+  out[7].x_cols = 1023;
+  out[8].w_rows = 1;
+  out[9].w_cols = 4096;
+  out[10].weight_gradient = true;
+  out[11].fast_accum = true;
   return out;
 }
 
@@ -68,7 +71,7 @@ TEST(KeysPlanCacheApart) {
   std::map<PlanKey, int> cache;
   cache[Sample()] = 1;
   for (const PlanKey& other : OneFieldChanged()) cache[other] = 2;
-  CHECK_EQ(cache.size(), size_t{10});
+  CHECK_EQ(cache.size(), size_t{13});
   CHECK_EQ(cache[Sample()], 1);
 }
 
@@ -87,14 +90,15 @@ TEST(RoundTripKeepsExtremeValues) {
 }
 
 TEST(WireFormIsFixedSizeLittleEndian) {
-  CHECK_EQ(kPlanKeyBytes, size_t{80});
+  CHECK_EQ(kPlanKeyBytes, size_t{104});
   PlanKey k = Sample();
   k.x_rows = 0x0102;
   const PlanKeyBytes bytes = SerializePlanKey(k);
-  // Fields follow the format word in order: op, dtype, transpose_w, algorithm, x_rows.
-  CHECK_EQ(int(bytes[8 * 5]), 0x02);
-  CHECK_EQ(int(bytes[8 * 5 + 1]), 0x01);
-  CHECK_EQ(int(bytes[8 * 5 + 2]), 0);
+  // Fields follow the format word in order: op, the three dtypes, transpose_w,
+  // algorithm, x_rows.
+  CHECK_EQ(int(bytes[8 * 7]), 0x02);
+  CHECK_EQ(int(bytes[8 * 7 + 1]), 0x01);
+  CHECK_EQ(int(bytes[8 * 7 + 2]), 0);
 }
 
 TEST(ParseRejectsWhatIsNotAKey) {
@@ -109,10 +113,14 @@ TEST(ParseRejectsWhatIsNotAKey) {
   CHECK(!ParsePlanKey(bad_op.data(), 0, &out).ok());
 
   PlanKeyBytes bad_flag = SerializePlanKey(Sample());
-  bad_flag[8 * 3] = 2;  // transpose_w
+  bad_flag[8 * 5] = 2;  // transpose_w
   CHECK(!ParsePlanKey(bad_flag.data(), 0, &out).ok());
 
   PlanKeyBytes bad_weight_gradient = SerializePlanKey(Sample());
-  bad_weight_gradient[8 * 9] = 2;  // weight_gradient
+  bad_weight_gradient[8 * 11] = 2;  // weight_gradient
   CHECK(!ParsePlanKey(bad_weight_gradient.data(), 0, &out).ok());
+
+  PlanKeyBytes bad_fast_accum = SerializePlanKey(Sample());
+  bad_fast_accum[8 * 12] = 2;  // fast_accum
+  CHECK(!ParsePlanKey(bad_fast_accum.data(), 0, &out).ok());
 }

@@ -1,14 +1,17 @@
 """Checks that need one GPU and the built extension, no collective: the FP8
-GEMM custom call (xla_ffi/fp8_gemm.h) and the FP8 layers on it at tp = 1.
+GEMM custom call (xla_ffi/fp8_gemm.h) and the FP8 layers on it at tp = 1,
+then the fused FP8 comm-GEMMs on a group of one (one_rank.py).
 
 Run by tests/gpu/test_one_gpu.py in a process of its own (the pytest process is
-pinned to the CPU), or directly: ``python tests/gpu/one_gpu.py``. Prints one
+pinned to the CPU), or directly: ``python tests/gpu/one_gpu.py [WORD ...]``
+(only the checks whose names contain a WORD). Prints one
 line per check and ``one_gpu: N ok, M failed`` last; exits 1 on a failure.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import traceback
 
@@ -20,6 +23,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jax_comm_gemm as jcg  # noqa: E402
+import one_rank  # noqa: E402  (beside this file)
 from jax_comm_gemm.fp8 import (Fp8Recipe, fp8_all_gather_matmul,  # noqa: E402
                                fp8_matmul_reduce_scatter, quantize_rows, quantize_tensor)
 from jax_comm_gemm.fp8.gemm import cublaslt_gemm_tn, fp8_gemm_tn  # noqa: E402
@@ -123,6 +127,33 @@ def check_gemm_error_reaches_python():
   raise AssertionError("a wrong result shape was not refused")
 
 
+def _gpu_memory_used_mib() -> int:
+  out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                        "-i", "0"], capture_output=True, text=True, check=True).stdout
+  return int(out.split()[0])
+
+
+def check_gemm_workspace_per_call_site():
+  """Each call site keeps only the workspace its algorithm needs: 24 call
+  sites, timed at their first call (32 MiB of trial workspace each, freed),
+  must not hold 24 x 32 MiB after it."""
+  sites = 24
+  a8, b8, ia, ib = _operands(2048, 1024, 4096, E4, E4, "tensor", 5)
+
+  def many(a8, b8, ia, ib):
+    out = jnp.zeros((2048, 1024), jnp.float32)
+    for i in range(sites):  # distinct operands: XLA cannot merge the calls
+      out = out + cublaslt_gemm_tn(a8, b8, ia * (i + 1), ib, out_dtype=jnp.float32)
+    return out
+
+  f = jax.jit(many).lower(a8, b8, ia, ib).compile()
+  before = _gpu_memory_used_mib()
+  jax.block_until_ready(f(a8, b8, ia, ib))
+  held = _gpu_memory_used_mib() - before
+  assert held < sites * 8, f"{sites} FP8 GEMM call sites hold {held} MiB after their first call"
+  return f"{sites} call sites hold {held} MiB after their timed first call"
+
+
 def check_layers_tp1():
   """The FP8 layers at tp = 1 with gemm_form="cublaslt", forward and
   gradients, against the "direct" form (same quantization, so the same
@@ -178,17 +209,17 @@ def check_layers_tp1():
 
 
 CHECKS = [check_gemm_against_float64, check_gemm_hlo, check_gemm_error_reaches_python,
-          check_layers_tp1]
+          check_gemm_workspace_per_call_site, check_layers_tp1, *one_rank.CHECKS]
 
 
-def main() -> int:
+def main(words) -> int:
   status = jcg.cublasmp_status()
   print(f"devices {jax.devices()}, extension: {status}", flush=True)
   if not status.ok:
     print(f"one_gpu: 0 ok, 1 failed (the extension is unavailable: {status.reason})")
     return 1
   ok = failed = 0
-  for check in CHECKS:
+  for check in [c for c in CHECKS if not words or any(w in c.__name__ for w in words)]:
     try:
       print(f"{check.__name__}: ok ({check()})", flush=True)
       ok += 1
@@ -200,4 +231,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(main(sys.argv[1:]))
