@@ -235,7 +235,7 @@ def check_no_delayed_fp8(where: str, config) -> None:
     raise ValueError(
         f"{where}: FP8 'delayed' scaling keeps an amax history per dense layer, which "
         f"{where} does not carry; use the dense layers or the transformer block "
-        f"(fp8_history= / fp8_histories=, or the linen modules), or scaling 'tensor' or "
+        f"(fp8_history= / fp8_histories=, or the linen and NNX modules), or scaling 'tensor' or "
         f"'row'")
 
 

@@ -235,11 +235,11 @@ def test_the_functional_layers_take_a_history():
 
 
 def test_front_ends_without_histories_say_so():
-  """A block called without its histories, the MLP helpers and NNX (which
-  carry none): a "delayed" config is a ValueError naming the front end; a
-  history for a config that is not "delayed" is one too."""
+  """A block called without its histories and the MLP helpers (which carry
+  none): a "delayed" config is a ValueError naming the front end; a history for
+  a config that is not "delayed" is one too. (NNX: test_fp8_delayed_nnx.py.)"""
   import jax_comm_gemm as jcg
-  from jax_comm_gemm import nnx as X, sharded
+  from jax_comm_gemm import sharded
   from jax_comm_gemm.layers import transformer
 
   config = jcg.CommGemmConfig(fp8=DELAYED)
@@ -252,9 +252,6 @@ def test_front_ends_without_histories_say_so():
                                           options=transformer.BlockOptions(2, config=config))
   with pytest.raises(ValueError, match=r"sharded.mlp: FP8 'delayed' scaling"):
     sharded.mlp(x, w1, w2, mesh=mesh, config=config)
-  from flax import nnx
-  with pytest.raises(ValueError, match=r"ColumnParallelDense: FP8 'delayed' scaling"):
-    X.ColumnParallelDense(D, F, mesh=mesh, config=config, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"`fp8_history` is for CommGemmConfig"):
     jax.eval_shape(lambda x, w: sharded.column_parallel_dense(
         x, w, mesh=mesh, config=jcg.CommGemmConfig(fp8=Fp8Recipe()),

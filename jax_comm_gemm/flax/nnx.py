@@ -35,6 +35,13 @@ A call runs in one of two modes, decided at trace time:
     jax.shard_map(step, mesh=mesh, in_specs=(specs, P("tp")), out_specs=P("tp"))
 
   and goes through :mod:`jax_comm_gemm.layers.local` on the local parameter values.
+
+With FP8 "delayed" scaling (``config=CommGemmConfig(fp8=Fp8Recipe("delayed"))``)
+each dense layer that runs the FP8 ops holds its amax history,
+``fp8_amax_history``: an :data:`~jax_comm_gemm.nnx.OverwriteWithGradient`
+variable ``[3, amax_history]`` (rows: ``AmaxHistory``'s x, w, dy; replicated,
+``out_sharding`` ``(None, None)``), zeros at construction. Its gradient is the
+next history: the train step replaces it (:mod:`jax_comm_gemm.flax.nnx_fp8`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import contextlib
 from types import MappingProxyType
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 from flax.typing import Array
@@ -50,6 +58,8 @@ from flax.typing import Array
 from jax_comm_gemm import validation
 from jax_comm_gemm.flax.common import (DEFAULTS, check_options, check_split,
                                        check_token_inputs, nnx_options, path_reason)
+from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
+from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.layers import dispatch, placement
 from jax_comm_gemm.validation import Names
 
@@ -69,7 +79,6 @@ def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],
   """
   options = nnx_options(owner, given, extra)
   options["data_axes"] = check_options(owner, options, features=features)
-  validation.check_no_delayed_fp8(owner, options["config"])  # NNX has no overwrite-with-gradient
   known = _known_mesh(options["mesh"])
   if known is not None:
     size, _ = placement.check_mesh(owner, known, options["axis_name"], options["data_axes"])
@@ -85,9 +94,10 @@ def _known_mesh(mesh):
   return None if context.empty else context
 
 
-def make_param(init, key, shape, dtype, names, mesh, metadata=MappingProxyType({})):
-  """An ``nnx.Param`` with ``out_sharding`` `names` (and `metadata`), placed on
-  the mesh if one is known.
+def make_param(init, key, shape, dtype, names, mesh, metadata=MappingProxyType({}),
+               kind=nnx.Param):
+  """An ``nnx.Param`` (or another Variable type, `kind`) with ``out_sharding``
+  `names` (and `metadata`), placed on the mesh if one is known.
 
   >>> make_param(nnx.initializers.ones, jax.random.key(0), (2,), "float32", (None,),
   ...            None).get_metadata("out_sharding")
@@ -101,7 +111,7 @@ def make_param(init, key, shape, dtype, names, mesh, metadata=MappingProxyType({
   quiet = (contextlib.nullcontext() if _known_mesh(mesh) is not None
            else nnx.use_eager_sharding(False))
   with quiet:
-    return nnx.Param(init(key, shape, dtype), **metadata)
+    return kind(init(key, shape, dtype), **metadata)
 
 
 class _ParallelDense(nnx.Module):
@@ -136,6 +146,14 @@ class _ParallelDense(nnx.Module):
     for name, value in o.items():
       if name not in ("kernel_init", "bias_init", "kernel_metadata", "bias_metadata"):
         setattr(self, name, value)
+    # FP8 "delayed" scaling: the amax history, rows AmaxHistory's (x, w, dy),
+    # replicated; a train step replaces it with its gradient (nnx_fp8.py).
+    self.fp8_amax_history: OverwriteWithGradient | None = nnx.data(None)
+    recipe = o["config"].fp8
+    if recipe is not None and recipe.scaling == "delayed" and self.path_reason() is None:
+      self.fp8_amax_history = make_param(
+          nnx.initializers.zeros, None, (len(AmaxHistory._fields), recipe.amax_history),
+          jnp.float32, (None, None), o["mesh"], kind=OverwriteWithGradient)
 
   def path_reason(self) -> str | None:
     """Why this layer runs on XLA's collectives and not on the configured
@@ -148,6 +166,18 @@ class _ParallelDense(nnx.Module):
     injected = "dot_general" if self.dot_general is not jax.lax.dot_general else None
     return path_reason(self._kind, injected, self.preferred_element_type)
 
+  def fp8_history(self) -> AmaxHistory | None:
+    """The FP8 amax history this layer scales with (a "delayed" recipe's), or None.
+
+    >>> from jax_comm_gemm import CommGemmConfig
+    >>> from jax_comm_gemm.fp8 import Fp8Recipe
+    >>> config = CommGemmConfig(fp8=Fp8Recipe("delayed", amax_history=4))
+    >>> ColumnParallelDense(3, 4, config=config, rngs=nnx.Rngs(0)).fp8_history().w.tolist()
+    [0.0, 0.0, 0.0, 0.0]
+    """
+    history = self.fp8_amax_history
+    return None if history is None else AmaxHistory(*history[...])
+
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
     where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
@@ -157,6 +187,8 @@ class _ParallelDense(nnx.Module):
     layer = dict(precision=self.precision, config=self.config)
     if self._kind == "column":
       layer["keep_gathered_input"] = self.keep_gathered_input
+    if self.fp8_amax_history is not None:
+      layer["fp8_history"] = self.fp8_history()
     if self.path_reason() is not None:  # Flax Linear's call of its dot_general
       kwargs = {"out_sharding": None}
       if self.preferred_element_type is not None:

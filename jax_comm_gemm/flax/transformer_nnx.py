@@ -15,7 +15,9 @@ the caller's ``shard_map``, with the state split by
 ``nnx.get_partition_spec``), as the dense modules do. It works under
 ``nnx.remat`` and ``nnx.scan``. Its arguments are those of
 :class:`jax_comm_gemm.linen.SequenceParallelTransformerBlock`, plus
-``in_features`` (the model width) and ``rngs``.
+``in_features`` (the model width) and ``rngs``. With FP8 "delayed" scaling each
+of its four dense layers holds its amax history (``fp8_amax_history``, as the
+dense modules do; the linen block's and ``init_fp8_histories``' four).
 """
 
 from __future__ import annotations
@@ -138,8 +140,21 @@ class SequenceParallelTransformerBlock(nnx.Module):
             "ln_2": norm(self.ln_2),
             "mlp": {"fc1": dense(self.mlp.fc1), "fc2": dense(self.mlp.fc2)}}
 
+  def fp8_histories(self) -> dict | None:
+    """The dense layers' FP8 amax histories as the block's functions take them
+    (``{layer: AmaxHistory}``, :func:`~jax_comm_gemm.layers.transformer.init_fp8_histories`'
+    names) where the recipe is "delayed", else None.
+
+    >>> SequenceParallelTransformerBlock(8, 2, 16, rngs=nnx.Rngs(0)).fp8_histories() is None
+    True
+    """
+    layers = {"qkv": self.attention.qkv, "out": self.attention.out, "fc1": self.mlp.fc1,
+              "fc2": self.mlp.fc2}
+    histories = {name: layer.fp8_history() for name, layer in layers.items()}
+    return None if any(h is None for h in histories.values()) else histories
+
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
     where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
     return dispatch.run("block", where, Names(owner, x="inputs"), inputs, self.params(),
-                        options=self.options)
+                        options=self.options, fp8_histories=self.fp8_histories())

@@ -1,0 +1,168 @@
+"""FP8 "delayed" scaling in the NNX modules, on CPU: each dense layer holds its
+amax history in an OverwriteWithGradient variable; empty histories compute what
+"tensor" scaling computes, bit for bit; the documented train step
+(nnx.Optimizer, ``overwrite_with_gradient``) moves the histories on as linen's
+TrainState and the functional block do. (test_fp8_delayed.py: the ops, linen.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import cpu_mesh
+from flax import nnx
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training.train_state import TrainState
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax.linen as nn
+import jax_comm_gemm as jcg
+from jax_comm_gemm import linen as L
+from jax_comm_gemm import nnx as X
+from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe
+from jax_comm_gemm.layers import transformer
+
+N, D, F = 64, 48, 32
+DELAYED = jcg.CommGemmConfig(fp8=Fp8Recipe("delayed", amax_history=4))
+TENSOR = jcg.CommGemmConfig(fp8=Fp8Recipe())
+DIFF = nnx.DiffState(0, (nnx.Param, X.OverwriteWithGradient))  # what the docs say
+
+
+def _tokens(mesh, seed, shape=(N, D), boost=True):
+  """Tokens sharded over 'tp'; the last shard's rows 100x larger, so its amax is
+  every rank's (a rank that scaled with its own amax would differ)."""
+  x = jax.random.normal(jax.random.key(seed), shape)
+  if boost:
+    x = x.at[-shape[0] // mesh.shape["tp"]:].multiply(100.0)
+  return jax.device_put(x, NamedSharding(mesh, P("tp")))
+
+
+def _loss(model, x):
+  return jnp.mean(jnp.square(model(x).astype(jnp.float32)))
+
+
+def test_the_nnx_mlp_trains_its_histories_as_linen_does():
+  mesh = cpu_mesh(2)
+  assert nnx.variable_type_from_name(OVERWRITE_WITH_GRADIENT) is X.OverwriteWithGradient
+  model = X.SequenceParallelMLP(D, F, mesh=mesh, config=DELAYED, rngs=nnx.Rngs(0))
+  history = model.fc1.fp8_amax_history
+  assert isinstance(history, X.OverwriteWithGradient)
+  assert history.get_metadata("out_sharding") == (None, None)
+  assert not np.any(np.asarray(history[...])) and history[...].shape == (3, 4)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  x = _tokens(mesh, 1)
+
+  # Local mode, inside the caller's shard_map: the next histories of global mode's step.
+  graphdef, values = nnx.split(nnx.clone(model))
+  local = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh, out_specs=P("tp"),
+                        in_specs=(nnx.get_partition_spec(values), P("tp")))
+  local_grads = jax.jit(jax.grad(lambda s, x: _loss(lambda x: local(s, x), x)))(values, x)
+
+  # The documented train step, against linen's TrainState on the same weights.
+  optimizer = nnx.Optimizer(model, optax.sgd(1e-3), wrt=nnx.Param)
+
+  @nnx.jit
+  def nnx_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(_loss, argnums=DIFF)(model, x)
+    rest = X.overwrite_with_gradient(model, grads)
+    optimizer.update(model, rest)
+    return loss, rest
+
+  # Empty histories: what "tensor" scaling computes, bit for bit.
+  tensor = X.SequenceParallelMLP(D, F, mesh=mesh, config=TENSOR, rngs=nnx.Rngs(0))
+  assert tensor.fc1.fp8_amax_history is None
+  want = nnx.jit(nnx.value_and_grad(_loss))(tensor, x)
+  got = nnx_step(model, optimizer, x)
+  assert float(got[0]) == float(want[0])
+  for g, w in zip(*(jax.tree.leaves(grads) for grads in (got[1], want[1]))):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  for g, w in zip(*(jax.tree.leaves(nnx.state(t, X.OverwriteWithGradient))
+                    for t in (local_grads, model))):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      h = L.ColumnParallelDense(F, mesh=mesh, config=DELAYED, name="fc1")(x)
+      return L.RowParallelDense(D, mesh=mesh, config=DELAYED, name="fc2")(jax.nn.gelu(h))
+
+  zeros = {"fp8_amax_history": AmaxHistory.zeros(DELAYED.fp8)}
+  state = TrainState.create(apply_fn=Mlp().apply, tx=optax.sgd(1e-3), params={
+      "params": params, OVERWRITE_WITH_GRADIENT: {"fc1": zeros, "fc2": zeros}})
+
+  @jax.jit
+  def linen_step(state, x):
+    loss, grads = jax.value_and_grad(lambda v: _loss(lambda x: state.apply_fn(v, x), x))(
+        state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  inputs = [x, 2 * x, _tokens(mesh, 2, boost=False)]
+  for step, x in enumerate(inputs):
+    loss = got[0] if step == 0 else nnx_step(model, optimizer, x)[0]
+    state, linen_loss = linen_step(state, x)
+    np.testing.assert_allclose(loss, linen_loss, rtol=1e-6)
+  for layer in ("fc1", "fc2"):  # the same histories and weights as linen's
+    linen = state.params[OVERWRITE_WITH_GRADIENT][layer]["fp8_amax_history"]
+    for mine, theirs in zip(getattr(model, layer).fp8_history(), linen):
+      np.testing.assert_allclose(mine, theirs, rtol=1e-6)
+    np.testing.assert_allclose(getattr(model, layer).kernel[...],
+                               state.params["params"][layer]["kernel"], rtol=1e-5, atol=1e-7)
+  fc1 = model.fc1.fp8_history()  # newest first: this step's agreed amax in front
+  amax = [float(jnp.max(jnp.abs(x))) for x in reversed(inputs)]
+  assert fc1.x.tolist() == [*amax, 0.0] and amax[1] == 2 * amax[2]
+  assert float(fc1.w[2]) == float(jnp.max(jnp.abs(params["fc1"]["kernel"])))
+  assert np.count_nonzero(fc1.w) == np.count_nonzero(fc1.dy) == 3
+
+
+def test_the_nnx_block_holds_a_history_per_dense_layer():
+  """The block's four dense layers each hold a history; empty ones compute what
+  "tensor" does, bit for bit; one step's next histories are the functional
+  block's (init_fp8_histories), and the update writes them back."""
+  mesh = cpu_mesh(2)
+  block = X.SequenceParallelTransformerBlock(D, 4, 2 * D, mesh=mesh, config=DELAYED,
+                                             rngs=nnx.Rngs(0))
+  tensor = X.SequenceParallelTransformerBlock(D, 4, 2 * D, mesh=mesh, config=TENSOR,
+                                              rngs=nnx.Rngs(0))
+  histories = nnx.to_pure_dict(nnx.state(block, X.OverwriteWithGradient))
+  assert jax.tree.map(np.count_nonzero, histories) == {
+      "attention": {"qkv": {"fp8_amax_history": 0}, "out": {"fp8_amax_history": 0}},
+      "mlp": {"fc1": {"fp8_amax_history": 0}, "fc2": {"fp8_amax_history": 0}}}
+  x = _tokens(mesh, 3, (N, 2, D))
+  loss, grads = nnx.jit(nnx.value_and_grad(_loss, argnums=DIFF))(block, x)
+  assert float(loss) == float(nnx.jit(_loss)(tensor, x))
+
+  options = transformer.BlockOptions(4, config=DELAYED)
+  functional = jax.jit(jax.grad(lambda params, h: _loss(
+      lambda x: transformer.sharded_transformer_block(x, params, mesh=mesh, options=options,
+                                                      fp8_histories=h), x), argnums=1))
+  want = functional(block.params(), transformer.init_fp8_histories(options))
+  rest = X.overwrite_with_gradient(block, grads)
+  assert not jax.tree.leaves(nnx.state(rest, X.OverwriteWithGradient))
+  written = nnx.to_pure_dict(nnx.state(block, X.OverwriteWithGradient))
+  for name in transformer.FP8_LAYERS:
+    history = written["attention" if name in ("qkv", "out") else "mlp"][name]
+    np.testing.assert_array_equal(history["fp8_amax_history"], np.stack(want[name]))
+    assert float(want[name].x[0]) > 0 and float(want[name].x[1]) == 0, name
+
+
+def test_forgetting_the_histories_in_the_gradient_is_named():
+  model = X.ColumnParallelDense(D, F, mesh=cpu_mesh(2), config=DELAYED, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"no gradient for fp8_amax_history: differentiate"):
+    X.overwrite_with_gradient(model, nnx.state(model, nnx.Param))
+  injected = X.ColumnParallelDense(D, F, config=DELAYED, rngs=nnx.Rngs(0),
+                                   dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k))
+  assert injected.path_reason() and injected.fp8_amax_history is None  # runs no FP8 op
+
+
+def test_linen_fp8_state_wrapped_by_nnx_bridge_is_the_same_variable_type():
+  """A linen module's overwrite-with-gradient collection becomes, through
+  nnx.bridge, OverwriteWithGradient variables: one train step serves both."""
+  mesh = cpu_mesh(2)
+  with jax.set_mesh(mesh):
+    wrapped = nnx.bridge.ToNNX(L.ColumnParallelDense(F, mesh=mesh, config=DELAYED),
+                               rngs=nnx.Rngs(0))
+    nnx.bridge.lazy_init(wrapped, jnp.ones((N, D)))
+  history = nnx.state(wrapped, X.OverwriteWithGradient)["fp8_amax_history"]
+  assert type(history) is X.OverwriteWithGradient
+  assert isinstance(history.get_value(), AmaxHistory)
