@@ -116,7 +116,8 @@ def fp8_route(config) -> Fp8Route:
            "xla": "on XLA's collectives",
            "cublasmp": (f"on the fused FP8 ops ({config.all_gather_algorithm}; "
                         f"reduce-scatter {config.reduce_scatter})")}.get(
-      backend, "per shape on XLA's collectives or the ring, as autotune measured")
+      backend, "per shape on XLA's collectives, the ring or the fused ops, as autotune "
+               "measured")
   return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) {where}: FP8 bytes on the "
                         f"wire, {reuse}", backend)
 
@@ -145,8 +146,12 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
   backend = _fp8_backend(config)
   if backend in ("xla", "ring"):
     return backend, f"backend={backend!r}"
+  fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
   if backend == "cublasmp":
-    return (CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter),
-            "backend='cublasmp'")
-  return auto.choose(auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered,
-                                  fp8=config.fp8.key), "xla")
+    return fused, "backend='cublasmp'"
+  p = auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered, fp8=config.fp8.key)
+  name, why = auto.choose(p, "xla")
+  runs = auto.runnable(name, p)
+  if not runs.ok:  # forced by the environment where it cannot run
+    return "xla", f"{why}; {name} cannot run it ({runs.reason}): XLA's collectives"
+  return auto.fp8_collectives_of(name, fused), why

@@ -6,6 +6,7 @@ allows; lowered for the CPU (their fallback) they compute what XLA's
 collectives compute; and what they cannot run is refused by name. The
 handlers themselves run in tests/gpu (one GPU: tp = 1; the suite: two)."""
 
+import dataclasses
 import re
 
 import jax
@@ -15,12 +16,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-from conftest import cpu_mesh
+import jax_comm_gemm.backends.auto as auto
+import jax_comm_gemm.runtime.plan as plan_lib
+from conftest import cpu_mesh, stand_in_plan
 from fake_native import install_fake_native
 from jax_comm_gemm.backends import CublasMpBackend
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime.constants import TARGETS
+from jax_comm_gemm.runtime.registry import REGISTRY
 
 N, D, F = 64, 48, 32
 AG, RS = TARGETS["fp8_all_gather_matmul"], TARGETS["fp8_matmul_reduce_scatter"]
@@ -158,3 +162,30 @@ def test_what_the_fused_fp8_ops_cannot_run_is_refused():
   with pytest.raises(ValueError, match=r"backend 'cublasmp' runs FP8 with one scale per "
                                        r"tensor"):
     jcg.CommGemmConfig(backend="cublasmp", fp8=Fp8Recipe("row"))
+
+
+def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
+  """backend="auto": a decision naming a fused algorithm routes the FP8
+  problem to it (keyed with the recipe); a "row" recipe, which the fused ops
+  cannot run, stays on XLA's collectives even when the environment forces it."""
+  mesh = cpu_mesh(2)
+  _connected(monkeypatch, mesh)
+  x, w1, _ = _inputs()
+  config = jcg.CommGemmConfig(fp8=Fp8Recipe())
+
+  def lowered(config):
+    f = jax.shard_map(lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
+                      mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+    return jax.jit(f).trace(x, w1).lower(lowering_platforms=("cuda",)).as_text()
+
+  REGISTRY.forget_seen()
+  assert _calls(lowered(config), AG) == 0  # not measured: XLA's collectives
+  mine = [p for p in REGISTRY.seen() if p.fp8 and p.op == auto.AG]
+  plan = REGISTRY.plan()
+  plan_lib.publish(plan.with_decisions({p: ("pipelined_ce", "measured") for p in mine}))
+  text = lowered(config)
+  assert _calls(text, AG) == 1 and "algorithm = 101" in text
+  row = dataclasses.replace(config, fp8=Fp8Recipe("row"))
+  plan_lib.publish(dataclasses.replace(plan, settings=stand_in_plan(
+      autotune="pipelined_ce").settings))
+  assert _calls(lowered(row), AG) == 0

@@ -27,6 +27,8 @@ import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
+from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.steps import FUSED_ALIGNMENT as FUSED_FP8_ALIGNMENT
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
@@ -43,9 +45,12 @@ CANDIDATES = {
          "pipelined_ce", pallas.NAME),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
 }
-# What an FP8 problem may run on: its fused steps on XLA's collectives or the
-# ring (jax_comm_gemm/fp8/ring.py); no fused FP8 op is built (docs/fp8.md).
-FP8_CANDIDATES = ("xla", "ring")
+# What an FP8 problem may run on: its fused steps on XLA's collectives, the
+# ring (jax_comm_gemm/fp8/ring.py) or the extension's fused FP8 ops, which
+# take one scale per tensor and dims of multiples of 16 (runnable()). jax's
+# Pallas kernel has no FP8 (docs/fp8.md).
+FP8_CANDIDATES = {op: tuple(n for n in names if n != pallas.NAME)
+                  for op, names in CANDIDATES.items()}
 # Every name JAX_COMM_GEMM_AUTOTUNE may force (settings.py checks it; a test
 # holds the two equal).
 IMPLEMENTATIONS = settings.IMPLEMENTATIONS
@@ -92,12 +97,19 @@ def problem(op: str, x, w, transpose_w: bool, axis_name: str, gathered: bool = F
 
 def candidates(p: Problem) -> tuple[str, ...]:
   """What autotune measures for `p`, XLA first."""
-  return FP8_CANDIDATES if p.fp8 else CANDIDATES[p.op]
+  return (FP8_CANDIDATES if p.fp8 else CANDIDATES)[p.op]
 
 
 def runnable(name: str, p: Problem) -> Capability:
-  """Whether implementation `name` can run `p` as itself. Only the Pallas
-  kernel has limits; where it cannot, its backend runs XLA's ops."""
+  """Whether implementation `name` can run `p` as itself. The Pallas kernel
+  has limits (where it cannot, its backend runs XLA's ops), and so do the
+  fused FP8 ops (where they cannot, FP8 runs on XLA's collectives)."""
+  if p.fp8 and name not in PLAIN_BACKENDS:
+    if not Fp8Recipe.from_key(p.fp8).per_tensor:
+      return Capability(False, "the fused FP8 ops take one scale per tensor")
+    if p.k % FUSED_FP8_ALIGNMENT or p.m % FUSED_FP8_ALIGNMENT:
+      return Capability(False, f"the fused FP8 ops need k and m to be multiples of "
+                               f"{FUSED_FP8_ALIGNMENT}")
   if name == pallas.NAME:
     return pallas.supports(p.rows, p.k, p.m, p.dtype, p.transpose_w, p.gathered,
                            p.axis_size)
@@ -121,7 +133,7 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
     return decided
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
   if p.fp8:
-    return "xla", f"{why}; FP8 runs on XLA's collectives unless the ring measured faster"
+    return "xla", f"{why}; FP8 runs on XLA's collectives unless another measured faster"
   if p.flop() < FUSED_FROM_FLOP:
     return "xla", f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU is too small to fuse"
   return default, f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU, fused"
@@ -136,6 +148,12 @@ def implementation(name: str, template: CublasMpBackend) -> Backend:
   algorithm = name.removeprefix("cublasmp_")
   return dataclasses.replace(template, all_gather_algorithm=algorithm,
                              reduce_scatter=algorithm)
+
+
+def fp8_collectives_of(name: str, template: CublasMpBackend):
+  """An FP8 op's `collectives` for implementation `name`: "xla" or "ring", or
+  the fused backend of `name` (its algorithms in `template`'s place)."""
+  return name if name in PLAIN_BACKENDS else implementation(name, template)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS, Problem,
-                                         candidates, implementation, runnable)
+                                         candidates, fp8_collectives_of, implementation, runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 # Re-exported: autotune's measuring steps live in timing.py.
 from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, decide, fastest,  # noqa: F401
@@ -88,12 +88,13 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     def local(x, w, backend=backend, name=name):
       if p.fp8:  # the FP8 op, its fused steps on `name`'s collectives
         recipe = Fp8Recipe.from_key(p.fp8)
+        collectives = fp8_collectives_of(name, CublasMpBackend())
         if p.op == AG:
           return fp8_all_gather_matmul(x, w, axis_name, recipe=recipe,
                                        transpose_w=p.transpose_w, return_gathered=p.gathered,
-                                       collectives=name)
+                                       collectives=collectives)
         return fp8_matmul_reduce_scatter(x, w, axis_name, recipe=recipe,
-                                         transpose_w=p.transpose_w, collectives=name)
+                                         transpose_w=p.transpose_w, collectives=collectives)
       if p.op == AG:
         return backend.all_gather_matmul(x, w, axis_name, transpose_w=p.transpose_w,
                                          return_gathered=p.gathered)
@@ -116,7 +117,7 @@ def signature() -> str:
   return (f"{jax.devices()[0].device_kind}|timing {METHOD}|jax {jax.__version__}|cuBLASMp "
           f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|"
           # New candidates make old choices stale.
-          f"{';'.join(','.join(names) for names in (*CANDIDATES.values(), FP8_CANDIDATES))}")
+          f"{';'.join(','.join(names) for names in (*CANDIDATES.values(), *FP8_CANDIDATES.values()))}")
 
 
 def load_cache(path: str) -> dict:

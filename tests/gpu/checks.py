@@ -34,7 +34,8 @@ from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, qua
                                quantize_tensor)
 from jax_comm_gemm.runtime import REGISTRY
 from jax_comm_gemm.runtime import plan as plan_lib
-from jax_comm_gemm.runtime.capability import SELF_TESTED_ALGORITHMS, VerdictKey
+from jax_comm_gemm.runtime.capability import (SELF_TESTED_ALGORITHMS, SELF_TESTED_FP8_DTYPES,
+                                              VerdictKey)
 from jax_comm_gemm.runtime.constants import (OWN_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS,
                                              TARGETS)
 
@@ -303,13 +304,17 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
 FP8_TOLERANCE = {"y": 0.106, "dx": 0.165, "dw1": 0.181, "dw2": 0.220}
 
 
-def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto"):
+def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
+              all_gather_algorithm: str = "split_p2p", reduce_scatter: str = "xla"):
   """The SP MLP block in FP8 (``CommGemmConfig(fp8=...)``; `backend` "auto"
-  (XLA's collectives where nothing was measured) or "ring"), bf16 in and out:
-  forward and gradients against float64 within the FP8 bound; the gathered FP8
-  operand equals ``lax.all_gather`` of the shards quantized with the agreed
-  scale, bit for bit; and the compiled step has the report's standalone
-  all-gathers, FP8 on the wire (all-gathers, or the ring's collective-permutes)."""
+  (XLA's collectives where nothing was measured), "ring", or "cublasmp" (the
+  fused FP8 ops on the two algorithms)), bf16 in and out: forward and
+  gradients against float64 within the FP8 bound; the gathered FP8 operand
+  equals ``lax.all_gather`` of the shards quantized with the agreed scale, bit
+  for bit (for "cublasmp", the one the fused op hands out where its verdict
+  passed); and the compiled step has the report's standalone all-gathers and
+  fused calls, FP8 on the wire (all-gathers, the ring's collective-permutes,
+  or the fused calls' operands)."""
   n, d, f = 1024, 512, 1024
   recipe = Fp8Recipe(scaling)
   dt = jnp.bfloat16
@@ -317,7 +322,8 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto"):
            random(8, n, d)]
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
   x, w1, w2, g = (put(mesh, a, s, dt) for a, s in zip(hosts, MLP_IN_SPECS))
-  step = mlp_step(mesh, keep=keep, backend=backend, fp8=recipe)
+  step = mlp_step(mesh, keep=keep, reduce_scatter=reduce_scatter, backend=backend,
+                  all_gather_algorithm=all_gather_algorithm, fp8=recipe)
   errs = {}
   for name, out, ref in zip(("y", "dx", "dw1", "dw2"), step(x, w1, w2, g),
                             mlp_reference(x64, w1_64, w2_64, g64)):
@@ -325,7 +331,9 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto"):
                      for i, b in blocks(out)) / float(np.max(np.abs(ref)))
     assert errs[name] < FP8_TOLERANCE[name], f"{name}: {errs[name]} ({errs})"
   # The gathered operand: the whole x quantized at once (tensor), or row by row.
-  collectives = "ring" if backend == "ring" else "xla"
+  fused = backend == "cublasmp"
+  collectives = (backends.CublasMpBackend(all_gather_algorithm, reduce_scatter) if fused
+                 else "ring" if backend == "ring" else "xla")
   gather = smap(mesh, lambda x, w: fp8_all_gather_matmul(
       x, w, "tp", recipe=recipe, return_gathered=True, collectives=collectives)[1][None],
       (P("tp"), P(None, "tp")), P("tp"))
@@ -337,14 +345,23 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto"):
   # Compiled on the GPUs: the report's standalone all-gather count, in FP8.
   text = step.lower(x, w1, w2, g).compile().as_text()
   counted = hlo.count_collectives(text)
-  config = jcg.CommGemmConfig(backend=backend, fp8=recipe)
+  config = jcg.CommGemmConfig(backend=backend, all_gather_algorithm=all_gather_algorithm,
+                              reduce_scatter=reduce_scatter, fp8=recipe)
   expected = report.expected_all_gathers(config, mesh, "tp", dt, keep_gathered_input=keep)
+  assert counted.fused_all_gather_matmul == expected.fused_all_gather_matmuls, (
+      counted, expected)
   # The row scales travel beside the rows: a second all-gather per gather.
   scale_gathers = counted.all_gather // 2 if scaling == "row" else 0
   assert counted.all_gather - scale_gathers == expected.standalone_all_gathers, (
       counted, expected)
   wire = [line for line in text.splitlines() if "=" in line and (
       " all-gather" in line or " collective-permute" in line)]
+  if fused:  # fc1's forward gathers E4M3 x, fc2's dgrad E5M2 dy, inside the calls
+    calls = [line for line in text.splitlines() if TARGETS["fp8_all_gather_matmul"] in line]
+    assert any("f8e4m3fn" in line for line in calls), calls
+    assert any("f8e5m2" in line for line in calls), calls
+    path = report.layer_path(config, mesh, "tp", dt, reduce_scatter_layer=True)
+    return {"errors": errs, "all_gathers": counted.all_gather, "fc2": str(path)}
   assert any("f8e4m3fn" in line for line in wire), "no FP8 on the wire in the step"
   if backend == "ring":
     assert any("collective-permute" in line and "f8e5m2" in line for line in wire), (
@@ -354,8 +371,9 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto"):
 
 def check_autotune_fp8(mesh):
   """autotune measures FP8 problems (keyed with the recipe) on their own
-  candidates, XLA's collectives and the ring, every process taking the same
-  choice; backend="auto" then computes the FP8 MLP right with it."""
+  candidates (XLA's collectives, the ring, the fused FP8 ops where the recipe
+  has one scale per tensor), every process taking the same choice;
+  backend="auto" then computes the FP8 MLP right with it."""
   size = mesh.shape["tp"]
   problems = [Problem(AG, 1024 // size, 512, 1024 // size, "bfloat16", False, size,
                       fp8=Fp8Recipe(scaling).key) for scaling in ("tensor", "row")]
@@ -365,9 +383,10 @@ def check_autotune_fp8(mesh):
     choices = jcg.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
   assert set(choices) == set(problems), choices
   for p, (name, why) in choices.items():
-    assert name in FP8_CANDIDATES and why.startswith("measured: "), (p, name, why)
-    for candidate in FP8_CANDIDATES:
-      assert re.search(rf"\b{candidate} [0-9.]+ ms", why), (p, candidate, why)
+    assert name in FP8_CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
+    for candidate in FP8_CANDIDATES[p.op]:
+      if runnable(candidate, p).ok:
+        assert re.search(rf"\b{candidate} [0-9.]+ ms", why), (p, candidate, why)
   return {"choices": {p.text(): list(c) for p, c in choices.items()},
           "mlp_fp8_auto": check_fp8(mesh, "tensor")}
 
@@ -559,6 +578,15 @@ def check_layout_self_test(mesh):
         else:
           assert not bad.ok and "self-test" in bad.reason, f"{name}: {bad.reason}"
         verdicts[name] = "ok"
+  # FP8 (TN only): the own algorithms hand out an XLA buffer or their window, so
+  # they must pass; where cuBLASMp leaves FP8 bytes is recorded (a verdict that
+  # fails only costs the reuse, and the layers gather again).
+  for algorithm in SELF_TESTED_ALGORITHMS:
+    for dtype in SELF_TESTED_FP8_DTYPES:
+      good = REGISTRY.plan().verdict(VerdictKey(size, algorithm, dtype, True, right))
+      if algorithm in OWN_ALGORITHMS:
+        assert good.ok, f"{algorithm}/{dtype}: {good.reason}"
+      verdicts[f"{algorithm}/{dtype}/TN"] = "ok" if good.ok else good.reason
   n, f, d = 512, 512, 256
   h = put(mesh, random(15, n, f), P(None, "tp"), jnp.float32)
   w = put(mesh, random(16, f, d, scale=f**-0.5), P("tp"), jnp.float32)
@@ -894,6 +922,13 @@ for _scaling in ("tensor", "row"):
   CHECKS[f"fp8_{_scaling}_ring"] = lambda mesh, s=_scaling: check_fp8(mesh, s, backend="ring")
 CHECKS["fp8_tensor_ring_keep_input"] = (
     lambda mesh: check_fp8(mesh, "tensor", keep=True, backend="ring"))
+# The fused FP8 ops: every AllGather+GEMM algorithm, each GEMM+ReduceScatter one.
+for _ag, _rs in (("default", "default"), ("split_p2p", "split_p2p"), ("pipelined", "xla"),
+                 ("pipelined_ce", "pipelined_ce")):
+  CHECKS[f"fp8_tensor_fused_{_ag}"] = lambda mesh, a=_ag, r=_rs: check_fp8(
+      mesh, "tensor", backend="cublasmp", all_gather_algorithm=a, reduce_scatter=r)
+CHECKS["fp8_tensor_fused_split_p2p_keep_input"] = lambda mesh: check_fp8(
+    mesh, "tensor", keep=True, backend="cublasmp", reduce_scatter="ring")
 CHECKS["autotune_fp8"] = check_autotune_fp8
 
 # A single process driving all GPUs runs this subset.
@@ -904,4 +939,4 @@ SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_s
                          "weight_gradient_bf16_nn", "weight_gradient_f32_tn", "mlp_repeated",
                          "routing", "layout_self_test", "autotune", "vmap", "mesh_2d",
                          "pallas_bf16", "fp8_tensor", "fp8_row", "fp8_tensor_ring",
-                         "autotune_fp8")
+                         "fp8_tensor_fused_pipelined_ce", "autotune_fp8")
