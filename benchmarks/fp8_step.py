@@ -12,6 +12,9 @@ one GPU, so every dense layer is a plain GEMM). Variants:
   FP8 GEMM); ``project_fp8_*_cublaslt``: the project's FP8 GEMM custom call
   (``gemm_form="cublaslt"``), per tensor or per row, and per tensor with fast
   accumulation in the forward GEMMs only (``accumulation="fast_forward"``);
+* ``project_fp8_delayed``: ``Fp8Recipe("delayed")``, the histories in steady
+  state (the first call's next histories) and their gradient (the next
+  histories) computed in every step, as training does;
 * ``plain_xla_fp8``: the same arithmetic written in plain jax: per-tensor
   current scaling, E4M3 forward and E5M2 gradients, every GEMM contracting
   both operands on their last axis, the transposed FP8 copies made by casts.
@@ -21,7 +24,8 @@ Each variant runs N steps back to back per timed batch, after 3 untimed rounds
 of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
-Usage: python benchmarks/fp8_step.py OUT.json [--smoke]   (--smoke: tiny, CPU)
+Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...]
+(--smoke: tiny, CPU)
 """
 
 from __future__ import annotations
@@ -100,17 +104,36 @@ def plain_block(p, x, heads, attention):
 FP8_GEMM_TARGET = TARGETS["fp8_gemm"]
 
 
-def steps(mesh, heads, attention):
+class WithHistories:
+  """(params, x) -> (loss, (d params, dx, next histories)) of a jitted step
+  that also takes a delayed recipe's histories: empty at the first call, then
+  the ones that call returned (non-empty, as in training), kept fixed."""
+
+  def __init__(self, f, histories):
+    self.f, self.histories, self.warm = f, histories, False
+
+  def __call__(self, ps, x):
+    out = self.f(ps, x, self.histories)
+    if not self.warm:
+      self.histories, self.warm = out[1][2], True
+    return out
+
+  def lower(self, ps, x):
+    return self.f.lower(ps, x, self.histories)
+
+
+def steps(mesh, heads, attention, layers):
   """{variant: jitted (params, x) -> (loss, grads)}."""
   def project(config):
     options = tb.BlockOptions(num_heads=heads, dtype=BF16, attention_implementation=attention,
                               config=config)
 
-    def loss(ps, x):
-      for p in ps:
-        x = tb.sharded_transformer_block(x, p, mesh=mesh, options=options)
+    def loss(ps, x, hs):
+      for p, h in zip(ps, hs):
+        x = tb.sharded_transformer_block(x, p, mesh=mesh, options=options, fp8_histories=h)
       return jnp.mean(x.astype(F32) ** 2)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    histories = [tb.init_fp8_histories(options)] * layers  # Nones but for "delayed"
+    return WithHistories(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), histories)
 
   def plain(ps, x):
     for p in ps:
@@ -119,6 +142,7 @@ def steps(mesh, heads, attention):
 
   return {"project_bf16": project(jcg.CommGemmConfig()),
           "project_fp8_tensor": project(jcg.CommGemmConfig(fp8=Fp8Recipe("tensor"))),
+          "project_fp8_delayed": project(jcg.CommGemmConfig(fp8=Fp8Recipe("delayed"))),
           # The project's own FP8 GEMM custom call (xla_ffi/fp8_gemm.h) in place of XLA's.
           "project_fp8_tensor_cublaslt": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", gemm_form="cublaslt"))),
@@ -142,6 +166,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds (CPU)")
+  parser.add_argument("--only", nargs="+", metavar="VARIANT",
+                      help="these variants only (project_bf16 always runs: the baseline)")
   args = parser.parse_args()
   d, hidden, heads, layers, seq, batch = ((64, 128, 2, 2, 16, 2) if args.smoke
                                           else (4096, 16384, 32, 4, 2048, 4))
@@ -163,11 +189,14 @@ def main() -> None:
     ps.append(jax.tree.unflatten(tree, [init(k, path, spec)
                                         for k, (path, spec) in zip(keys, leaves)]))
   x = jax.random.normal(jax.random.key(99), (seq, batch, d), F32).astype(BF16)
-  variants = steps(mesh, heads, attention)
+  variants = steps(mesh, heads, attention, layers)
+  if args.only:
+    variants = {n: f for n, f in variants.items() if n in {"project_bf16", *args.only}}
   results = {}
   for name, f in variants.items():
     t0 = time.perf_counter()
-    loss, (gp, gx) = f(ps, x)
+    loss, grads = f(ps, x)
+    gx = grads[1]
     jax.block_until_ready(gx)
     text = f.lower(ps, x).compile().as_text()
     results[name] = {"loss": float(loss), "compile_s": time.perf_counter() - t0,
