@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 import jax_comm_gemm.backends.auto as auto
 import jax_comm_gemm.runtime.plan as plan_lib
+import fp8_mlp
 from conftest import cpu_mesh, stand_in_plan
 from fake_native import install_fake_native
 from jax_comm_gemm.backends import CublasMpBackend
@@ -26,7 +27,6 @@ from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduc
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.registry import REGISTRY
 
-N, D, F = 64, 48, 32
 AG, RS = TARGETS["fp8_all_gather_matmul"], TARGETS["fp8_matmul_reduce_scatter"]
 
 
@@ -35,28 +35,8 @@ def _connected(monkeypatch, mesh, passing=lambda key: True):
   assert jcg.connect(mesh, "tp").ok
 
 
-def _inputs(seed=0):
-  keys = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(keys[0], (N, D)),
-          jax.random.normal(keys[1], (D, F)) / np.sqrt(D),
-          jax.random.normal(keys[2], (F, D)) / np.sqrt(F))
-
-
-def _step(mesh, recipe, collectives, keep=False):
-  """Loss and gradients of an FP8 MLP (fc1 all-gather, fc2 reduce-scatter)."""
-  def mlp(x, w1, w2):
-    h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, collectives=collectives,
-                              keep_gathered_input=keep)
-    return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe,
-                                     collectives=collectives)
-  f = jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
-                    out_specs=P("tp"))
-  weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))
-  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights), argnums=(0, 1, 2)))
-
-
 def _gpu_text(mesh, recipe, collectives, keep=False, seed=0):
-  return _step(mesh, recipe, collectives, keep).trace(*_inputs(seed)).lower(
+  return fp8_mlp.step(mesh, recipe, collectives, keep).trace(*fp8_mlp.inputs(seed)).lower(
       lowering_platforms=("cuda",)).as_text()
 
 
@@ -75,9 +55,9 @@ def test_fused_fp8_computes_what_xla_computes(monkeypatch, all_gather, reduce_sc
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
   fused = CublasMpBackend(all_gather, reduce_scatter)
-  args = _inputs(seed=len(all_gather) + keep)
-  got = _step(mesh, Fp8Recipe(), fused, keep)(*args)
-  want = _step(mesh, Fp8Recipe(), "xla", keep)(*args)
+  args = fp8_mlp.inputs(seed=len(all_gather) + keep)
+  got = fp8_mlp.step(mesh, Fp8Recipe(), fused, keep)(*args)
+  want = fp8_mlp.step(mesh, Fp8Recipe(), "xla", keep)(*args)
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     assert float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w))) < 1e-6
 
@@ -127,7 +107,7 @@ def test_the_config_routes_fp8_to_the_fused_ops(monkeypatch):
   FP8 reduce-scatter."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
-  x, w1, _ = _inputs()
+  x, w1, _ = fp8_mlp.inputs()
   for reduce_scatter, rs_calls in (("pipelined_ce", 1), ("xla", 0)):
     config = jcg.CommGemmConfig(backend="cublasmp", all_gather_algorithm="pipelined",
                                 reduce_scatter=reduce_scatter, fp8=Fp8Recipe())
@@ -142,7 +122,7 @@ def test_the_config_routes_fp8_to_the_fused_ops(monkeypatch):
 
 def test_what_the_fused_fp8_ops_cannot_run_is_refused():
   mesh = cpu_mesh(2)
-  x, w1, _ = _inputs()
+  x, w1, _ = fp8_mlp.inputs()
   fused = CublasMpBackend()
   def lowered(recipe, w):
     f = jax.shard_map(
@@ -170,7 +150,7 @@ def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
   cannot run, stays on XLA's collectives even when the environment forces it."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
-  x, w1, _ = _inputs()
+  x, w1, _ = fp8_mlp.inputs()
   config = jcg.CommGemmConfig(fp8=Fp8Recipe())
 
   def lowered(config):

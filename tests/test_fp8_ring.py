@@ -15,32 +15,12 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 import jax_comm_gemm.backends.auto as auto
 import jax_comm_gemm.runtime.plan as plan_lib
+import fp8_mlp
 from conftest import cpu_mesh, stand_in_plan
 from jax_comm_gemm.diagnostics import hlo, report
 from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime.registry import REGISTRY
 
-N, D, F = 64, 48, 32
-
-
-def _inputs(seed=0):
-  keys = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(keys[0], (N, D)),
-          jax.random.normal(keys[1], (D, F)) / np.sqrt(D),
-          jax.random.normal(keys[2], (F, D)) / np.sqrt(F))
-
-
-def _step(mesh, recipe, collectives, keep=False):
-  """Loss and gradients of an FP8 MLP (fc1 all-gather, fc2 reduce-scatter)."""
-  def mlp(x, w1, w2):
-    h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, collectives=collectives,
-                              keep_gathered_input=keep)
-    return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe,
-                                     collectives=collectives)
-  f = jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
-                    out_specs=P("tp"))
-  weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))
-  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights), argnums=(0, 1, 2)))
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -50,9 +30,9 @@ def test_the_ring_computes_what_xla_computes(size, scaling, keep):
   """Same FP8 operands and GEMMs per shard: equal up to the order of the sums
   (float32 here), on fresh inputs, loss and every gradient."""
   mesh, recipe = cpu_mesh(size), Fp8Recipe(scaling=scaling)
-  args = _inputs(seed=size + 10 * keep)
-  ring = _step(mesh, recipe, "ring", keep)(*args)
-  xla = _step(mesh, recipe, "xla", keep)(*args)
+  args = fp8_mlp.inputs(seed=size + 10 * keep)
+  ring = fp8_mlp.step(mesh, recipe, "ring", keep)(*args)
+  xla = fp8_mlp.step(mesh, recipe, "xla", keep)(*args)
   for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(xla)):
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
@@ -63,7 +43,8 @@ def test_the_ring_moves_fp8_bytes_by_ppermute():
   backward) through collective-permutes; per-row scales go with their rows."""
   mesh = cpu_mesh(4)
   for scaling in ("tensor", "row"):
-    text = _step(mesh, Fp8Recipe(scaling=scaling), "ring").lower(*_inputs()).as_text()
+    program = fp8_mlp.step(mesh, Fp8Recipe(scaling=scaling), "ring")
+    text = program.lower(*fp8_mlp.inputs()).as_text()
     permutes = re.findall(r"collective_permute[^\n]*", text)
     assert any("f8E4M3FN" in line for line in permutes), scaling
     assert any("f8E5M2" in line for line in permutes), scaling
@@ -81,7 +62,7 @@ def test_the_mlp_on_the_ring_keeps_the_reuse():
   config = jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe())
   path = report.layer_path(config, mesh, "tp", jnp.float32, reduce_scatter_layer=True)
   assert path.path == report.FP8_ON_RING and "on the ring" in path.reason
-  x, a, b = _inputs()
+  x, a, b = fp8_mlp.inputs()
   for keep in (False, True):
     expected = report.expected_all_gathers(config, mesh, "tp", jnp.float32,
                                            keep_gathered_input=keep)
@@ -95,7 +76,7 @@ def test_the_mlp_on_the_ring_keeps_the_reuse():
 
 
 def _collectives_traced(config, mesh):
-  x, a, b = _inputs()
+  x, a, b = fp8_mlp.inputs()
   text = jax.jit(lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp",
                                                   config=config)).lower(x, a, b).as_text()
   return ("ring" if "collective_permute" in text else "") + (
@@ -132,9 +113,10 @@ def test_the_fp8_candidates_are_runnable_programs():
   that the others are checked against it), running the FP8 op."""
   from jax_comm_gemm.backends import tuning
   mesh = cpu_mesh(2)
-  p = auto.Problem(auto.AG, 16, D, F // 2, "float32", False, 2, True, Fp8Recipe().key)
+  p = auto.Problem(auto.AG, 16, fp8_mlp.D, fp8_mlp.F // 2, "float32", False, 2, True,
+                   Fp8Recipe().key)
   runs = tuning._runnables(mesh, "tp", p, 0.01)
-  assert tuple(runs) == auto.FP8_CANDIDATES[auto.AG] and auto.FP8_CANDIDATES[auto.AG][0] == "xla"
+  assert tuple(runs) == auto.FP8_CANDIDATES[auto.AG] and tuple(runs)[0] == "xla"
   assert "pipelined_ce" in runs and auto.pallas.NAME not in runs
   outs = {name: run() for name, (run, _) in runs.items()}
   for name in runs:  # the fused ops lower to their CPU fallback here
