@@ -81,14 +81,8 @@ def test_the_nnx_mlp_trains_its_histories_as_linen_does():
                     for t in (local_grads, model))):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
-  class Mlp(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      h = L.ColumnParallelDense(F, mesh=mesh, config=DELAYED, name="fc1")(x)
-      return L.RowParallelDense(D, mesh=mesh, config=DELAYED, name="fc2")(jax.nn.gelu(h))
-
   zeros = {"fp8_amax_history": AmaxHistory.zeros(DELAYED.fp8)}
-  state = TrainState.create(apply_fn=Mlp().apply, tx=optax.sgd(1e-3), params={
+  state = TrainState.create(apply_fn=L.SequenceParallelMLP(F, mesh=mesh, config=DELAYED).apply, tx=optax.sgd(1e-3), params={
       "params": params, OVERWRITE_WITH_GRADIENT: {"fc1": zeros, "fc2": zeros}})
 
   @jax.jit

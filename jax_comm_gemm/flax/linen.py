@@ -215,7 +215,6 @@ class SequenceParallelMLP(LinenOptions):
     data = check_options(owner, options | {"activation": self.activation,
                                            "keep_gathered_input": self.keep_gathered_input},
                          features={"hidden_features": self.hidden_features})
-    validation.check_no_delayed_fp8(owner, self.config)
     where = placement.place(owner, self.mesh, self.axis_name, data)
     check_token_inputs(owner, inputs, where)
     check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name,

@@ -1,5 +1,5 @@
-"""FP8 (E4M3 forward, E5M2 gradients) collective matmuls on XLA's collectives
-or the ring.
+"""FP8 (E4M3 forward, E5M2 gradients) collective matmuls on XLA's collectives,
+the ring, or the extension's fused FP8 ops (handed in as a backend).
 
 A self-contained layer below ``collective_matmul`` and the dense layers: it
 imports only jax, numpy, ``jax_comm_gemm.vma`` and ``jax_comm_gemm.runtime``
@@ -11,6 +11,7 @@ imports only jax, numpy, ``jax_comm_gemm.vma`` and ``jax_comm_gemm.runtime``
   as the project's custom call (:func:`cublaslt_gemm_tn`), and the weight's
   two FP8 copies.
 * ``ring``: the fused steps as rings of per-shard FP8 GEMMs and ppermutes.
+* ``steps``: what the two ops share, and where each fused step runs.
 * ``matmul``: :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`,
   the differentiable ops, FP8 bytes on the wire. docs/fp8.md has the picture.
 

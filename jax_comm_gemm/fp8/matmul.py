@@ -1,4 +1,4 @@
-"""FP8 collective matmuls on XLA's collectives, inside ``jax.shard_map``.
+"""FP8 collective matmuls, inside ``jax.shard_map``.
 
 ``fp8_all_gather_matmul`` is ``AG(x) @ w`` (column-parallel: fc1, QKV) and
 ``fp8_matmul_reduce_scatter`` is ``RS(x @ w)`` (row-parallel: fc2, out-proj),
@@ -33,7 +33,9 @@ The all-gathers that feed a GEMM (the forward's of x, the row-parallel
 backward's of dy: what a fused AllGather+GEMM does) go through ``gather``
 (default ``lax.all_gather``) under the named scope :data:`FUSED_SCOPE`; a
 standalone re-gather uses ``lax.all_gather`` under :data:`STANDALONE_SCOPE`.
-A group of one communicates nothing and runs the same FP8 GEMMs.
+With ``collectives="ring"`` or a fused backend, each fused step runs there
+instead (:mod:`jax_comm_gemm.fp8.steps`). A group of one communicates nothing
+and runs the same FP8 GEMMs.
 """
 
 from __future__ import annotations
