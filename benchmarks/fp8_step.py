@@ -24,7 +24,7 @@ Each variant runs N steps back to back per timed batch, after 3 untimed rounds
 of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
-Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...]
+Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...] [--hlo DIR]
 (--smoke: tiny, CPU)
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 
@@ -166,6 +167,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds (CPU)")
+  parser.add_argument("--hlo", metavar="DIR",
+                      help="write each variant's optimized HLO to DIR/VARIANT.hlo.txt")
   parser.add_argument("--only", nargs="+", metavar="VARIANT",
                       help="these variants only (project_bf16 always runs: the baseline)")
   args = parser.parse_args()
@@ -199,6 +202,10 @@ def main() -> None:
     gx = grads[1]
     jax.block_until_ready(gx)
     text = f.lower(ps, x).compile().as_text()
+    if args.hlo:
+      os.makedirs(args.hlo, exist_ok=True)
+      with open(os.path.join(args.hlo, f"{name}.hlo.txt"), "w") as out:
+        out.write(text)
     results[name] = {"loss": float(loss), "compile_s": time.perf_counter() - t0,
                      "gx_norm": float(jnp.linalg.norm(gx.astype(F32))),
                      "f8_gemms": (text.count('custom_call_target="__cublas$lt$matmul$f8"')
