@@ -11,7 +11,8 @@ one GPU, so every dense layer is a plain GEMM). Variants:
 * ``project_fp8_tensor``: ``CommGemmConfig(fp8=Fp8Recipe("tensor"))`` (XLA's
   FP8 GEMM); ``project_fp8_*_cublaslt``: the project's FP8 GEMM custom call
   (``gemm_form="cublaslt"``), per tensor or per row, and per tensor with fast
-  accumulation in the forward GEMMs only (``accumulation="fast_forward"``);
+  accumulation in the forward GEMMs only (``accumulation="fast_forward"``),
+  and per 1 x 128 / 128 x 128 block (``project_fp8_block_cublaslt``);
 * ``project_fp8_delayed``: ``Fp8Recipe("delayed")``, the histories in steady
   state (the first call's next histories) and their gradient (the next
   histories) computed in every step, as training does;
@@ -151,6 +152,8 @@ def steps(mesh, heads, attention, layers):
               fp8=Fp8Recipe("tensor", gemm_form="cublaslt", accumulation="fast_forward"))),
           "project_fp8_row_cublaslt": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("row", gemm_form="cublaslt"))),
+          "project_fp8_block_cublaslt": project(jcg.CommGemmConfig(
+              fp8=Fp8Recipe("block", gemm_form="cublaslt"))),
           "plain_xla_fp8": jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))}
 
 

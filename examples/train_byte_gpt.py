@@ -106,10 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
   comm.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto",
                     help="'auto': cuBLASMp where it runs, else XLA's collectives; "
                          "'cublasmp': fail where it cannot run")
-  comm.add_argument("--fp8", choices=("tensor", "row", "delayed"),
+  comm.add_argument("--fp8", choices=("tensor", "row", "delayed", "block"),
                     help="run every dense GEMM in FP8 (E4M3 forward, E5M2 gradients) with "
                          "this scaling: one scale per tensor agreed over the tp group, one "
-                         "per token row, or per tensor from an amax history of 16 steps; FP8 "
+                         "per token row, per tensor from an amax history of 16 steps, or per "
+                         "1x128 / 128x128 block (with --fp8-gemm cublaslt on a GPU); FP8 "
                          "bytes are all-gathered (docs/fp8.md) "
                          "(default: none, the GEMMs run in --dtype)")
   comm.add_argument("--fp8-gemm", choices=GEMM_FORMS, default=Fp8Recipe.gemm_form,
@@ -278,7 +279,7 @@ def train(args) -> dict:
   s = resolve_size(args, platform, tp, dp)
   model_config = byte_gpt.ModelConfig(s["d_model"], s["heads"], s["layers"], s["hidden"],
                                       s["seq_len"])
-  _check_sizes(s, tp, dp)
+  _check_sizes(s, tp, dp, args.fp8)
   try:
     corpus = ByteCorpus(args.data_dir)
   except (OSError, ValueError) as e:
@@ -386,8 +387,13 @@ def train(args) -> dict:
   return summary
 
 
-def _check_sizes(s, tp: int, dp: int) -> None:
+def _check_sizes(s, tp: int, dp: int, fp8: str | None = None) -> None:
   problems = []
+  if fp8 == "block":  # every GEMM dim, per tp shard, in blocks of 128
+    dims = {"--d-model / tp": s["d_model"] // tp, "--hidden / tp": s["hidden"] // tp,
+            "--d-model": s["d_model"], "--seq-len x --batch / dp": s["seq_len"] * s["batch"] // dp}
+    problems += [f"--fp8 block needs {name} ({value}) to be a multiple of 128"
+                 for name, value in dims.items() if value % 128]
   if s["heads"] % tp:
     problems.append(f"--heads ({s['heads']}) must be a multiple of tp={tp}")
   if s["d_model"] % s["heads"]:

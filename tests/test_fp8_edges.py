@@ -25,7 +25,7 @@ N, K, M = 16, 8, 12
 # --- the recipe -----------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [
-    ("scaling", "block"), ("scaling", None), ("forward_dtype", jnp.bfloat16),
+    ("scaling", "column"), ("scaling", None), ("forward_dtype", jnp.bfloat16),
     ("backward_dtype", "int8"), ("margin", -1), ("margin", 1.5), ("margin", True),
     ("gemm_form", "fast"),
 ])

@@ -36,11 +36,9 @@ Status PointFp8Scales(const LtMatmulDesc& desc, const void* a_scale, const void*
   return SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale);
 }
 
-Status SetFp8ScaleModes(const LtMatmulDesc& desc, bool outer_vectors) {
-  const int32_t mode = outer_vectors ? CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
-                                     : CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-  JCG_RETURN_IF_ERROR(SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, mode));
-  return SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode);
+Status SetFp8ScaleModes(const LtMatmulDesc& desc, int32_t a_mode, int32_t b_mode) {
+  JCG_RETURN_IF_ERROR(SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, a_mode));
+  return SetAttribute(desc.get(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, b_mode);
 }
 
 Status SetFastAccumulation(const LtMatmulDesc& desc, bool on) {

@@ -39,12 +39,12 @@ Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, Lt
 Status CreateMatmulDesc(cublasOperation_t trans_a, cublasOperation_t trans_b, LtMatmulDesc* out);
 
 // FP8 operands: the device pointers to A's and B's dequantizing scales, one
-// float each (SCALAR_32F) or one per row of the operand as the GEMM reads it
-// (`outer_vectors`, OUTER_VEC_32F), applied in f32 before the one rounding
-// to D's type. The pointers are per call: point them again before each
-// call's GEMMs (the modes stay).
+// float each (SCALAR_32F, the default mode) or as SetFp8ScaleModes says (a
+// cublasLtMatmulMatrixScale_t each: one per row, per block), applied in f32
+// before the one rounding to D's type. The pointers are per call: point them
+// again before each call's GEMMs (the modes stay).
 Status PointFp8Scales(const LtMatmulDesc& desc, const void* a_scale, const void* b_scale);
-Status SetFp8ScaleModes(const LtMatmulDesc& desc, bool outer_vectors);
+Status SetFp8ScaleModes(const LtMatmulDesc& desc, int32_t a_mode, int32_t b_mode);
 
 // Hopper's FP8 fast accumulation: partial sums are not promoted to f32 along
 // k (faster, less precise; XLA's default for an FP8 dot).

@@ -26,7 +26,43 @@ namespace {
 // GEMM has no peer to wait for, so only a broken device gets near it.
 constexpr double kTrialTimeoutS = 120;
 
-// The call's shape from its buffers, checked.
+bool IsBlockMode(int32_t mode) {
+  return mode == CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F ||
+         mode == CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+}
+
+// The scales of an operand of `rows` x k in `mode`, in the layout cuBLASLt
+// reads (fp8_gemm.h): their element count, f32.
+Status CheckScales(const char* operand, int32_t mode, int64_t rows, int64_t k,
+                   ffi::AnyBuffer scales) {
+  if (scales.element_type() != ffi::DataType::F32) {
+    return Status::InvalidArgument("the scales must be float32");
+  }
+  const int64_t count = static_cast<int64_t>(scales.element_count());
+  int64_t want = -1;
+  switch (mode) {
+    case CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F: want = 1; break;
+    case CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F: want = rows; break;
+    case CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F:
+      if (k % kBlock == 0) want = (k / kBlock) * rows;
+      break;
+    case CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F:
+      if (k % kBlock == 0 && rows % kBlock == 0) want = (rows / kBlock) * ((k / kBlock + 3) / 4 * 4);
+      break;
+    default:
+      return Status::InvalidArgument(std::string(operand) + "'s scale mode " +
+                                     std::to_string(mode) + " is none the FP8 GEMM takes");
+  }
+  if (count != want) {
+    return Status::InvalidArgument(std::string(operand) + "'s scales have " +
+                                   std::to_string(count) + " elements, mode " +
+                                   std::to_string(mode) + " wants " + std::to_string(want) +
+                                   " for " + std::to_string(rows) + " x " + std::to_string(k));
+  }
+  return Status();
+}
+
+// The call's shape from its buffers, checked (its modes and fast_accum set before).
 Status Describe(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
                 ffi::AnyBuffer d, Fp8GemmShape* s) {
   JCG_RETURN_IF_ERROR(Fp8Type(a.element_type(), "a", &s->a_type));
@@ -46,14 +82,18 @@ Status Describe(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyB
   if (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32) {
     return Status::InvalidArgument("the scales must be float32");
   }
-  const int64_t na = static_cast<int64_t>(sa.element_count());
-  const int64_t nb = static_cast<int64_t>(sb.element_count());
-  s->row_scales = na != 1 || nb != 1;
-  if (s->row_scales && (na != s->m || nb != s->n)) {
+  JCG_RETURN_IF_ERROR(CheckScales("a", s->a_mode, s->m, s->k, sa));
+  JCG_RETURN_IF_ERROR(CheckScales("b", s->b_mode, s->n, s->k, sb));
+  const bool vectors_a = s->a_mode == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+  const bool vectors_b = s->b_mode == CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+  const bool blocks = IsBlockMode(s->a_mode) || IsBlockMode(s->b_mode);
+  if (vectors_a != vectors_b || (blocks && !(IsBlockMode(s->a_mode) && IsBlockMode(s->b_mode)))) {
     return Status::InvalidArgument(
-        "the scales must be two scalars or vectors of m and n: got " + std::to_string(na) +
-        " and " + std::to_string(nb) + " for m = " + std::to_string(s->m) +
-        ", n = " + std::to_string(s->n));
+        "the scale modes must be both scalar, both per row, or both per block, got " +
+        std::to_string(s->a_mode) + " and " + std::to_string(s->b_mode));
+  }
+  if (blocks && s->fast_accum) {
+    return Status::InvalidArgument("cuBLASLt's block-scaled FP8 GEMMs take no fast accumulation");
   }
   return Status();
 }
@@ -69,7 +109,8 @@ Status PointScales(const Fp8GemmPlan& plan, const void* sa, const void* sb) {
 Status MakeDescriptors(const Fp8GemmShape& s, Fp8GemmPlan* plan) {
   plan->shape = s;
   JCG_RETURN_IF_ERROR(CreateMatmulDesc(CUBLAS_OP_T, CUBLAS_OP_N, &plan->desc));
-  JCG_RETURN_IF_ERROR(SetFp8ScaleModes(plan->desc, s.row_scales));
+  // cuBLASLt's A is b8, its B is a8.
+  JCG_RETURN_IF_ERROR(SetFp8ScaleModes(plan->desc, s.b_mode, s.a_mode));
   JCG_RETURN_IF_ERROR(SetFastAccumulation(plan->desc, s.fast_accum));
   JCG_RETURN_IF_ERROR(CreateLayout(s.b_type, s.k, s.n, s.k, &plan->a));
   JCG_RETURN_IF_ERROR(CreateLayout(s.a_type, s.k, s.m, s.k, &plan->b));
@@ -150,7 +191,8 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
   };
   const std::string what = "an FP8 GEMM of m = " + std::to_string(shape.m) +
                            ", n = " + std::to_string(shape.n) + ", k = " +
-                           std::to_string(shape.k) + (shape.row_scales ? ", row scales" : "") +
+                           std::to_string(shape.k) + ", scale modes " +
+                           std::to_string(shape.a_mode) + "/" + std::to_string(shape.b_mode) +
                            (shape.fast_accum ? ", fast accumulation" : "");
   JCG_RETURN_IF_ERROR(PickAlgorithm(st->lt.get(), plan.desc, plan.a, plan.b, plan.d,
                                     Fp8GemmState::kTrialWorkspaceBytes, what,
@@ -171,13 +213,14 @@ ffi::ErrorOr<std::unique_ptr<Fp8GemmState>> Fp8GemmInstantiate() {
 }
 
 ffi::Error Fp8GemmExecute(cudaStream_t stream, int32_t device, bool timed, bool fast_accum,
-                          Fp8GemmState* st,
+                          int32_t a_scale_mode, int32_t b_scale_mode, Fp8GemmState* st,
                           ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
                           ffi::AnyBuffer sb, ffi::Result<ffi::AnyBuffer> d) {
   return FfiGuard(kFp8GemmTarget, [&]() -> Status {
     Fp8GemmShape shape;
-    JCG_RETURN_IF_ERROR(Describe(a, b, sa, sb, *d, &shape));
     shape.fast_accum = fast_accum;
+    shape.a_mode = a_scale_mode, shape.b_mode = b_scale_mode;
+    JCG_RETURN_IF_ERROR(Describe(a, b, sa, sb, *d, &shape));
     std::lock_guard<std::mutex> lock(st->mu);
     if (!st->planned) {
       JCG_RETURN_IF_ERROR(Plan(st, device, stream, timed, shape, a.untyped_data(),
@@ -216,10 +259,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kFp8GemmExecute, jax_comm_gemm::Fp8GemmExecute,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<bool>("timed")
                                   .Attr<bool>("fast_accum")
+                                  .Attr<int32_t>("a_scale_mode")
+                                  .Attr<int32_t>("b_scale_mode")
                                   .Ctx<ffi::State<jax_comm_gemm::Fp8GemmState>>()
                                   .Arg<ffi::AnyBuffer>()   // a8 [m, k]
                                   .Arg<ffi::AnyBuffer>()   // b8 [n, k]
-                                  .Arg<ffi::AnyBuffer>()   // sa: [] or [m], f32
-                                  .Arg<ffi::AnyBuffer>()   // sb: [] or [n], f32
+                                  .Arg<ffi::AnyBuffer>()   // sa: as a_scale_mode says, f32
+                                  .Arg<ffi::AnyBuffer>()   // sb: as b_scale_mode says
                                   .Ret<ffi::AnyBuffer>(),  // d [m, n]
                               {ffi::Traits::kCmdBufferCompatible});

@@ -36,20 +36,25 @@
 
 namespace jax_comm_gemm {
 
+inline constexpr int64_t kBlock = 128;  // the side of a scaling block
+
 // What one call site computes: the shapes, the element types and whether the
 // scales are vectors. Python checks it before lowering (fp8/gemm.py); the
 // handler checks it again against the buffers.
 struct Fp8GemmShape {
   int64_t m = 0, n = 0, k = 0;
   cudaDataType_t a_type = CUDA_R_8F_E4M3, b_type = CUDA_R_8F_E4M3, d_type = CUDA_R_16BF;
-  bool row_scales = false;  // OUTER_VEC_32F for both operands, else SCALAR_32F
+  // cublasLtMatmulMatrixScale_t of a's and b's scales: both SCALAR_32F, both
+  // OUTER_VEC_32F, or VEC128_32F / BLK128x128_32F each (fp8_gemm.cc checks).
+  int32_t a_mode = 0, b_mode = 0;
   // cuBLASLt's FP8 fast accumulation: partial sums are not promoted to f32
   // along k (faster, less precise; XLA's default for FP8 dots).
   bool fast_accum = false;
 
   bool operator==(const Fp8GemmShape& o) const {
     return m == o.m && n == o.n && k == o.k && a_type == o.a_type && b_type == o.b_type &&
-           d_type == o.d_type && row_scales == o.row_scales && fast_accum == o.fast_accum;
+           d_type == o.d_type && a_mode == o.a_mode && b_mode == o.b_mode &&
+           fast_accum == o.fast_accum;
   }
 };
 

@@ -19,8 +19,9 @@ Three forms, switchable (``Fp8Recipe.gemm_form``):
   the output dtype; XLA rewrites it into the FP8 GEMM with the scales as its
   operands (1.02-1.30x torch on one H200). Per-tensor scales only.
 * ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``): one
-  cuBLASLt FP8 GEMM that applies both scales itself (scale pointers, per tensor
-  or per row) in f32 before the one rounding to the output, with the fastest
+  cuBLASLt FP8 GEMM that applies both scales itself (scale pointers, per tensor,
+  per row, or per 1 x 128 / 128 x 128 block) in f32 before the one rounding to
+  the output, with the fastest
   of cuBLASLt's candidate algorithms, timed at the call site's first call.
   Where it cannot run (no GPU or no extension; k or n not a multiple of 16,
   cuBLASLt's FP8 alignment; two E5M2 operands) the ``"direct"`` form runs
@@ -40,6 +41,7 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -47,7 +49,8 @@ from jax.interpreters import mlir
 from jax_comm_gemm import vma
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.registry import REGISTRY
-from jax_comm_gemm.fp8.quantize import (amax, inverse, quantize_columns_transposed,
+from jax_comm_gemm.fp8.quantize import (BLOCK, amax, dequantize, inverse,
+                                        quantize_blocks, quantize_columns_transposed,
                                         quantize_rows, saturating_cast, scale_from_amax)
 
 F32 = jnp.float32
@@ -59,11 +62,16 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
   """``(a8 @ b8.T) * scale_inv_a * scale_inv_b`` in `out_dtype`, a8 ``[m, k]``
   and b8 ``[n, k]`` FP8 (both contract on their last axis).
 
-  Scales are scalars (per tensor) or vectors: ``scale_inv_a`` ``[m]`` (per
-  row of a), ``scale_inv_b`` ``[n]`` (per row of b, a column of the output).
+  Scales are scalars (per tensor), vectors: ``scale_inv_a`` ``[m]`` (per
+  row of a), ``scale_inv_b`` ``[n]`` (per row of b, a column of the output),
+  or matrices of blocks (:func:`~jax_comm_gemm.fp8.quantize.quantize_blocks`):
+  ``[rows, k/128]`` (1 x 128) or ``[rows/128, k/128]`` (128 x 128). XLA has no
+  block-scaled FP8 GEMM: block scales run on the custom call ("cublaslt"),
+  elsewhere as a float32 GEMM of the dequantized operands.
   `fast_accum`: Hopper's FP8 fast accumulation (partial sums along k stay in
   the tensor core's reduced precision; XLA's default for an FP8 dot); False
   promotes them to f32 (``lax.Precision.HIGHEST`` for XLA's forms), slower.
+  Block scales always accumulate in f32.
 
   >>> a8 = jnp.ones((2, 4), jnp.float8_e4m3fn)
   >>> fp8_gemm_tn(a8, a8, 0.5, jnp.array([1.0, 2.0]), jnp.float32).tolist()
@@ -71,10 +79,19 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
   """
   out_dtype = jnp.dtype(out_dtype)
   ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
+  if form not in ("direct", "dequant_f32", "cublaslt"):
+    raise ValueError("fp8_gemm_tn: form must be 'direct', 'dequant_f32' or 'cublaslt', "
+                     f"got {form!r}")
+  blocks = ia.ndim == 2 or ib.ndim == 2
   if form == "cublaslt":
     if _cublaslt_takes(a8, b8, ia, ib):
-      return cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out_dtype, fast_accum=fast_accum)
+      return cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out_dtype,
+                              fast_accum=fast_accum and not blocks)
     form = "direct"
+  if blocks:  # XLA's emulation: the dequantized operands' float32 GEMM
+    return lax.dot_general(dequantize(a8, ia), dequantize(b8, ib), TN,
+                           precision=lax.Precision.HIGHEST,
+                           preferred_element_type=F32).astype(out_dtype)
   precision = None if fast_accum else lax.Precision.HIGHEST
   if form == "dequant_f32":
     if ia.ndim or ib.ndim:
@@ -82,9 +99,6 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
                        "scales only")
     return lax.dot_general(a8.astype(F32) * ia, b8.astype(F32) * ib, TN, precision=precision,
                            preferred_element_type=F32).astype(out_dtype)
-  if form != "direct":
-    raise ValueError("fp8_gemm_tn: form must be 'direct', 'dequant_f32' or 'cublaslt', "
-                     f"got {form!r}")
   return _direct(a8, b8, ia, ib, out_dtype, precision)
 
 
@@ -107,35 +121,75 @@ def _cublaslt_takes(a8, b8, ia, ib) -> bool:
   """Whether the custom call takes these operands (else the "direct" form).
   cuBLASLt's FP8 GEMMs want 16-byte aligned leading dimensions (k for both
   FP8 operands, n for the output) and at least one E4M3 operand; the scales
-  are two scalars or two vectors (per row of a and of b)."""
+  are two scalars, two vectors (per row of a and of b), or blocks of each
+  (1 x 128 or 128 x 128, over dims that 128 divides)."""
   m, k = a8.shape
   n = b8.shape[0]
-  scales = (ia.ndim == 0 and ib.ndim == 0) or (ia.shape == (m,) and ib.shape == (n,))
+  modes = (_scale_mode(ia, m, k), _scale_mode(ib, n, k))
+  vectors = {SCALAR, OUTER_VEC}
+  scales = (modes in ((SCALAR, SCALAR), (OUTER_VEC, OUTER_VEC))
+            or (None not in modes and not vectors.intersection(modes)))
   return (scales and k % 16 == 0 and n % 16 == 0 and min(m, n, k) > 0
           and not (a8.dtype == E5M2 and b8.dtype == E5M2))
 
 
-def _fp8_gemm_abstract(a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
-  del sa, sb, timed, fast_accum
+# cuBLASLt's scale modes (cublasLtMatmulMatrixScale_t), as the custom call's
+# attributes name them.
+SCALAR, OUTER_VEC, VEC128, BLK128 = 0, 3, 4, 5
+
+
+def _scale_mode(inv, rows: int, k: int):
+  """The cuBLASLt mode of an operand's scales (rows x k), or None."""
+  if inv.ndim == 0:
+    return SCALAR
+  if inv.shape == (rows,):
+    return OUTER_VEC
+  if k % BLOCK == 0 and inv.shape == (rows, k // BLOCK):
+    return VEC128
+  if k % BLOCK == 0 and rows % BLOCK == 0 and inv.shape == (rows // BLOCK, k // BLOCK):
+    return BLK128
+  return None
+
+
+def _cublaslt_scales(inv, mode):
+  """`inv` in the layout cuBLASLt reads for `mode`: 1 x 128 scales with the
+  rows fastest ([k/128, rows]); 128 x 128 scales with the k blocks fastest,
+  padded to a multiple of 4 ([rows/128, round_up(k/128, 4)])."""
+  if mode == VEC128:
+    return inv.T
+  if mode == BLK128:
+    return jnp.pad(inv, ((0, 0), (0, -inv.shape[1] % 4)))
+  return inv
+
+
+def _fp8_gemm_abstract(a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
+  del sa, sb, timed, fast_accum, modes
   return a8.update(shape=(a8.shape[0], b8.shape[0]), dtype=out_dtype, weak_type=False)
 
 
-def _fp8_gemm_elsewhere(a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
+def _fp8_gemm_elsewhere(a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
   del timed
+  if set(modes) & {VEC128, BLK128}:  # back from cuBLASLt's layout
+    k_blocks = a8.shape[1] // BLOCK
+    sa, sb = (s.T if m == VEC128 else s[:, :k_blocks] if m == BLK128 else s
+              for s, m in zip((sa, sb), modes))
+    return fp8_gemm_tn(a8, b8, sa, sb, out_dtype, form="direct")
   return _direct(a8, b8, sa, sb, out_dtype, None if fast_accum else lax.Precision.HIGHEST)
+
 
 
 _lower_elsewhere = mlir.lower_fun(_fp8_gemm_elsewhere, multiple_results=False)
 
 
-def _fp8_gemm_cuda(ctx, a8, b8, sa, sb, *, out_dtype, timed, fast_accum):
+def _fp8_gemm_cuda(ctx, a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
   # The handler is registered with the extension (runtime/registry.py); a
   # process without it compiles XLA's form instead, as on other platforms.
   if not REGISTRY.cublasmp_status().ok:
     return _lower_elsewhere(ctx, a8, b8, sa, sb, out_dtype=out_dtype, timed=timed,
-                            fast_accum=fast_accum)
-  return jax.ffi.ffi_lowering(_FP8_GEMM_TARGET)(ctx, a8, b8, sa, sb, timed=bool(timed),
-                                                fast_accum=bool(fast_accum))
+                            fast_accum=fast_accum, modes=modes)
+  return jax.ffi.ffi_lowering(_FP8_GEMM_TARGET)(
+      ctx, a8, b8, sa, sb, timed=bool(timed), fast_accum=bool(fast_accum),
+      a_scale_mode=np.int32(modes[0]), b_scale_mode=np.int32(modes[1]))
 
 
 _FP8_GEMM_TARGET = TARGETS["fp8_gemm"]
@@ -159,9 +213,16 @@ def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool
   ...                  out_dtype=jnp.float32)[0, :2].tolist()
   [4.0, 4.0]
   """
-  a8, b8, sa, sb = vma.match(a8, b8, scale_inv_a, scale_inv_b)
+  a8, b8, sa, sb = vma.match(a8, b8, jnp.asarray(scale_inv_a, F32),
+                             jnp.asarray(scale_inv_b, F32))
+  k = a8.shape[1]
+  modes = (_scale_mode(sa, a8.shape[0], k), _scale_mode(sb, b8.shape[0], k))
+  if None in modes:
+    raise ValueError(f"cublaslt_gemm_tn: scales of shapes {sa.shape} and {sb.shape} fit "
+                     f"none of cuBLASLt's modes for a {a8.shape} and b {b8.shape}")
+  sa, sb = (_cublaslt_scales(s, m) for s, m in zip((sa, sb), modes))
   return _fp8_gemm_p.bind(a8, b8, sa, sb, out_dtype=jnp.dtype(out_dtype), timed=bool(timed),
-                          fast_accum=bool(fast_accum))
+                          fast_accum=bool(fast_accum), modes=modes)
 
 
 def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
@@ -174,7 +235,8 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
   ``[k, n]``, the input gradient's (``dx = dy @ w.T``). ``"tensor"``: one
   scale for both (its amax agreed over `axis_name`, or `amax_w` if the caller
   agreed it already); ``"row"``: per row of each copy, i.e. per output column
-  of the GEMM it feeds.
+  of the GEMM it feeds; ``"block"``: per 128 x 128 block, the second copy the
+  transpose of the first (same blocks, same scales).
 
   >>> fwd8, fwd_inv, bwd8, bwd_inv = weight_copies(jnp.ones((4, 3)), jnp.float8_e4m3fn,
   ...                                              scaling="row", transpose_w=False)
@@ -190,6 +252,9 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
     # Two casts from the high-precision weight: no FP8 transpose.
     return (saturating_cast(w_kn.T, scale, dtype), inv,
             saturating_cast(w_kn, scale, dtype), inv)
+  if scaling == "block":  # a 128 x 128 block is one under transposition: exact
+    fwd8, fwd_inv = quantize_blocks(w_kn.T, dtype, BLOCK, margin=margin)
+    return fwd8, fwd_inv, fwd8.T, fwd_inv.T
   fwd8, fwd_inv = quantize_columns_transposed(w_kn, dtype, margin=margin)
   bwd8, bwd_inv = quantize_rows(w_kn, dtype, margin=margin)
   return fwd8, fwd_inv, bwd8, bwd_inv

@@ -100,7 +100,8 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
   """
   op = "fp8_all_gather_matmul"
-  _check(op, x, w, transpose_w, recipe)
+  tokens = int(np.prod(x.shape[:-1])) * lax.axis_size(axis_name)
+  _check(op, x, w, transpose_w, recipe, tokens)
   s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               keep_gathered_input=bool(keep_gathered_input),
               return_gathered=bool(return_gathered), gather=gather or xla_gather,
@@ -141,7 +142,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
   """
   op = "fp8_matmul_reduce_scatter"
-  _check(op, x, w, transpose_w, recipe)
+  _check(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
   size = lax.axis_size(axis_name)
   if x.shape[0] % size:
     raise ValueError(f"{op}: x's tokens ({x.shape[0]}) must be divisible by the size "
@@ -155,7 +156,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   return y.reshape((lead[0] // size,) + lead[1:] + y.shape[-1:])
 
 
-def _check(op, x, w, transpose_w, recipe):
+def _check(op, x, w, transpose_w, recipe, tokens):
   if not isinstance(recipe, Fp8Recipe):
     raise TypeError(f"{op}: `recipe` must be an Fp8Recipe, got {type(recipe).__name__}")
   if np.ndim(x) < 2 or np.ndim(w) != 2:
@@ -169,6 +170,10 @@ def _check(op, x, w, transpose_w, recipe):
   if x.shape[-1] != k:
     raise ValueError(f"{op}: x's last dim {x.shape[-1]} does not match w's contracting "
                      f"dim {k} (w {w.shape}, transpose_w={bool(transpose_w)})")
+  if recipe.scaling == "block" and (tokens % qz.BLOCK or any(d % qz.BLOCK for d in w.shape)):
+    raise ValueError(f"{op}: 'block' scaling quantizes in blocks of {qz.BLOCK}: w's dims "
+                     f"and the tokens (all ranks') must be multiples of {qz.BLOCK}, got w "
+                     f"{tuple(w.shape)} and {tokens} tokens")
 
 
 def _history(op, recipe, history):

@@ -129,13 +129,40 @@ def quantize_columns_transposed(x, dtype, *, margin: int = 0):
   return quantize_rows(x.T, dtype, margin=margin)
 
 
+# The side of a scaling block ("block" scaling: 1 x BLOCK and BLOCK x BLOCK).
+BLOCK = 128
+
+
+def quantize_blocks(x, dtype, block_rows: int, *, margin: int = 0):
+  """One scale per block of `block_rows` rows by :data:`BLOCK` columns of a
+  2-D `x` whose dims they divide: ``(q [r, c], scale_inv [r / block_rows,
+  c / BLOCK])``. ``block_rows=1``: 1 x 128 (activations, gradients);
+  ``block_rows=BLOCK``: 128 x 128 (weights).
+
+  >>> x = jnp.concatenate([jnp.ones((2, 128)), 4 * jnp.ones((2, 128))], axis=1)
+  >>> q, inv = quantize_blocks(x, jnp.float8_e4m3fn, 1)
+  >>> q.shape, (inv * 448).tolist()
+  ((2, 256), [[1.0, 4.0], [1.0, 4.0]])
+  """
+  r, c = x.shape
+  blocks = x.astype(F32).reshape(r // block_rows, block_rows, c // BLOCK, BLOCK)
+  scale = scale_from_amax(jnp.max(jnp.abs(blocks), axis=(1, 3)), dtype, margin)
+  q = saturating_cast(blocks, scale[:, None, :, None], dtype)
+  return q.reshape(r, c), inverse(scale)
+
+
 def dequantize(q, scale_inv, dtype=F32):
-  """``q * scale_inv`` in `dtype`; a vector `scale_inv` scales q's rows.
+  """``q * scale_inv`` in `dtype`: a scalar `scale_inv` scales all of q, a
+  vector q's rows, a matrix q's blocks (:func:`quantize_blocks`).
 
   >>> dequantize(jnp.array([[2.0], [2.0]]).astype(jnp.float8_e4m3fn), jnp.array([0.5, 2.0])).tolist()
   [[1.0], [4.0]]
   """
   inv = jnp.asarray(scale_inv, F32)
+  if inv.ndim == 2:  # blocks
+    (r, c), (rb, cb) = q.shape, inv.shape
+    blocks = q.astype(F32).reshape(rb, r // rb, cb, c // cb) * inv[:, None, :, None]
+    return blocks.reshape(r, c).astype(dtype)
   if inv.ndim == 1:
     inv = inv[:, None]
   return (q.astype(F32) * inv).astype(dtype)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
-SCALINGS = ("tensor", "row", "delayed")
+SCALINGS = ("tensor", "row", "delayed", "block")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 GEMM_FORMS = ("direct", "dequant_f32", "cublaslt")
 ACCUMULATIONS = ("fast", "fast_forward", "precise")
@@ -80,10 +80,10 @@ class Fp8Recipe:
   'fp8 delayed/4 float8_e4m3fn/float8_e5m2 margin=0 direct fast'
   >>> Fp8Recipe.from_key(Fp8Recipe("delayed", amax_history=4).key).amax_history
   4
-  >>> Fp8Recipe(scaling="block")
+  >>> Fp8Recipe(scaling="column")
   Traceback (most recent call last):
   ...
-  ValueError: Fp8Recipe.scaling must be one of ('tensor', 'row', 'delayed'), got 'block'
+  ValueError: Fp8Recipe.scaling must be one of ('tensor', 'row', 'delayed', 'block'), got 'column'
   """
 
   scaling: str = "tensor"
@@ -122,7 +122,7 @@ class Fp8Recipe:
   @property
   def per_tensor(self) -> bool:
     """One scale per tensor, agreed by every rank ("tensor", "delayed")."""
-    return self.scaling != "row"
+    return self.scaling not in ("row", "block")
 
   @property
   def key(self) -> str:

@@ -113,7 +113,9 @@ def _everywhere(a):
 
 def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
   """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv):
-  with the agreed amax `a` (one scale per tensor), or per row / per column ("row")."""
+  with the agreed amax `a` (one scale per tensor), per row / per column
+  ("row"), or per 1 x 128 block along the rows / the columns ("block": the
+  blocks run along the contraction of the GEMM each copy feeds)."""
   out = []
   if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
@@ -122,6 +124,12 @@ def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False
       out += [qz.saturating_cast(x, scale, dtype), inv]
     if columns:  # the cast writes the transposed copy: no FP8 transpose
       out += [qz.saturating_cast(x.T, scale, dtype), inv]
+    return out
+  if s.recipe.scaling == "block":
+    if rows:
+      out += list(qz.quantize_blocks(x, dtype, 1, margin=s.recipe.margin))
+    if columns:
+      out += list(qz.quantize_blocks(x.T, dtype, 1, margin=s.recipe.margin))
     return out
   if rows:
     out += list(qz.quantize_rows(x, dtype, margin=s.recipe.margin))
@@ -153,9 +161,12 @@ def reduce_scatter(s: Static, y):
 def transposed(s: Static, g8, g_inv, dtype):
   """Gathered FP8 rows [n, c] as the TN operand [c, n] of a GEMM over tokens:
   the same bytes under the same scale ("tensor", exact), or dequantized and
-  requantized per column ("row": per-token scales cannot factor out)."""
+  requantized per column ("row": per-token scales cannot factor out) or per
+  1 x 128 block along the tokens ("block")."""
   if s.recipe.per_tensor:
     return g8.T, g_inv
+  if s.recipe.scaling == "block":
+    return qz.quantize_blocks(qz.dequantize(g8, g_inv).T, dtype, 1, margin=s.recipe.margin)
   return qz.quantize_columns_transposed(qz.dequantize(g8, g_inv), dtype,
                                         margin=s.recipe.margin)
 
@@ -223,5 +234,5 @@ def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
 
 def weights(s: Static, w, amax_w):
   r = s.recipe
-  return weight_copies(w, r.forward_dtype, scaling="tensor" if r.per_tensor else "row",
+  return weight_copies(w, r.forward_dtype, scaling="tensor" if r.per_tensor else r.scaling,
                        transpose_w=s.transpose_w, margin=r.margin, amax_w=amax_w)

@@ -26,6 +26,7 @@ import jax_comm_gemm as jcg  # noqa: E402
 import one_rank  # noqa: E402  (beside this file)
 from jax_comm_gemm.fp8 import (Fp8Recipe, fp8_all_gather_matmul,  # noqa: E402
                                fp8_matmul_reduce_scatter, quantize_rows, quantize_tensor)
+from jax_comm_gemm.fp8.quantize import BLOCK, dequantize, quantize_blocks  # noqa: E402
 from jax_comm_gemm.fp8.gemm import cublaslt_gemm_tn, fp8_gemm_tn  # noqa: E402
 from jax_comm_gemm.runtime.constants import TARGETS  # noqa: E402
 
@@ -90,6 +91,38 @@ def check_gemm_against_float64():
   return "worst per-row error: " + ", ".join(f"{g} {e:.2e}" for g, e in sorted(worst.items()))
 
 
+def check_block_gemm_against_float64():
+  """Block scales ("block" scaling): 1 x 128 blocks of a against 128 x 128 of b
+  (a layer's forward and input gradient), 1 x 128 against 1 x 128 (its weight
+  gradient), every operand-type pair, bf16 and f32 out, timed and not: the
+  custom call per row against float64 of the dequantized operands. Each
+  block's scale differs by a power of two, so a scale read from the wrong
+  block (a wrong layout) is off by a factor of 2 or more."""
+  worst = {}
+  for (m, n, k) in ((256, 384, 512), (1024, 2048, 4096), (128, 256, 384)):
+    for da, db in ((E4, E4), (E5, E4), (E4, E5)):
+      for b_rows in (BLOCK, 1):
+        ka, kb = jax.random.split(jax.random.key(m + k + b_rows))
+        ramp = lambda r, c, p: jnp.exp2((jnp.arange(r)[:, None] // p + jnp.arange(c)[None, :]
+                                         // BLOCK) % 6 - 3)
+        a = jax.random.normal(ka, (m, k)) * ramp(m, k, 1)
+        b = jax.random.normal(kb, (n, k)) * ramp(n, k, b_rows)
+        (a8, ia), (b8, ib) = quantize_blocks(a, da, 1), quantize_blocks(b, db, b_rows)
+        ref = (np.asarray(dequantize(a8, ia), np.float64)
+               @ np.asarray(dequantize(b8, ib), np.float64).T)
+        for out in (jnp.bfloat16, jnp.float32):
+          for timed in (True, False):
+            got = cublaslt_gemm_tn(a8, b8, ia, ib, out_dtype=out, timed=timed, fast_accum=False)
+            err = _row_error(got, ref)
+            key = (m, n, k, jnp.dtype(da).name, jnp.dtype(db).name, b_rows,
+                   jnp.dtype(out).name, timed)
+            tol = (2.0 ** -8 if out == jnp.bfloat16 else 0.0) + ACCUMULATION_TOL[False]
+            assert err <= tol, f"{key}: per-row error {err:.3g} > {tol:.3g}"
+            group = f"{'1x128' if b_rows == 1 else '128x128'} b, {jnp.dtype(out).name}"
+            worst[group] = max(worst.get(group, 0.0), err)
+  return "worst per-row error: " + ", ".join(f"{g} {e:.2e}" for g, e in sorted(worst.items()))
+
+
 def check_gemm_hlo():
   """fp8_gemm_tn(form="cublaslt") compiles to the one custom call: no XLA GEMM,
   no transpose; the "direct" form stays XLA's."""
@@ -119,8 +152,9 @@ def check_gemm_error_reaches_python():
   a8, b8, ia, ib = _operands(64, 32, 64, E4, E4, "tensor", 2)
   call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((64, 33), jnp.bfloat16))
   try:
-    jax.block_until_ready(jax.jit(lambda *t: call(*t, timed=True, fast_accum=True))(
-        a8, b8, ia, ib))
+    jax.block_until_ready(jax.jit(lambda *t: call(
+        *t, timed=True, fast_accum=True, a_scale_mode=np.int32(0), b_scale_mode=np.int32(0)))(
+            a8, b8, ia, ib))
   except Exception as e:  # XlaRuntimeError (its module moved between jax versions)
     assert "d has shape [64, 33], expected [64, 32]" in str(e), str(e)
     return f"{type(e).__name__}: ...{str(e)[-60:]}"
@@ -165,7 +199,7 @@ def check_layers_tp1():
   w1 = (jax.random.normal(kw, (k, m)) / np.sqrt(k)).astype(jnp.float32)
   w2 = (jax.random.normal(kc, (m, k)) / np.sqrt(m)).astype(jnp.float32)
   out = []
-  for scaling in ("tensor", "row"):
+  for scaling in ("tensor", "row", "block"):
     results = {}
     for form in ("cublaslt", "direct"):
       recipe = Fp8Recipe(scaling=scaling, gemm_form=form)
@@ -208,7 +242,8 @@ def check_layers_tp1():
   return "; ".join(out)
 
 
-CHECKS = [check_gemm_against_float64, check_gemm_hlo, check_gemm_error_reaches_python,
+CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
+          check_gemm_error_reaches_python,
           check_gemm_workspace_per_call_site, check_layers_tp1, *one_rank.CHECKS]
 
 
