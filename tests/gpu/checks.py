@@ -36,7 +36,8 @@ from jax_comm_gemm.runtime import REGISTRY
 from jax_comm_gemm.runtime import plan as plan_lib
 from jax_comm_gemm.runtime.capability import (SELF_TESTED_ALGORITHMS, SELF_TESTED_FP8_DTYPES,
                                               VerdictKey)
-from jax_comm_gemm.runtime.constants import (OWN_ALGORITHMS, REDUCE_SCATTER_ALGORITHMS,
+from jax_comm_gemm.runtime.constants import (ALGORITHMS, OWN_ALGORITHMS,
+                                             REDUCE_SCATTER_ALGORITHMS,
                                              TARGETS)
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
@@ -367,6 +368,56 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
     assert any("collective-permute" in line and "f8e5m2" in line for line in wire), (
         "the ring's backward moves no E5M2 grad_output")
   return {"errors": errs, "all_gathers": counted.all_gather}
+
+
+def check_fp8_fused_gemm(mesh):
+  """Every fused algorithm's FP8 AllGather+GEMM, and each GEMM+ReduceScatter
+  one, per row against float64 of the quantized operands (x quantized whole,
+  one scale, as the layers agree it; w per tensor), E4M3 and E5M2 x, bf16 out,
+  precise accumulation; and the gathered FP8 operand, where the self-test let
+  the op hand it out, bit for bit against x quantized whole."""
+  size = mesh.shape["tp"]
+  n, k, m = 256 * size, 512, 128 * size
+  w8, wi = quantize_tensor(jnp.asarray(random(31, m, k, scale=k**-0.5), jnp.float32),
+                           jnp.float8_e4m3fn)
+  w64 = np.asarray(w8.astype(jnp.float32), np.float64) * float(wi)
+  results = {}
+  for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    x8, xi = quantize_tensor(jnp.asarray(random(32, n, k), jnp.float32), dtype)
+    x64 = np.asarray(x8.astype(jnp.float32), np.float64) * float(xi)
+    ref = x64 @ w64.T
+    x_rows = jax.device_put(x8, NamedSharding(mesh, P("tp")))
+    x_cols = jax.device_put(x8, NamedSharding(mesh, P(None, "tp")))
+    w_rows = jax.device_put(w8, NamedSharding(mesh, P("tp")))
+    w_cols = jax.device_put(w8, NamedSharding(mesh, P(None, "tp")))
+    for algorithm in ALGORITHMS:
+      reuse = backends.CublasMpBackend(algorithm).gathered_reuse(
+          size, jnp.dtype(dtype).name, True).ok
+      hand_out = reuse or algorithm == "pipelined"  # "pipelined" gathers into it
+      def all_gather(x, w, a, b, alg=algorithm, hand_out=hand_out):
+        outs = primitives.fp8_all_gather_matmul(
+            x, w, a, b, "tp", out_dtype=jnp.bfloat16, return_gathered=hand_out,
+            algorithm=ALGORITHMS[alg], layout=REGISTRY.plan().layout, fast_accum=False)
+        return outs[0], (outs[1] if hand_out else x)[None]
+
+      step = smap(mesh, all_gather, (P("tp"), P("tp"), P(), P()), (P(None, "tp"), P("tp")))
+      y, gathered = step(x_rows, w_rows, xi, wi)
+      err = rel_err(y, ref)
+      assert err < 2.0 ** -8 + 2e-3, f"AG {algorithm} {jnp.dtype(dtype).name}: {err}"
+      if reuse:
+        want = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
+        for _, block in blocks(jax.lax.bitcast_convert_type(gathered, jnp.uint8)):
+          assert np.array_equal(block[0], want), f"AG {algorithm}: gathered bytes differ"
+      results[f"ag/{algorithm}/{jnp.dtype(dtype).name}"] = {"err": err, "gathered": reuse}
+    for algorithm in REDUCE_SCATTER_ALGORITHMS:
+      step = smap(mesh, lambda x, w, a, b, alg=algorithm: primitives.fp8_matmul_reduce_scatter(
+          x, w, a, b, "tp", out_dtype=jnp.bfloat16, algorithm=ALGORITHMS[alg],
+          fast_accum=False), (P(None, "tp"), P(None, "tp"), P(), P()), P("tp"))
+      err = rel_err(step(x_cols, w_cols, xi, wi), ref)
+      # The partial sums travel in bf16: one more rounding per rank.
+      assert err < (size + 1) * 2.0 ** -8 + 2e-3, f"RS {algorithm}: {err}"
+      results[f"rs/{algorithm}/{jnp.dtype(dtype).name}"] = {"err": err}
+  return results
 
 
 def check_autotune_fp8(mesh):
@@ -929,6 +980,7 @@ for _ag, _rs in (("default", "default"), ("split_p2p", "split_p2p"), ("pipelined
       mesh, "tensor", backend="cublasmp", all_gather_algorithm=a, reduce_scatter=r)
 CHECKS["fp8_tensor_fused_split_p2p_keep_input"] = lambda mesh: check_fp8(
     mesh, "tensor", keep=True, backend="cublasmp", reduce_scatter="ring")
+CHECKS["fp8_fused_gemm"] = check_fp8_fused_gemm
 CHECKS["autotune_fp8"] = check_autotune_fp8
 
 # A single process driving all GPUs runs this subset.
@@ -939,4 +991,4 @@ SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_s
                          "weight_gradient_bf16_nn", "weight_gradient_f32_tn", "mlp_repeated",
                          "routing", "layout_self_test", "autotune", "vmap", "mesh_2d",
                          "pallas_bf16", "fp8_tensor", "fp8_row", "fp8_tensor_ring",
-                         "fp8_tensor_fused_pipelined_ce", "autotune_fp8")
+                         "fp8_tensor_fused_pipelined_ce", "fp8_fused_gemm", "autotune_fp8")
