@@ -170,6 +170,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds (CPU)")
+  parser.add_argument("--no-bias", action="store_true",
+                      help="dense layers without biases (the project's variants only)")
   parser.add_argument("--hlo", metavar="DIR",
                       help="write each variant's optimized HLO to DIR/VARIANT.hlo.txt")
   parser.add_argument("--only", nargs="+", metavar="VARIANT",
@@ -180,7 +182,7 @@ def main() -> None:
   rounds, per_batch = (2, 1) if args.smoke else (10, 5)
   attention = None if args.smoke else "cudnn"
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  layout = tb.param_layout(d, hidden, "tp")
+  layout = tb.param_layout(d, hidden, "tp", use_bias=not args.no_bias)
   ps = []
   for i in range(layers):
     leaves, tree = jax.tree_util.tree_flatten_with_path(
