@@ -224,19 +224,26 @@ def check_type(where: str, name: str, value, cls) -> None:
                     f"({type(value).__name__})")
 
 
-def check_no_delayed_fp8(where: str, config) -> None:
-  """Raises ValueError where `config` asks for FP8 "delayed" scaling, whose
-  amax histories (one per dense layer) `where` does not carry.
+def check_fp8_histories(where: str, config, fp8_histories, layers: tuple[str, ...],
+                        how: str):
+  """`fp8_histories`, which a "delayed" FP8 config needs (a dict of an
+  AmaxHistory for each of `layers`; `how` says where to get one) and the
+  others refuse; None where there are none.
 
-  >>> check_no_delayed_fp8("f", CommGemmConfig())
+  >>> check_fp8_histories("f", CommGemmConfig(), None, ("fc1",), "")
   """
   fp8 = getattr(config, "fp8", None)
-  if fp8 is not None and fp8.scaling == "delayed":
-    raise ValueError(
-        f"{where}: FP8 'delayed' scaling keeps an amax history per dense layer, which "
-        f"{where} does not carry; use the dense layers or the transformer block "
-        f"(fp8_history= / fp8_histories=, or the linen and NNX modules), or scaling 'tensor' or "
-        f"'row'")
+  delayed = fp8 is not None and fp8.scaling == "delayed"
+  if fp8_histories is None and not delayed:
+    return None
+  if not delayed:
+    raise ValueError(f"{where}: `fp8_histories` is for CommGemmConfig(fp8=Fp8Recipe("
+                     f"'delayed')); this config's fp8 is {fp8!r}")
+  if not isinstance(fp8_histories, dict) or set(fp8_histories) != set(layers):
+    raise ValueError(f"{where}: FP8 'delayed' scaling needs `fp8_histories`, a dict of an "
+                     f"AmaxHistory for each of {layers} ({how}), got "
+                     f"{type(fp8_histories).__name__}")
+  return fp8_histories
 
 
 def check_fp8_history(where: str, config, fp8_history) -> None:

@@ -235,9 +235,9 @@ def test_the_functional_layers_take_a_history():
 
 
 def test_front_ends_without_histories_say_so():
-  """A block called without its histories and the MLP helpers (which carry
-  none): a "delayed" config is a ValueError naming the front end; a history for
-  a config that is not "delayed" is one too. (NNX: test_fp8_delayed_nnx.py.)"""
+  """A block or an MLP helper called without its histories: a "delayed" config
+  is a ValueError naming the front end; a history for a config that is not
+  "delayed" is one too. (NNX: test_fp8_delayed_nnx.py.)"""
   import jax_comm_gemm as jcg
   from jax_comm_gemm import sharded
   from jax_comm_gemm.layers import transformer
@@ -250,8 +250,11 @@ def test_front_ends_without_histories_say_so():
   with pytest.raises(ValueError, match=r"FP8 'delayed' scaling needs `fp8_histories`"):
     transformer.sharded_transformer_block(x.reshape(N, 1, D), params, mesh=mesh,
                                           options=transformer.BlockOptions(2, config=config))
-  with pytest.raises(ValueError, match=r"sharded.mlp: FP8 'delayed' scaling"):
+  with pytest.raises(ValueError, match=r"sharded.mlp: FP8 'delayed' scaling needs "
+                                       r"`fp8_histories`.*init_mlp_fp8_histories"):
     sharded.mlp(x, w1, w2, mesh=mesh, config=config)
+  with pytest.raises(ValueError, match=r"sharded.mlp: `fp8_histories` is for CommGemmConfig"):
+    sharded.mlp(x, w1, w2, mesh=mesh, fp8_histories=sharded.init_mlp_fp8_histories(config))
   with pytest.raises(ValueError, match=r"`fp8_history` is for CommGemmConfig"):
     jax.eval_shape(lambda x, w: sharded.column_parallel_dense(
         x, w, mesh=mesh, config=jcg.CommGemmConfig(fp8=Fp8Recipe()),

@@ -36,6 +36,7 @@ from jax_comm_gemm import validation
 from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked,
                                              matmul_reduce_scatter_unchecked)
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.layers.histories import mlp_histories
 from jax_comm_gemm.layers.placement import Placement
 from jax_comm_gemm.validation import Names
 
@@ -108,11 +109,14 @@ def row_parallel_dense(h, kernel, bias=None, *, axis_name: str, precision=None,
 def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
         axis_name: str, activation: Callable = jax.nn.gelu,
         keep_gathered_input: bool = False, precision=None,
-        config: CommGemmConfig = DEFAULT_CONFIG):
+        config: CommGemmConfig = DEFAULT_CONFIG, fp8_histories=None):
   """A sequence-parallel MLP block, ``fc2(activation(fc1(x)))``, on local shards.
 
   ``x`` is ``[n/P, ..., K]``, ``fc1_kernel`` ``[K, F/P]``, ``fc2_kernel``
-  ``[F/P, K]``; returns ``[n/P, ..., K]``.
+  ``[F/P, K]``; returns ``[n/P, ..., K]``. `fp8_histories`: for a "delayed"
+  FP8 config, ``{"fc1": AmaxHistory, "fc2": AmaxHistory}``
+  (:func:`~jax_comm_gemm.layers.histories.init_mlp_fp8_histories`); the
+  gradient with respect to them is the next step's.
 
   >>> import jax.numpy as jnp; from jax.sharding import PartitionSpec as P
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -122,16 +126,19 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
   (2, 3)
   """
   op = "mlp"
-  validation.check_no_delayed_fp8(op, config)
+  histories = mlp_histories(op, config, fp8_histories)
   validation.bound_axis_size(op, axis_name)
   validation.check_callable(op, "activation", activation)
   options = checked_options(op, keep_gathered_input, precision, config, None)
   check_column(Names(op, kernel="fc1_kernel", bias="fc1_bias"), x, fc1_kernel, fc1_bias)
   check_second_kernel(op, fc1_kernel, fc2_kernel, np.shape(x)[-1])
   validation.check_bias(Names(op, bias="fc2_bias"), fc2_bias, np.shape(x)[-1], x)
-  h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name, **options)
+  h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
+                      fp8_history=histories["fc1"], **options)
   del options["keep_gathered_input"]
-  return row_parallel(activation(h), fc2_kernel, fc2_bias, axis_name=axis_name, **options)
+  return row_parallel(activation(h), fc2_kernel, fc2_bias, axis_name=axis_name,
+                      fp8_history=histories["fc2"], **options)
+
 
 
 def checked_options(op: str, keep_gathered_input, precision, config, dot_general) -> dict:

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 import jax_comm_gemm.layers.local as local
+from jax_comm_gemm.layers.histories import mlp_histories
 from jax_comm_gemm.layers.placement import Placement, global_placement, resolve_mesh
 from jax_comm_gemm.validation import Names
 
@@ -83,9 +84,10 @@ def row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: str = "tp"
 def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
         axis_name: str = "tp", data_axes: Sequence[str] = (),
         activation: Callable = jax.nn.gelu, keep_gathered_input: bool = False,
-        precision=None, config: CommGemmConfig = DEFAULT_CONFIG):
+        precision=None, config: CommGemmConfig = DEFAULT_CONFIG, fp8_histories=None):
   """The sequence-parallel MLP block on global arrays: ``x [n, ..., K]`` in and
-  out, sharded along tokens; ``fc1_kernel [K, F]``, ``fc2_kernel [F, K]``.
+  out, sharded along tokens; ``fc1_kernel [K, F]``, ``fc2_kernel [F, K]``;
+  `fp8_histories` as in :func:`jax_comm_gemm.layers.local.mlp`.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> mlp(np.ones((2, 3), np.float32), np.ones((3, 8), np.float32),
@@ -93,7 +95,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
   (2, 3)
   """
   op = "sharded.mlp"
-  validation.check_no_delayed_fp8(op, config)
+  histories = mlp_histories(op, config, fp8_histories)
   where = global_placement(op, mesh, axis_name, data_axes)
   validation.check_callable(op, "activation", activation)
   options = local.checked_options(op, keep_gathered_input, precision, config, None)
@@ -103,7 +105,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
   validation.check_bias(Names(op, bias="fc2_bias"), fc2_bias, np.shape(x)[-1], x)
   _check_placement(op, fc2_kernel, where.mesh, P(axis_name, None), "fc2_kernel")
   del options["dot_general"]
-  return _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, mesh=where.mesh,
+  return _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, mesh=where.mesh,
               axis_name=axis_name, data_axes=where.data_axes, activation=activation,
               **options)
 
@@ -202,21 +204,24 @@ def _row(h, kernel, bias, history, *, mesh, axis_name, data_axes, precision, con
 
 
 @partial(jax.jit, static_argnames=(*_STATIC, "keep_gathered_input", "activation"))
-def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, *, mesh, axis_name, data_axes,
-         activation, keep_gathered_input, precision, config):
+def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, *, mesh, axis_name,
+         data_axes, activation, keep_gathered_input, precision, config):
   tokens, _ = _specs(np.ndim(x), data_axes, axis_name)
 
-  def body(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias):
+  def body(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories):
     h = local.column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
                               keep_gathered_input=keep_gathered_input,
-                              precision=precision, config=config)
+                              precision=precision, config=config,
+                              fp8_history=histories["fc1"])
     return local.row_parallel(activation(h), fc2_kernel, fc2_bias, axis_name=axis_name,
-                              precision=precision, config=config)
+                              precision=precision, config=config,
+                              fp8_history=histories["fc2"])
 
   specs = (tokens, P(None, axis_name), P(axis_name, None),
-           None if fc1_bias is None else P(axis_name), None if fc2_bias is None else P(None))
+           None if fc1_bias is None else P(axis_name), None if fc2_bias is None else P(None),
+           P())  # the histories: replicated (Nones without a "delayed" recipe)
   return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(
-      x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias)
+      x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories)
 
 
 # --- global checks --------------------------------------------------------------------

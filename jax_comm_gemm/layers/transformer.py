@@ -241,19 +241,10 @@ def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype, histo
 
 
 def _checked_histories(op, options, fp8_histories):
-  """`fp8_histories`, which a "delayed" FP8 config needs ({layer: AmaxHistory}
-  for FP8_LAYERS) and the others refuse."""
-  delayed = options.config.fp8 is not None and options.config.fp8.scaling == "delayed"
-  if fp8_histories is None and not delayed:
-    return None
-  if not delayed:
-    raise ValueError(f"{op}: `fp8_histories` is for a block whose config's FP8 recipe is "
-                     f"'delayed'; this one's fp8 is {options.config.fp8!r}")
-  if not isinstance(fp8_histories, dict) or set(fp8_histories) != set(FP8_LAYERS):
-    raise ValueError(f"{op}: FP8 'delayed' scaling needs `fp8_histories`, a dict of an "
-                     f"AmaxHistory for each of {FP8_LAYERS} (init_fp8_histories(options)), "
-                     f"got {type(fp8_histories).__name__}")
-  return fp8_histories
+  """`fp8_histories`, checked: {layer: AmaxHistory} for FP8_LAYERS where the
+  config's recipe is "delayed", else None."""
+  return validation.check_fp8_histories(op, options.config, fp8_histories, FP8_LAYERS,
+                                        "init_fp8_histories(options)")
 
 
 def layer_norm(x, p, epsilon: float, dtype):
