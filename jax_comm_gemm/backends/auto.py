@@ -28,7 +28,7 @@ from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
-from jax_comm_gemm.fp8.steps import FUSED_ALIGNMENT as FUSED_FP8_ALIGNMENT
+from jax_comm_gemm.fp8.steps import why_not_fused
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
@@ -105,11 +105,9 @@ def runnable(name: str, p: Problem) -> Capability:
   has limits (where it cannot, its backend runs XLA's ops), and so do the
   fused FP8 ops (where they cannot, FP8 runs on XLA's collectives)."""
   if p.fp8 and name not in PLAIN_BACKENDS:
-    if not Fp8Recipe.from_key(p.fp8).per_tensor:
-      return Capability(False, "the fused FP8 ops take one scale per tensor")
-    if p.k % FUSED_FP8_ALIGNMENT or p.m % FUSED_FP8_ALIGNMENT:
-      return Capability(False, f"the fused FP8 ops need k and m to be multiples of "
-                               f"{FUSED_FP8_ALIGNMENT}")
+    why = why_not_fused(Fp8Recipe.from_key(p.fp8), (p.m, p.k))
+    if why is not None:
+      return Capability(False, why)
   if name == pallas.NAME:
     return pallas.supports(p.rows, p.k, p.m, p.dtype, p.transpose_w, p.gathered,
                            p.axis_size)

@@ -126,9 +126,8 @@ def _cublaslt_takes(a8, b8, ia, ib) -> bool:
   m, k = a8.shape
   n = b8.shape[0]
   modes = (_scale_mode(ia, m, k), _scale_mode(ib, n, k))
-  vectors = {SCALAR, OUTER_VEC}
   scales = (modes in ((SCALAR, SCALAR), (OUTER_VEC, OUTER_VEC))
-            or (None not in modes and not vectors.intersection(modes)))
+            or set(modes) <= {VEC128, BLK128})
   return (scales and k % 16 == 0 and n % 16 == 0 and min(m, n, k) > 0
           and not (a8.dtype == E5M2 and b8.dtype == E5M2))
 
@@ -162,6 +161,16 @@ def _cublaslt_scales(inv, mode):
   return inv
 
 
+def _from_cublaslt_scales(inv, mode, k: int):
+  """:func:`_cublaslt_scales` undone: `inv` back in the layout of
+  :func:`~jax_comm_gemm.fp8.quantize.quantize_blocks`."""
+  if mode == VEC128:
+    return inv.T
+  if mode == BLK128:
+    return inv[:, :k // BLOCK]
+  return inv
+
+
 def _fp8_gemm_abstract(a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
   del sa, sb, timed, fast_accum, modes
   return a8.update(shape=(a8.shape[0], b8.shape[0]), dtype=out_dtype, weak_type=False)
@@ -169,10 +178,9 @@ def _fp8_gemm_abstract(a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
 
 def _fp8_gemm_elsewhere(a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
   del timed
-  if set(modes) & {VEC128, BLK128}:  # back from cuBLASLt's layout
-    k_blocks = a8.shape[1] // BLOCK
-    sa, sb = (s.T if m == VEC128 else s[:, :k_blocks] if m == BLK128 else s
-              for s, m in zip((sa, sb), modes))
+  if set(modes) & {VEC128, BLK128}:
+    k = a8.shape[1]
+    sa, sb = (_from_cublaslt_scales(s, m, k) for s, m in zip((sa, sb), modes))
     return fp8_gemm_tn(a8, b8, sa, sb, out_dtype, form="direct")
   return _direct(a8, b8, sa, sb, out_dtype, None if fast_accum else lax.Precision.HIGHEST)
 

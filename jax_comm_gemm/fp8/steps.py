@@ -60,24 +60,33 @@ class Static:
 FUSED_ALIGNMENT = 16
 
 
+def why_not_fused(recipe: Fp8Recipe, w_shape) -> str | None:
+  """Why the extension's fused FP8 ops cannot run `recipe` with a local w of
+  `w_shape`, or None: they take one scale per tensor and w's dims in multiples
+  of 16 (what the op refuses, and what ``auto`` does not measure)."""
+  if not recipe.per_tensor:
+    return (f"the extension's fused FP8 ops take one scale per tensor ('tensor' or "
+            f"'delayed' scaling); {recipe.scaling!r} scaling runs on collectives 'xla' or "
+            f"'ring'")
+  if any(d % FUSED_ALIGNMENT for d in w_shape):
+    return (f"the extension's fused FP8 ops need w's dims to be multiples of "
+            f"{FUSED_ALIGNMENT} (Hopper's FP8 GEMMs), got w {tuple(w_shape)}; collectives "
+            f"'xla' or 'ring' take any shape")
+  return None
+
+
 def checked_collectives(op: str, collectives, recipe: Fp8Recipe, w):
   """`collectives`, checked: one of ``steps.COLLECTIVES``, or the extension's
-  fused FP8 ops (a CublasMpBackend), which take one scale per tensor and a w
-  whose dims are multiples of 16."""
+  fused FP8 ops (a CublasMpBackend) where they can run (:func:`why_not_fused`)."""
   if isinstance(collectives, str) and collectives in COLLECTIVES:
     return collectives
   if not hasattr(collectives, "fp8_all_gather_matmul"):
     raise ValueError(f"{op}: `collectives` must be one of {COLLECTIVES} or a "
                      f"jax_comm_gemm.backends.CublasMpBackend (the extension's fused FP8 "
                      f"ops), got {collectives!r}")
-  if not recipe.per_tensor:
-    raise ValueError(f"{op}: the extension's fused FP8 ops take one scale per tensor "
-                     f"('tensor' or 'delayed' scaling); {recipe.scaling!r} scaling runs on "
-                     f"collectives 'xla' or 'ring'")
-  if any(d % FUSED_ALIGNMENT for d in w.shape):
-    raise ValueError(f"{op}: the extension's fused FP8 ops need w's dims to be multiples "
-                     f"of {FUSED_ALIGNMENT} (Hopper's FP8 GEMMs), got w {tuple(w.shape)}; "
-                     f"collectives 'xla' or 'ring' take any shape")
+  why = why_not_fused(recipe, w.shape)
+  if why is not None:
+    raise ValueError(f"{op}: {why}")
   return collectives
 
 
