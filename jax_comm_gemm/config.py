@@ -114,6 +114,15 @@ class CommGemmConfig:
                          f"per tensor ('tensor' or 'delayed' scaling); {self.fp8.scaling!r} "
                          f"scaling runs on backend 'xla', 'ring' or 'auto'")
 
+  @property
+  def fused(self) -> CublasMpBackend:
+    """The fused ops with this config's algorithms.
+
+    >>> CommGemmConfig(all_gather_algorithm="pipelined").fused.all_gather_algorithm
+    'pipelined'
+    """
+    return CublasMpBackend(self.all_gather_algorithm, self.reduce_scatter)
+
 
 def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:
   if not isinstance(value, str) or value not in allowed:

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any
 
 import jax_comm_gemm.backends.auto as auto
-from jax_comm_gemm.backends import Backend, CublasMpBackend
+from jax_comm_gemm.backends import Backend
 from jax_comm_gemm.config import FP8_BACKENDS
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.registry import current_plan
@@ -146,7 +146,7 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
   backend = _fp8_backend(config)
   if backend in ("xla", "ring"):
     return backend, f"backend={backend!r}"
-  fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
+  fused = config.fused
   if backend == "cublasmp":
     return fused, "backend='cublasmp'"
   p = auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered, fp8=config.fp8.key)

@@ -84,7 +84,7 @@ def _choose(config, axis_name, mesh, plan) -> Choice:
     warnings.warn(f"jax_comm_gemm: {why}; using XLA's collectives until then",
                   RuntimeWarning, stacklevel=3)
     return Choice(XlaBackend(), why)
-  fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
+  fused = config.fused
   if requested == "cublasmp":
     return Choice(fused, f"{asked}: {plan.cublasmp.reason}, axis {axis_name!r} connected")
   return Choice(AutoBackend(fused), f"{asked}: per problem, the fastest measured "

@@ -76,7 +76,7 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                          "gathers its input again in the backward pass unless "
                          "keep_gathered_input=True")
       gathered = config.fp8.backward_dtype if reduce_scatter_layer else config.fp8.forward_dtype
-      fused = CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
+      fused = config.fused
       route = gathered_route(fused, config.reuse_gathered, size, gathered, transpose_w=True)
       return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
                        f"{fp8.reason}; {route.reason}")
