@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from jax_comm_gemm import vma
 from jax_comm_gemm.runtime.constants import TARGETS
@@ -200,9 +200,40 @@ def _fp8_gemm_cuda(ctx, a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
       a_scale_mode=np.int32(modes[0]), b_scale_mode=np.int32(modes[1]))
 
 
+def _fp8_gemm_batched(args, dims, **params):
+  """The batching rule. The GEMM is ``a8 [m, k] . b8 [n, k]^T``: a batch of a
+  alone, against a shared b, folds into a's rows (one GEMM of B*m rows) where
+  a's scales fold with them (one shared scalar, or per row); any other batch
+  runs one GEMM per element (``lax.map``), each in the TN form."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  a8, b8, sa, sb = args
+  da, db, dsa, dsb = dims
+  mode_a = params["modes"][0]
+  folds = (db is dsb is None and da is not None
+           and (mode_a == OUTER_VEC or (mode_a == SCALAR and dsa is None)))
+  if folds:
+    m = a8.shape[1 if da == 0 else 0]
+    a8 = jnp.moveaxis(a8, da, 0).reshape(size * m, -1)
+    if mode_a == OUTER_VEC:  # per-row scales follow their rows
+      sa = (jnp.tile(sa, size) if dsa is None
+            else jnp.moveaxis(sa, dsa, 0).reshape(-1))
+    y = _fp8_gemm_p.bind(a8, b8, sa, sb, **params)
+    return y.reshape(size, m, -1), 0
+  mapped = [i for i, d in enumerate(dims) if d is not None]
+
+  def one(xs):
+    operands = list(args)
+    for i, x in zip(mapped, xs):
+      operands[i] = x
+    return _fp8_gemm_p.bind(*operands, **params)
+
+  return lax.map(one, tuple(jnp.moveaxis(args[i], dims[i], 0) for i in mapped)), 0
+
+
 _FP8_GEMM_TARGET = TARGETS["fp8_gemm"]
 _fp8_gemm_p = Primitive(_FP8_GEMM_TARGET)
 _fp8_gemm_p.def_abstract_eval(_fp8_gemm_abstract)
+batching.primitive_batchers[_fp8_gemm_p] = _fp8_gemm_batched
 mlir.register_lowering(_fp8_gemm_p, _fp8_gemm_cuda, platform="cuda")
 mlir.register_lowering(_fp8_gemm_p, _lower_elsewhere)
 
