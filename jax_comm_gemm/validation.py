@@ -1,6 +1,8 @@
 """Argument checks, run at trace time before any device work.
 
-Every error names the argument and says what is allowed.
+Every error names the argument and says what is allowed. The module imports
+no other module of the package, so that every layer, the FP8 ops included,
+checks through it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from jax_comm_gemm.config import CommGemmConfig
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                     jnp.dtype(jnp.float32))
@@ -230,6 +230,7 @@ def check_fp8_histories(where: str, config, fp8_histories, layers: tuple[str, ..
   AmaxHistory for each of `layers`; `how` says where to get one) and the
   others refuse; None where there are none.
 
+  >>> from jax_comm_gemm.config import CommGemmConfig
   >>> check_fp8_histories("f", CommGemmConfig(), None, ("fc1",), "")
   """
   fp8 = getattr(config, "fp8", None)
@@ -250,6 +251,7 @@ def check_fp8_history(where: str, config, fp8_history) -> None:
   """An FP8 amax history only where the config's recipe is "delayed" (the FP8
   op checks the history itself, and that a delayed recipe has one).
 
+  >>> from jax_comm_gemm.config import CommGemmConfig
   >>> check_fp8_history("f", CommGemmConfig(), None)
   """
   fp8 = getattr(config, "fp8", None)
@@ -261,13 +263,17 @@ def check_fp8_history(where: str, config, fp8_history) -> None:
 def check_config(where: str, config) -> None:
   """Raises TypeError naming `config` unless it is a CommGemmConfig.
 
+  >>> from jax_comm_gemm.config import CommGemmConfig
   >>> check_config("f", CommGemmConfig())
   >>> check_config("f", "xla")
   Traceback (most recent call last):
   ...
   TypeError: f: `config` must be a jax_comm_gemm.CommGemmConfig, got 'xla' (str); e.g. config=CommGemmConfig(backend='xla')
   """
-  if not isinstance(config, CommGemmConfig):
+  # isinstance by the class's name: config.py imports the backends, which import
+  # the FP8 ops, which check through this module.
+  if "jax_comm_gemm.config.CommGemmConfig" not in (
+      f"{c.__module__}.{c.__qualname__}" for c in type(config).__mro__):
     hint = (f"config=CommGemmConfig(backend={config!r})"
             if isinstance(config, str) else "config=CommGemmConfig()")
     raise TypeError(

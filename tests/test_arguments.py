@@ -80,3 +80,37 @@ def test_a_forced_backend_that_cannot_run_names_the_variable():
   with pytest.raises(RuntimeError, match=r"JAX_COMM_GEMM_BACKEND=cublasmp was requested but "
                                          r"cuBLASMp is unavailable"):
     jcg.resolve_backend(jcg.CommGemmConfig(), "tp", cpu_mesh(2))
+
+
+# Every flag of the public FP8 ops, and how to call the op with it.
+_W8 = jnp.ones((16, 16), jnp.float8_e4m3fn)
+FP8_FLAGS = {
+    "fp8_all_gather_matmul": ("transpose_w", "keep_gathered_input", "return_gathered"),
+    "fp8_matmul_reduce_scatter": ("transpose_w", "reuse_gathered"),
+    "fp8_gemm_tn": ("fast_accum",),
+    "cublaslt_gemm_tn": ("timed", "fast_accum"),
+    "weight_copies": ("transpose_w",),
+}
+
+
+def _call_fp8(op: str, **flags):
+  if op == "fp8_gemm_tn":
+    return jcg.fp8.fp8_gemm_tn(_W8, _W8, 1.0, 1.0, jnp.float32, **flags)
+  if op == "cublaslt_gemm_tn":
+    return jcg.fp8.cublaslt_gemm_tn(_W8, _W8, 1.0, 1.0, out_dtype=jnp.float32, **flags)
+  if op == "weight_copies":
+    return jcg.fp8.weight_copies(jnp.ones((16, 16)), jnp.float8_e4m3fn, scaling="tensor",
+                                 **{"transpose_w": False, **flags})
+  f = _eager(lambda x, w: getattr(jcg.fp8, op)(x, w, "tp", **flags), cpu_mesh(2),
+             (P("tp"), P(None, "tp")), P("tp"))
+  return jax.eval_shape(f, jnp.ones((16, 16)), jnp.ones((16, 16)))
+
+
+@pytest.mark.parametrize("op, flag", [(op, flag) for op, flags in FP8_FLAGS.items()
+                                      for flag in flags])
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_flags_of_the_fp8_ops_must_be_bools(op, flag, value):
+  """bool("no") is True: a flag that is not a bool is refused by name."""
+  with pytest.raises(TypeError, match=rf"{op}: `{flag}` must be True or False"):
+    _call_fp8(op, **{flag: value})
+  _call_fp8(op, **{flag: np.False_})  # numpy's bools are bools

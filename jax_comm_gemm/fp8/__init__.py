@@ -2,7 +2,7 @@
 the ring, or the extension's fused FP8 ops (handed in as a backend).
 
 A self-contained layer below ``collective_matmul`` and the dense layers: it
-imports only jax, numpy, ``jax_comm_gemm.vma`` and ``jax_comm_gemm.runtime``
+imports only jax, numpy, ``jax_comm_gemm.vma``, ``jax_comm_gemm.validation`` and ``jax_comm_gemm.runtime``
 (for the FP8 GEMM custom call's registration).
 
 * ``recipe``: :class:`Fp8Recipe`, what to quantize with.

@@ -46,7 +46,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-from jax_comm_gemm import vma
+from jax_comm_gemm import validation, vma
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.registry import REGISTRY
 from jax_comm_gemm.fp8.quantize import (BLOCK, amax, dequantize, inverse,
@@ -77,6 +77,7 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
   >>> fp8_gemm_tn(a8, a8, 0.5, jnp.array([1.0, 2.0]), jnp.float32).tolist()
   [[2.0, 4.0], [2.0, 4.0]]
   """
+  fast_accum = validation.check_flag("fp8_gemm_tn", "fast_accum", fast_accum)
   out_dtype = jnp.dtype(out_dtype)
   ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
   if form not in ("direct", "dequant_f32", "cublaslt"):
@@ -185,7 +186,6 @@ def _fp8_gemm_elsewhere(a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
   return _direct(a8, b8, sa, sb, out_dtype, None if fast_accum else lax.Precision.HIGHEST)
 
 
-
 _lower_elsewhere = mlir.lower_fun(_fp8_gemm_elsewhere, multiple_results=False)
 
 
@@ -201,24 +201,20 @@ def _fp8_gemm_cuda(ctx, a8, b8, sa, sb, *, out_dtype, timed, fast_accum, modes):
 
 
 def _fp8_gemm_batched(args, dims, **params):
-  """The batching rule. The GEMM is ``a8 [m, k] . b8 [n, k]^T``: a batch of a
-  alone, against a shared b, folds into a's rows (one GEMM of B*m rows) where
-  a's scales fold with them (one shared scalar, or per row); any other batch
-  runs one GEMM per element (``lax.map``), each in the TN form."""
+  """The batching rule of ``a8 [m, k] . b8 [n, k]^T``: a batch of a alone (b
+  shared) folds into a's rows where its scales fold with them (one shared
+  scalar, or per row); any other batch runs one TN GEMM per element."""
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   a8, b8, sa, sb = args
   da, db, dsa, dsb = dims
   mode_a = params["modes"][0]
-  folds = (db is dsb is None and da is not None
-           and (mode_a == OUTER_VEC or (mode_a == SCALAR and dsa is None)))
-  if folds:
+  if (db is dsb is None and da is not None
+      and (mode_a == OUTER_VEC or (mode_a == SCALAR and dsa is None))):
     m = a8.shape[1 if da == 0 else 0]
     a8 = jnp.moveaxis(a8, da, 0).reshape(size * m, -1)
     if mode_a == OUTER_VEC:  # per-row scales follow their rows
-      sa = (jnp.tile(sa, size) if dsa is None
-            else jnp.moveaxis(sa, dsa, 0).reshape(-1))
-    y = _fp8_gemm_p.bind(a8, b8, sa, sb, **params)
-    return y.reshape(size, m, -1), 0
+      sa = jnp.tile(sa, size) if dsa is None else jnp.moveaxis(sa, dsa, 0).reshape(-1)
+    return _fp8_gemm_p.bind(a8, b8, sa, sb, **params).reshape(size, m, -1), 0
   mapped = [i for i, d in enumerate(dims) if d is not None]
 
   def one(xs):
@@ -252,6 +248,8 @@ def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool
   ...                  out_dtype=jnp.float32)[0, :2].tolist()
   [4.0, 4.0]
   """
+  timed = validation.check_flag("cublaslt_gemm_tn", "timed", timed)
+  fast_accum = validation.check_flag("cublaslt_gemm_tn", "fast_accum", fast_accum)
   a8, b8, sa, sb = vma.match(a8, b8, jnp.asarray(scale_inv_a, F32),
                              jnp.asarray(scale_inv_b, F32))
   k = a8.shape[1]
@@ -260,8 +258,8 @@ def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool
     raise ValueError(f"cublaslt_gemm_tn: scales of shapes {sa.shape} and {sb.shape} fit "
                      f"none of cuBLASLt's modes for a {a8.shape} and b {b8.shape}")
   sa, sb = (_cublaslt_scales(s, m) for s, m in zip((sa, sb), modes))
-  return _fp8_gemm_p.bind(a8, b8, sa, sb, out_dtype=jnp.dtype(out_dtype), timed=bool(timed),
-                          fast_accum=bool(fast_accum), modes=modes)
+  return _fp8_gemm_p.bind(a8, b8, sa, sb, out_dtype=jnp.dtype(out_dtype), timed=timed,
+                          fast_accum=fast_accum, modes=modes)
 
 
 def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
@@ -282,6 +280,7 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
   >>> fwd8.shape, fwd_inv.shape, bwd8.shape, bwd_inv.shape
   ((3, 4), (3,), (4, 3), (4,))
   """
+  transpose_w = validation.check_flag("weight_copies", "transpose_w", transpose_w)
   w_kn = w.T if transpose_w else w
   if scaling == "tensor":
     if amax_w is None:

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_comm_gemm import vma
+from jax_comm_gemm import validation, vma
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
 from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
@@ -100,11 +100,14 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   [[4.0, 4.0], [4.0, 4.0], [4.0, 4.0], [4.0, 4.0]]
   """
   op = "fp8_all_gather_matmul"
+  transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
+  keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
+  return_gathered = validation.check_flag(op, "return_gathered", return_gathered)
   tokens = int(np.prod(x.shape[:-1])) * lax.axis_size(axis_name)
   _check(op, x, w, transpose_w, recipe, tokens)
-  s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
-              keep_gathered_input=bool(keep_gathered_input),
-              return_gathered=bool(return_gathered), gather=gather or xla_gather,
+  s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
+              keep_gathered_input=keep_gathered_input,
+              return_gathered=return_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w))
   size = lax.axis_size(axis_name)
   lead = x.shape[:-1]
@@ -142,13 +145,15 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   [[2.0, 2.0], [2.0, 2.0], [2.0, 2.0], [2.0, 2.0]]
   """
   op = "fp8_matmul_reduce_scatter"
+  transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
+  reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
   _check(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
   size = lax.axis_size(axis_name)
   if x.shape[0] % size:
     raise ValueError(f"{op}: x's tokens ({x.shape[0]}) must be divisible by the size "
                      f"of axis {axis_name!r} ({size})")
-  s = Static(axis_name, recipe, bool(transpose_w), jnp.dtype(x.dtype), jnp.dtype(w.dtype),
-              reuse_gathered=bool(reuse_gathered), gather=gather or xla_gather,
+  s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
+              reuse_gathered=reuse_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w))
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
@@ -169,7 +174,7 @@ def _check(op, x, w, transpose_w, recipe, tokens):
   k = w.shape[1] if transpose_w else w.shape[0]
   if x.shape[-1] != k:
     raise ValueError(f"{op}: x's last dim {x.shape[-1]} does not match w's contracting "
-                     f"dim {k} (w {w.shape}, transpose_w={bool(transpose_w)})")
+                     f"dim {k} (w {w.shape}, transpose_w={transpose_w})")
   if recipe.scaling == "block" and (tokens % qz.BLOCK or any(d % qz.BLOCK for d in w.shape)):
     raise ValueError(f"{op}: 'block' scaling quantizes in blocks of {qz.BLOCK}: w's dims "
                      f"and the tokens (all ranks') must be multiples of {qz.BLOCK}, got w "
