@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jax import lax
+
 import jax_comm_gemm.backends.auto as auto
 from jax_comm_gemm.backends import Backend
 from jax_comm_gemm.config import FP8_BACKENDS
 from jax_comm_gemm.runtime import settings
+from jax_comm_gemm.runtime.capability import cublasmp_refusal
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -148,6 +151,10 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
     return backend, f"backend={backend!r}"
   fused = config.fused
   if backend == "cublasmp":
+    why = cublasmp_refusal(fused, auto.workspace(lax.axis_size(axis_name)),
+                           "backend='cublasmp' (FP8)")
+    if why:
+      raise RuntimeError(why)
     return fused, "backend='cublasmp'"
   p = auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered, fp8=config.fp8.key)
   name, why = auto.choose(p, "xla")

@@ -1,8 +1,8 @@
 """A stand-in for the C++ extension, so that ``connect`` runs on a CPU: it
-records what the runtime asks of the extension, and the layout self-test is
-replaced by verdicts the test chooses."""
+records what the runtime asks of the extension, its contexts may refuse
+cuBLASMp's workspace as the library does where NCCL has no symmetric memory,
+and the layout self-test's GPU program by verdicts the test chooses."""
 
-import jax_comm_gemm.runtime.communicators as connect_module
 import jax_comm_gemm.runtime.plan as plan_lib
 from conftest import stand_in_plan
 from jax_comm_gemm.runtime import REGISTRY, capability
@@ -12,8 +12,9 @@ from jax_comm_gemm.runtime.capability import Capability
 class FakeNative:
   """Records what the runtime asks of the extension."""
 
-  def __init__(self):
+  def __init__(self, workspace_error: str = ""):
     self.connected, self.bound = [], []
+    self.workspace_error = workspace_error  # each context's, as Context::Init finds it
 
   def cublasmp_version(self):
     return 1000
@@ -33,27 +34,40 @@ class FakeNative:
     self.bound.append((ident, device_groups))
 
   def contexts(self):
-    return []
+    made = {(device, key) for call in self.connected for key, _, members in call["groups"]
+            for device, _ in members}
+    return [{"device": device, "group": key, "error": "", "workspace_error": self.workspace_error}
+            for device, key in sorted(made)]
 
   def shutdown(self, timeout_s):
     return True  # every context released in time
 
 
-def fake_self_test(passing=lambda key: True):
-  def run(mesh, axis_name, ident, layout, version):
-    return {key: Capability(passing(key), "fake self-test")
-            for key in capability._cases(int(mesh.shape[axis_name]), layout)}
+def fake_probe(passing=lambda key: True, ran=None, workspace_error: str = ""):
+  """Stands in for the self-test's GPU program (capability._probe): verdicts
+  that pass where `passing(key)` says; with `workspace_error`, cuBLASMp's
+  cases could not run, as on a GPU where its workspace is refused. `ran`, a
+  list, collects the algorithms whose cases it was asked to run."""
+  def run(mesh, axis_name, ident, layout, version, cases):
+    if ran is not None:
+      ran.extend(c.algorithm for c in cases if c.algorithm not in ran)
+    return {case: (Capability(False, f"the layout self-test could not run: {workspace_error}")
+                   if workspace_error and case.algorithm in capability.CUBLASMP_ALGORITHMS
+                   else Capability(passing(case), "fake self-test"))
+            for case in cases}
   return run
 
 
-def install_fake_native(monkeypatch, passing=lambda key: True) -> FakeNative:
+def install_fake_native(monkeypatch, passing=lambda key: True,
+                        workspace_error: str = "") -> FakeNative:
   """REGISTRY with cuBLASMp "available" through a FakeNative, emptied for the
-  test, and a self-test whose verdicts pass where `passing(key)` says."""
-  native = FakeNative()
+  test, and a self-test whose probes pass where `passing(key)` says; the
+  contexts refuse cuBLASMp's workspace with `workspace_error` if given."""
+  native = FakeNative(workspace_error)
   for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
                       ("_groups", set()), ("_attempts", {}), ("_wanted", {}), ("_seen", {}),
                       ("_sentinel", None), ("_first", None)]:
     monkeypatch.setattr(REGISTRY, name, value)
-  monkeypatch.setattr(connect_module, "self_test", fake_self_test(passing))
+  monkeypatch.setattr(capability, "_probe", fake_probe(passing, workspace_error=workspace_error))
   plan_lib.publish(stand_in_plan())
   return native

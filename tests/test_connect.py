@@ -26,7 +26,7 @@ import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
 from jax_comm_gemm.runtime.constants import TARGETS
 import jax_comm_gemm.runtime.plan as plan_lib
-from fake_native import fake_self_test, install_fake_native
+from fake_native import fake_probe, install_fake_native
 
 
 @pytest.fixture
@@ -182,8 +182,7 @@ def test_lowering_for_gpu_alone_makes_no_communicator(fake):
 def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
   """A verdict that passed for NN says nothing about TN: reuse is refused
   there, and the reason says which case was not verified."""
-  monkeypatch.setattr(connect_module, "self_test",
-                      fake_self_test(passing=lambda key: not key.transpose_w))
+  monkeypatch.setattr(capability, "_probe", fake_probe(passing=lambda key: not key.transpose_w))
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   jcg.connect(mesh, "tp")
   backend = jcg.CublasMpBackend()

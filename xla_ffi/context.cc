@@ -105,6 +105,15 @@ Status Context::Init(const ncclUniqueId& id) {
   JCG_RETURN_IF_ERROR(Barrier(stream));
   JCG_RETURN_IF_ERROR(EnqueueKeyExchange(PlanKey{}));
   JCG_CUDA(cudaStreamSynchronize(stream));
+  // Whether cuBLASMp can get its workspace here: cublasMpMalloc registers it
+  // with NCCL symmetric memory, which NCCL refuses where it cannot map the
+  // peers' memory (ranks sharing a GPU, GPUs without peer access). Learnt
+  // once, under connect()'s deadline, so that routing leaves cuBLASMp's
+  // algorithms out instead of failing at each call; the context stays usable
+  // for the own algorithms, which need no cuBLASMp workspace.
+  const Status probe = workspace_.Allocate(col_grid_.get(), row_grid_.get(), kWorkspaceGranule);
+  workspace_.Release();
+  if (!probe.ok()) workspace_error_ = probe.message();
   return Status();
 }
 

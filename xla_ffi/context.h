@@ -94,6 +94,9 @@ class Context {
   uint64_t calls() const { return calls_.load(); }
   double host_seconds() const { return host_ns_.load() * 1e-9; }
   std::string error() const;  // "" while healthy, else why it was aborted
+  // "" where cuBLASMp got a workspace at set-up, else the library's refusal
+  // (set in Create, constant afterwards).
+  const std::string& workspace_error() const { return workspace_error_; }
 
  private:
   explicit Context(const ContextOptions& options);
@@ -145,6 +148,7 @@ class Context {
   std::shared_timed_mutex comm_lock_;
   mutable std::mutex state_mu_;
   std::string error_;  // guarded by state_mu_
+  std::string workspace_error_;
   std::atomic<bool> aborted_{false};
   std::atomic<bool> closed_{false};
   std::atomic<size_t> workspace_bytes_{0};

@@ -78,6 +78,7 @@ nb::list Contexts() {
     d["calls"] = c.calls;
     d["host_seconds"] = c.host_seconds;
     d["error"] = c.error;
+    d["workspace_error"] = c.workspace_error;
     out.append(d);
   }
   return out;
@@ -165,6 +166,7 @@ NB_MODULE(_comm_gemm, m) {
         "One dict per context: group, device, rank, nranks, workspace_bytes (cuBLASMp's),\n"
         "own_buffer_bytes (the own algorithms' buffers), plans, calls and host_seconds\n"
         "(calls run since connect and their host time: the differences between two\n"
-        "reads give the host's cost of a call), and error ('' while healthy, else why\n"
-        "its communicator was aborted).");
+        "reads give the host's cost of a call), error ('' while healthy, else why\n"
+        "its communicator was aborted) and workspace_error ('' where cuBLASMp got its\n"
+        "workspace at set-up, else the library's refusal).");
 }

@@ -134,7 +134,8 @@ std::vector<ContextInfo> Registry::Describe() {
   for (const auto& ctx : Snapshot()) {
     out.push_back({ctx->group(), ctx->device(), ctx->rank(), ctx->nranks(),
                    ctx->workspace_bytes(), ctx->own_buffer_bytes(), ctx->plan_count(),
-                   ctx->calls(), ctx->host_seconds(), ctx->error()});
+                   ctx->calls(), ctx->host_seconds(), ctx->error(),
+                   ctx->workspace_error()});
   }
   return out;
 }

@@ -40,7 +40,8 @@ struct ContextInfo {
   size_t workspace_bytes, own_buffer_bytes, plans;
   uint64_t calls;
   double host_seconds;
-  std::string error;  // "" while healthy
+  std::string error;            // "" while healthy
+  std::string workspace_error;  // "" where cuBLASMp got its workspace at set-up
 };
 
 class Registry {

@@ -11,9 +11,12 @@ transpose, group size). Its implementation comes from, in order:
    outweighs the hidden all-gather), else the configured algorithm. The
    problem is then noted as wanted, so that the next ``autotune`` measures it.
 
-Every step reads the plan (runtime/plan.py) at trace time, the same in every
-process. Why per problem, and the measurements behind the rule of thumb:
-docs/design.md#backendauto-and-autotuning.
+Where connect found that cuBLASMp cannot get its workspace on groups of the
+problem's size, none of the three takes cuBLASMp's algorithms or jax's Pallas
+kernel (both need NCCL symmetric memory): XLA runs instead, and autotune does
+not measure them. Every step reads the plan (runtime/plan.py) at trace time,
+the same in every process. Why per problem, and the measurements behind the
+rule of thumb: docs/design.md#backendauto-and-autotuning.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.fp8.steps import why_not_fused
 from jax_comm_gemm.runtime import settings
-from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm.runtime.capability import Capability, WorkspaceKey
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
 from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
@@ -100,10 +103,34 @@ def candidates(p: Problem) -> tuple[str, ...]:
   return (FP8_CANDIDATES if p.fp8 else CANDIDATES)[p.op]
 
 
-def runnable(name: str, p: Problem) -> Capability:
+def workspace(axis_size: int, plan=None) -> Capability:
+  """Whether cuBLASMp got its workspace on groups of `axis_size` (connect's
+  probe, in `plan`, default: the plan in force)."""
+  return (current_plan() if plan is None else plan).verdict(WorkspaceKey(int(axis_size)))
+
+
+def _refusal(name: str, axis_size: int, plan) -> str | None:
+  """Why `name` cannot run at all on groups of `axis_size`, or None: cuBLASMp's
+  algorithms need its workspace, and jax's Pallas kernel NCCL symmetric
+  windows, which the same probe found missing (the kernel fails there with
+  "ncclGetPeerDevicePointer: window argument is NULL")."""
+  if not (name.startswith("cublasmp_") or name == pallas.NAME):
+    return None
+  verdict = workspace(axis_size, plan)
+  if verdict.ok:
+    return None
+  return (verdict.reason if name != pallas.NAME else
+          f"jax's Pallas kernel needs NCCL symmetric memory too: {verdict.reason}")
+
+
+def runnable(name: str, p: Problem, plan=None) -> Capability:
   """Whether implementation `name` can run `p` as itself. The Pallas kernel
   has limits (where it cannot, its backend runs XLA's ops), and so do the
-  fused FP8 ops (where they cannot, FP8 runs on XLA's collectives)."""
+  fused FP8 ops (where they cannot, FP8 runs on XLA's collectives); neither
+  it nor cuBLASMp's algorithms run where cuBLASMp was refused its workspace."""
+  refused = _refusal(name, p.axis_size, current_plan() if plan is None else plan)
+  if refused:
+    return Capability(False, refused)
   if p.fp8 and name not in PLAIN_BACKENDS:
     why = why_not_fused(Fp8Recipe.from_key(p.fp8), (p.m, p.k))
     if why is not None:
@@ -120,21 +147,27 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
   plan = current_plan() if plan is None else plan
   mode = plan.settings.autotune
   if mode in candidates(p):
-    verdict = runnable(mode, p)
-    return mode, f"forced by {settings.AUTOTUNE}={mode}" + (
-        "" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}")
+    verdict = runnable(mode, p, plan)
+    return ("xla" if _refusal(mode, p.axis_size, plan) else mode), (
+        f"forced by {settings.AUTOTUNE}={mode}" +
+        ("" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}"))
   decided = None
   if mode == "on":
     decided = plan.decision(p)
     REGISTRY.note(p, decided is not None)
-  if decided is not None:
-    return decided
+  if decided is not None:  # a cached choice may name what cannot run here
+    return _or_xla(*decided, p, plan)
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
   if p.fp8:
     return "xla", f"{why}; FP8 runs on XLA's collectives unless another measured faster"
   if p.flop() < FUSED_FROM_FLOP:
     return "xla", f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU is too small to fuse"
-  return default, f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU, fused"
+  return _or_xla(default, f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU, fused", p, plan)
+
+
+def _or_xla(name: str, why: str, p: Problem, plan) -> tuple[str, str]:
+  refused = _refusal(name, p.axis_size, plan)
+  return (name, why) if refused is None else ("xla", f"{why}; {name} cannot run: {refused}")
 
 
 def implementation(name: str, template: CublasMpBackend) -> Backend:
@@ -201,9 +234,11 @@ class AutoBackend(Backend):
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):
     # XLA and the ring hand out the gathered operand as an ordinary array;
-    # every fused algorithm that may be chosen must have passed the self-test.
+    # every fused algorithm that may be chosen must have passed the self-test
+    # (those that cannot run here are never chosen).
+    plan = current_plan()
     for name in CANDIDATES[AG]:
-      if name not in PLAIN_BACKENDS:
+      if name not in PLAIN_BACKENDS and _refusal(name, axis_size, plan) is None:
         verdict = implementation(name, self.fused).gathered_reuse(axis_size, dtype,
                                                                   transpose_w)
         if not verdict.ok:

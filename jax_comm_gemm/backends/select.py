@@ -9,11 +9,12 @@ import warnings
 
 import jax
 
-from jax_comm_gemm.backends.auto import AutoBackend
+from jax_comm_gemm.backends.auto import AutoBackend, workspace
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
 from jax_comm_gemm.runtime import settings
+from jax_comm_gemm.runtime.capability import cublasmp_refusal
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -85,10 +86,15 @@ def _choose(config, axis_name, mesh, plan) -> Choice:
                   RuntimeWarning, stacklevel=3)
     return Choice(XlaBackend(), why)
   fused = config.fused
+  found = workspace(mesh.shape[axis_name], plan)
   if requested == "cublasmp":
+    why = cublasmp_refusal(fused, found, asked)
+    if why:
+      raise RuntimeError(why)
     return Choice(fused, f"{asked}: {plan.cublasmp.reason}, axis {axis_name!r} connected")
   return Choice(AutoBackend(fused), f"{asked}: per problem, the fastest measured "
-                                    f"({plan.cublasmp.reason}, axis {axis_name!r} connected)")
+                                    f"({plan.cublasmp.reason}, axis {axis_name!r} connected"
+                                    + ("" if found.ok else f"; {found.reason}") + ")")
 
 
 def resolve_backend(config, axis_name: str = "tp", mesh=None) -> Backend:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
+from jax_comm_gemm.backends.auto import workspace
 from jax_comm_gemm.config import CommGemmConfig
 from jax_comm_gemm.routes import fp8_route, gathered_route
 
@@ -101,8 +102,12 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   # With "auto" each AllGather+GEMM runs fused or on XLA as measured for its
   # shape; the path below is the fused one, which the measured shapes take
   # where the fused op is faster (the compiled step's counts show which).
-  per_shape = ("backend='auto', where autotune finds the fused op faster: "
-               if isinstance(choice.backend, AutoBackend) else "")
+  per_shape = ""
+  if isinstance(choice.backend, AutoBackend):
+    refused = workspace(size)
+    per_shape = ("backend='auto', where autotune finds the fused op faster: " if refused.ok
+                 else f"backend='auto' ({refused.reason}), where autotune finds one of the "
+                      "project's own algorithms faster: ")
   if not (reduce_scatter_layer or keep_gathered_input):
     return LayerPath(FUSED_WITH_ALL_GATHER,
                      per_shape + "a column-parallel layer gathers its input again in the "

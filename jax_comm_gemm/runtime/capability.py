@@ -20,7 +20,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_comm_gemm.runtime.constants import ALGORITHMS, GATHERED_LAYOUTS, TARGETS
+from jax_comm_gemm.runtime.constants import (ALGORITHMS, GATHERED_LAYOUTS, OWN_ALGORITHMS,
+                                             TARGETS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,53 @@ class VerdictKey:
   layout: str
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkspaceKey:
+  """Whether cuBLASMp got its workspace on groups of `axis_size`: connect's
+  probe, agreed by every process, kept beside the layout verdicts (keyed by
+  group size as they are: trace time knows an axis by its size).
+
+  >>> WorkspaceKey(2).axis_size
+  2
+  """
+  axis_size: int
+
+
+# cuBLASMp's own algorithms: they need its workspace (NCCL symmetric memory).
+CUBLASMP_ALGORITHMS = tuple(a for a in ALGORITHMS if a not in OWN_ALGORITHMS)
+
+
+def workspace_verdict(axis_size: int, error: str) -> Capability:
+  """The verdict of connect's workspace probe on groups of `axis_size`
+  (`error`: the library's refusal, "" where it got one)."""
+  if not error:
+    return Capability(True, f"cuBLASMp got its workspace on groups of {axis_size}")
+  return Capability(False, f"cuBLASMp cannot get its workspace on groups of {axis_size} "
+                           f"({error}; NCCL symmetric memory is unavailable, as where ranks "
+                           f"share a GPU or GPUs lack peer access), so its algorithms "
+                           f"{' and '.join(map(repr, CUBLASMP_ALGORITHMS))} cannot run there")
+
+
+def cublasmp_refusal(fused, workspace: Capability, asked: str) -> str | None:
+  """Why `fused` (a config or backend with ``all_gather_algorithm`` and
+  ``reduce_scatter``), required by `asked`, cannot run where `workspace`
+  refused cuBLASMp's; None where it can.
+
+  >>> import types
+  >>> fused = types.SimpleNamespace(all_gather_algorithm="pipelined_ce", reduce_scatter="xla")
+  >>> cublasmp_refusal(fused, workspace_verdict(2, "refused"), "backend='cublasmp'") is None
+  True
+  """
+  named = [f"{field}={getattr(fused, field)!r}" for field in ("all_gather_algorithm",
+                                                              "reduce_scatter")
+           if getattr(fused, field) in CUBLASMP_ALGORITHMS]
+  if workspace.ok or not named:
+    return None
+  return (f"{asked} with {' and '.join(named)}: {workspace.reason}. The project's own "
+          "algorithms run here: CommGemmConfig(all_gather_algorithm='pipelined_ce', "
+          "reduce_scatter='pipelined_ce'), or backend='auto'")
+
+
 # cuBLASMp 0.11.0 documents the gathered B at the start of its workspace; 0.10
 # leaves it at the tail (measured: docs/design.md#the-gathered-operand-and-its-layout).
 FRONT_LAYOUT_SINCE = 1100
@@ -72,7 +120,9 @@ def version_text(version: int) -> str:
   return f"{version // 10000}.{version // 100 % 100}.{version % 100}"
 
 
-def untested(key: VerdictKey) -> Capability:
+def untested(key: VerdictKey | WorkspaceKey) -> Capability:
+  if isinstance(key, WorkspaceKey):  # no connect probed it: nothing refused
+    return Capability(True, f"no workspace probe on groups of {key.axis_size}")
   return Capability(False, f"reuse not verified for {key.algorithm}, {key.dtype}, "
                            f"{'TN' if key.transpose_w else 'NN'}, {key.layout!r} layout: "
                            "no self-test covered it (is the mesh axis connected?)")
@@ -110,17 +160,21 @@ def _gathered(case: VerdictKey, x, w, axis_size: int, comm_id: int, layout: str)
   return jax.ffi.ffi_call(TARGETS["all_gather_matmul"], results)(x, w, **attributes)[1]
 
 
-def self_test(mesh, axis_name: str, comm_id: int, layout: str,
-              version: int) -> dict[VerdictKey, Capability]:
+def self_test(mesh, axis_name: str, comm_id: int, layout: str, version: int,
+              workspace: Capability) -> dict[VerdictKey, Capability]:
   """Runs the probe for `layout` on every device of `mesh` (collective: every
   process calls it) and returns a verdict per case. One program per
   algorithm; where one fails (cuBLASMp refuses a case alike on every rank,
   without aborting the group), its cases run one program each, so that one
-  refused case does not condemn the others."""
+  refused case does not condemn the others. cuBLASMp's algorithms do not
+  run where `workspace` (connect's probe) refused them: their verdicts say why."""
   verdicts = {}
   cases = _cases(int(mesh.shape[axis_name]), layout)
   for algorithm in SELF_TESTED_ALGORITHMS:
     group = [c for c in cases if c.algorithm == algorithm]
+    if not workspace.ok and algorithm in CUBLASMP_ALGORITHMS:
+      verdicts.update(dict.fromkeys(group, workspace))
+      continue
     found = _probe(mesh, axis_name, comm_id, layout, version, group)
     if all(not v.ok and "could not run" in v.reason for v in found.values()):
       for case in group:

@@ -2,9 +2,11 @@
 
 For one mesh axis it makes the NCCL communicators of the tensor-parallel groups
 that the axis forms (one per group and local device, owned by the C++
-registry), after checking that every process agrees on its settings, and then
-runs the layout self-test. Every process calls it for the same mesh axis,
-before the first program that uses the axis runs.
+registry), after checking that every process agrees on its settings; learns,
+agreed by every process, whether cuBLASMp can get its workspace on them; and
+then runs the layout self-test of the algorithms that can run. Every process
+calls it for the same mesh axis, before the first program that uses the axis
+runs.
 
 Why here, and not while lowering or in the FFI handler's instantiate/prepare
 stage (docs/design.md#explicit-set-up-connect): set-up is collective, so it
@@ -28,10 +30,11 @@ import numpy as np
 
 import jax_comm_gemm.runtime.agreement as agreement
 import jax_comm_gemm.runtime.kv as kv
-from jax_comm_gemm.runtime.capability import Capability, self_test
+from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, cublasmp_refusal,
+                                              self_test, workspace_verdict)
 from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS
 from jax_comm_gemm.runtime.registry import REGISTRY, Registry
-from jax_comm_gemm.runtime.settings import Settings
+from jax_comm_gemm.runtime.settings import BACKEND, Settings
 
 
 def stable_key(value) -> int:
@@ -75,7 +78,8 @@ def fingerprint(settings: Settings, native=None) -> dict[str, str]:
   return found
 
 
-def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Capability:
+def connect(mesh, axis_name: str = "tp", *, config=None,
+            registry: Registry = REGISTRY) -> Capability:
   """Sets up the cuBLASMp backend on `axis_name` of `mesh` (collective).
 
   Call it once in every process, with the same mesh, after
@@ -87,14 +91,23 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
   value is a ValueError naming the variable) and compares them, with the
   versions, across the processes that hold the mesh's devices (a
   ``DisagreementError`` naming the setting and the processes), before any
-  collective. Then, where cuBLASMp can run, it makes the communicators and
-  runs the layout self-test. It publishes a new routing plan: programs traced
-  before it trace again at their next call (docs/design.md#routing-plan).
+  collective. Then, where cuBLASMp can run, it makes the communicators,
+  learns whether cuBLASMp can get its workspace on them (where it cannot,
+  ``auto`` leaves cuBLASMp's algorithms out and runs the project's own, the
+  ring or XLA) and runs the layout self-test. It publishes a new routing plan:
+  programs traced before it trace again at their next call
+  (docs/design.md#routing-plan).
 
-  Returns whether the axis can use cuBLASMp and why not: where cuBLASMp cannot
-  run (no GPU, no extension) it does nothing more and says so. Raises
-  TimeoutError when a peer does not come, RuntimeError when NCCL or cuBLASMp
-  fail (with the library's message). A failed connect can be called again.
+  `config`, a ``CommGemmConfig`` the layers will run with, is checked against
+  what can run on the axis: ``backend="cublasmp"`` with one of cuBLASMp's
+  algorithms where cuBLASMp cannot get its workspace is a RuntimeError that
+  says why (the axis stays connected for the project's own algorithms).
+
+  Returns whether the axis can use the fused ops and why not: where cuBLASMp
+  cannot run (no GPU, no extension) it does nothing more and says so; where
+  only its own algorithms cannot, the reason says that. Raises TimeoutError
+  when a peer does not come, RuntimeError when NCCL or cuBLASMp fail (with
+  the library's message). A failed connect can be called again.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -107,7 +120,7 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
   settings = Settings.from_environ()  # bad values fail here, before any collective
   ident = comm_id(mesh, axis_name)
   processes = sorted({d.process_index for d in np.asarray(mesh.devices).flat})
-  status = registry.cublasmp_status()
+  status = registry.library_status()
   with registry.connect_lock:
     attempt = registry.next_attempt(ident)
     native = registry.native() if status.ok else None
@@ -118,14 +131,21 @@ def connect(mesh, axis_name: str = "tp", *, registry: Registry = REGISTRY) -> Ca
       return status
     if mesh.shape[axis_name] == 1:
       return Capability(True, f"axis {axis_name!r} has size 1: nothing to communicate")
-    if registry.comm_id(mesh, axis_name) == ident:
-      return status
-    _make_communicators(mesh, axis_name, ident, attempt, native, settings, registry)
-    return status
+    if registry.comm_id(mesh, axis_name) != ident:
+      _make_communicators(mesh, axis_name, ident, attempt, native, settings, registry,
+                          processes)
+    workspace = registry.plan().verdict(WorkspaceKey(int(mesh.shape[axis_name])))
+    asked = (f"{BACKEND}=cublasmp" if settings.backend == "cublasmp"
+             else "backend='cublasmp'")
+    if config is not None and (settings.backend or config.backend) == "cublasmp":
+      why = cublasmp_refusal(config, workspace, f"connect({axis_name!r}): {asked}")
+      if why:
+        raise RuntimeError(why)
+    return status if workspace.ok else Capability(True, f"{status.reason}; {workspace.reason}")
 
 
 def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Settings,
-                        registry: Registry) -> None:
+                        registry: Registry, processes) -> None:
   me = jax.process_index()
   known = registry.known_groups()
   new_groups, device_groups = [], []
@@ -144,13 +164,34 @@ def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Setti
     native.connect(new_groups, settings.connect_timeout_s, settings.call_timeout_s,
                    settings.measuring)
   native.bind(ident, device_groups)
+  size = int(mesh.shape[axis_name])
+  workspace = workspace_verdict(size, _workspace_error(native, device_groups, ident, attempt,
+                                                       processes, settings.connect_timeout_s))
   layout = registry.plan().layout
   verdicts = {}
   for tested in sorted(GATHERED_LAYOUTS, key=lambda name: name != layout):
-    verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version()))
+    verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version(),
+                              workspace))
+  # Keyed by group size, as the layout verdicts are: a refusal on another
+  # axis of this size stands (the routes there cannot tell the axes apart).
+  known = registry.plan().verdict(WorkspaceKey(size))
+  verdicts[WorkspaceKey(size)] = workspace if known.ok else known
   registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
   if settings.on_abort == "exit":
     registry.watch(settings.abort_grace_s)
+
+
+def _workspace_error(native, device_groups, ident: int, attempt: int, processes,
+                     timeout_s: float) -> str:
+  """The first refusal of cuBLASMp's workspace among the contexts of the
+  axis's groups, in any process ("" where none refused): every process
+  decides the same, so every rank routes alike."""
+  refused = {(c["device"], c["group"]): c.get("workspace_error", "")
+             for c in native.contexts()}
+  mine = next((refused[pair] for pair in device_groups if refused.get(pair)), "")
+  seen = kv.all_gather(ident, attempt, "workspace", value=mine, timeout_s=timeout_s,
+                       processes=processes)
+  return next((error for error in seen if error), "")
 
 
 def _unique_id(native, ident: int, attempt: int, group_key: int, is_leader: bool,

@@ -3,7 +3,8 @@
 It holds what this process knows about the cuBLASMp runtime, and nothing else:
 
 * the C++ extension, loaded once (``native.py``), and whether cuBLASMp can run
-  here at all (``cublasmp_status``);
+  here at all (``library_status``; ``cublasmp_status`` adds where connect
+  found that cuBLASMp cannot get its workspace);
 * the NCCL groups that ``connect`` made (the communicators themselves live in
   the C++ registry, which owns every context);
 * the routing plan in force (``plan``, ``plan.py``): what ``connect`` and
@@ -27,7 +28,8 @@ import jax
 
 import jax_comm_gemm.runtime.native as native
 import jax_comm_gemm.runtime.plan as plan_lib
-from jax_comm_gemm.runtime.capability import Capability, default_layout, version_text
+from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, default_layout,
+                                              version_text)
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.plan import Plan
 from jax_comm_gemm.runtime.sentinel import Sentinel
@@ -74,7 +76,20 @@ class Registry:
   # --- the extension and the library ------------------------------------------
 
   def cublasmp_status(self) -> Capability:
-    """Whether the cuBLASMp backend can run in this process, and why not."""
+    """Whether the cuBLASMp backend can run in this process, and why not; and
+    on which groups connect found that cuBLASMp cannot get its workspace
+    (there ``auto`` runs the project's own algorithms, the ring or XLA)."""
+    status = self.library_status()
+    plan = plan_lib.published()
+    refused = sorted({v.reason for k, v in (plan.verdicts if plan is not None else ())
+                      if isinstance(k, WorkspaceKey) and not v.ok})
+    if not refused:
+      return status
+    return Capability(status.ok, "; ".join([status.reason, *refused]) + ": backend='auto' "
+                      "runs the project's own algorithms, the ring or XLA there")
+
+  def library_status(self) -> Capability:
+    """Whether the extension and cuBLASMp load in this process, and why not."""
     with self._lock:
       if self._status is None:
         self._status = self._load()
@@ -100,14 +115,14 @@ class Registry:
                             f"{version_text(module.nccl_version())}")
 
   def native(self) -> ModuleType:
-    status = self.cublasmp_status()
+    status = self.library_status()
     if self._native is None:
       raise RuntimeError(f"the cuBLASMp backend is unavailable: {status.reason}")
     return self._native
 
   def cublasmp_version(self) -> int:
     """major*10000 + minor*100 + patch, or 0 where cuBLASMp cannot run."""
-    return self.native().cublasmp_version() if self.cublasmp_status().ok else 0
+    return self.native().cublasmp_version() if self.library_status().ok else 0
 
   # --- the routing plan -----------------------------------------------------------
 
@@ -118,7 +133,7 @@ class Registry:
     if found is not None:
       return found
     if self._first is None:  # built once; a race builds two equal plans
-      status = self.cublasmp_status()
+      status = self.library_status()
       first = Plan(Settings.from_environ(), status, default_layout(self.cublasmp_version()))
       with self._lock:
         if self._first is None:
@@ -129,7 +144,7 @@ class Registry:
     """Publishes the plan in force with `settings` and what this process
     knows of cuBLASMp now (connect, once the settings are agreed). An equal
     plan leaves every compiled program as it is."""
-    status = self.cublasmp_status()
+    status = self.library_status()
     layout = default_layout(self.cublasmp_version())
     plan_lib.publish(dataclasses.replace(self.plan(), settings=settings, cublasmp=status,
                                          layout=layout))
