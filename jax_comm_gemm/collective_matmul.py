@@ -71,8 +71,8 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
     return_gathered: also return the gathered ``x``, ``[n, k]``.
     keep_gathered_input: keep the gathered ``x`` for the weight gradient
       instead of gathering it again in the backward pass (N*K memory).
-    precision: ``lax.Precision`` of the GEMMs that XLA runs (forward and
-      gradients); cuBLASMp always accumulates in float32.
+    precision: as ``lax.dot_general`` takes it, for every GEMM; refused where it would
+      be ignored (FP8, backend "cublasmp"), and backend "auto" runs it on XLA.
     config: backend and algorithm choices.
     fp8_history: a ``"delayed"`` ``config.fp8``'s AmaxHistory; its gradient: the next.
 
@@ -137,29 +137,30 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config, fp8_history=None):
   """:func:`all_gather_matmul` for callers that validated the arguments."""
-  validation.check_fp8_history("all_gather_matmul", config, fp8_history)
+  precision = validation.check_op_options("all_gather_matmul", config, fp8_history, precision)
   if fp8_route(config).fp8:
     gathered = return_gathered or keep_gathered_input
     return fp8_all_gather_matmul(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
         keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
         collectives=fp8_collectives(config, AG, x, w, transpose_w, axis_name, gathered)[0])
-  static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
-                   config.reuse_gathered, return_gathered, keep_gathered_input, precision)
+  backend = resolve_backend(config, axis_name, precision=precision)
+  static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, return_gathered,
+                   keep_gathered_input, precision)
   return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
                                     fp8_history=None):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
-  validation.check_fp8_history("matmul_reduce_scatter", config, fp8_history)
+  precision = validation.check_op_options("matmul_reduce_scatter", config, fp8_history, precision)
   if fp8_route(config).fp8:
     return fp8_matmul_reduce_scatter(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
         reuse_gathered=config.reuse_gathered is not False, history=fp8_history,
         collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0])
-  static = _Static(axis_name, transpose_w, resolve_backend(config, axis_name),
-                   config.reuse_gathered, precision=precision,
+  backend = resolve_backend(config, axis_name, precision=precision)
+  static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, precision=precision,
                    fuse_weight_gradient=config.fuse_weight_gradient)
   return _matmul_reduce_scatter_jit(*_varying(axis_name, x, w), static)
 
@@ -235,8 +236,7 @@ def _all_gather_matmul_bwd(s: _Static, res, ct):
           _or_zeros(dw, w.shape, w.dtype, w))
 
 
-_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd,
-                          symbolic_zeros=True)
+_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd, symbolic_zeros=True)
 
 
 def _local_input_shape(operand, s: _Static):

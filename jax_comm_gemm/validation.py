@@ -2,7 +2,8 @@
 
 Every error names the argument and says what is allowed. The module imports
 no other module of the package, so that every layer, the FP8 ops included,
-checks through it.
+checks through it. Longer than 300 lines because it is the one home of the
+package's argument checks, each with an example.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                     jnp.dtype(jnp.float32))
@@ -106,6 +108,59 @@ def check_not_empty(op: str, name: str, value) -> None:
     raise ValueError(
         f"{op}: `{name}` has shape {np.shape(value)}, with a dimension of size 0; "
         "every dimension must be at least 1")
+
+
+def _precisions(precision):
+  """`precision` as a pair of lax.Precision, or None where it names none."""
+  pair = precision if isinstance(precision, (tuple, list)) and len(precision) == 2 else None
+  for kind in (lax.Precision, str):  # jax takes a pair of one kind
+    if isinstance(precision, kind) or (pair and all(isinstance(p, kind) for p in pair)):
+      try:
+        return tuple(lax.Precision(p) for p in (pair or (precision, precision)))
+      except ValueError:
+        return None
+  return None
+
+
+def check_precision(op: str, precision):
+  """`precision` as ``lax.dot_general`` takes it, returned (a list pair as a
+  tuple: jit keys on it); else a ValueError.
+
+  >>> check_precision("f", ("highest", "default"))
+  ('highest', 'default')
+  >>> check_precision("f", "best")
+  Traceback (most recent call last):
+  ...
+  ValueError: f: `precision` must be None, a jax.lax.Precision or its name ('highest', 'float32', 'high', 'bfloat16_3x', 'tensorfloat32', 'default', 'bfloat16', 'fastest'), a pair of either kind, or a jax.lax.DotAlgorithmPreset, its name, or a jax.lax.DotAlgorithm, as jax.lax.dot_general takes it; got 'best'
+  """
+  if (precision is None or isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset))
+      or (isinstance(precision, str) and precision in lax.DotAlgorithmPreset.__members__)
+      or _precisions(precision) is not None):
+    return tuple(precision) if isinstance(precision, list) else precision
+  names = ("highest", "float32", "high", "bfloat16_3x", "tensorfloat32", "default",
+           "bfloat16", "fastest")
+  raise ValueError(
+      f"{op}: `precision` must be None, a jax.lax.Precision or its name {names}, a pair "
+      "of either kind, or a jax.lax.DotAlgorithmPreset, its name, or a "
+      f"jax.lax.DotAlgorithm, as jax.lax.dot_general takes it; got {precision!r}")
+
+
+def default_precision(precision) -> bool:
+  """Whether a checked `precision` asks for nothing but jax's default.
+
+  >>> default_precision(None), default_precision("bfloat16"), default_precision("highest")
+  (True, True, False)
+  """
+  return (precision is None or precision in (lax.DotAlgorithmPreset.DEFAULT, "DEFAULT")
+          or _precisions(precision) == (lax.Precision.DEFAULT,) * 2)
+
+
+def check_precision_used(op: str, precision, why_ignored: str) -> None:
+  """A ValueError where `precision` asks for more than the default and the
+  path it reaches would ignore it (`why_ignored`)."""
+  if not default_precision(precision):
+    raise ValueError(f"{op}: precision={precision!r} would be ignored: {why_ignored}; "
+                     "leave precision unset there")
 
 
 def check_callable(op: str, name: str, value) -> None:
@@ -247,17 +302,25 @@ def check_fp8_histories(where: str, config, fp8_histories, layers: tuple[str, ..
   return fp8_histories
 
 
-def check_fp8_history(where: str, config, fp8_history) -> None:
-  """An FP8 amax history only where the config's recipe is "delayed" (the FP8
-  op checks the history itself, and that a delayed recipe has one).
+def check_op_options(where: str, config, fp8_history, precision):
+  """The options a collective matmul routes by: `precision` as jax takes it
+  (returned), the default only with FP8, whose GEMMs it would not reach; an
+  FP8 amax history only where the config's recipe is "delayed" (the FP8 op
+  checks the history itself, and that a delayed recipe has one).
 
   >>> from jax_comm_gemm.config import CommGemmConfig
-  >>> check_fp8_history("f", CommGemmConfig(), None)
+  >>> check_op_options("f", CommGemmConfig(), None, "highest")
+  'highest'
   """
+  precision = check_precision(where, precision)
   fp8 = getattr(config, "fp8", None)
   if fp8_history is not None and (fp8 is None or fp8.scaling != "delayed"):
     raise ValueError(f"{where}: `fp8_history` is for CommGemmConfig(fp8=Fp8Recipe('delayed')); "
                      f"this config's fp8 is {fp8!r}")
+  if fp8 is not None:
+    check_precision_used(where, precision, "config.fp8's GEMMs are FP8, accumulated as its "
+                                           "Fp8Recipe.accumulation says")
+  return precision
 
 
 def check_config(where: str, config) -> None:

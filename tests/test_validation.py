@@ -18,10 +18,18 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import cpu_mesh
+from conftest import cpu_mesh, stand_in_plan
+import flax
+import jax_comm_gemm as jcg
+import jax_comm_gemm.linen  # noqa: F401  (the modules, as jcg.linen and jcg.nnx)
+import jax_comm_gemm.nnx  # noqa: F401
+import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.settings import Settings
-from jax_comm_gemm import (CommGemmConfig, all_gather_matmul, dense, matmul_reduce_scatter,
-                           resolve_backend, sharded, validation)
+from jax_comm_gemm import (CommGemmConfig, XlaBackend, all_gather_matmul, dense,
+                           matmul_reduce_scatter, resolve_backend, sharded, validation)
+from jax_comm_gemm.fp8 import Fp8Recipe
+from jax_comm_gemm.layers import transformer
 
 F32 = jnp.float32
 
@@ -320,3 +328,90 @@ def test_check_flag_refuses_non_bools(value):
 def test_check_flag_returns_a_python_bool(value, expected):
   out = validation.check_flag("where", "flag", value)
   assert out is expected
+
+
+# --- precision -------------------------------------------------------------------
+
+HIGHEST = jax.lax.Precision.HIGHEST
+PRECISIONS = [None, "highest", "default", "DEFAULT", "float32", HIGHEST, (HIGHEST, "high"),
+              ("high", "default"), [HIGHEST, HIGHEST], "BF16_BF16_F32",
+              jax.lax.DotAlgorithmPreset.F32_F32_F32, "HIGHEST", "best", 2, True,
+              ("high",), ("high", "high", "high"), ("bad", "high")]
+
+
+def _jax_takes(precision) -> bool:
+  try:
+    jax.eval_shape(lambda a: jax.lax.dot(a, a, precision=precision), _spec((2, 2)))
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=repr)
+def test_check_precision_takes_what_jax_takes(precision):
+  """What jax.lax.dot takes, a list pair as its tuple (jit keys on it: it must hash)."""
+  as_taken = tuple(precision) if isinstance(precision, list) else precision
+  if _jax_takes(as_taken):
+    assert validation.check_precision("where", precision) == as_taken
+  else:
+    with pytest.raises(ValueError, match=r"where: `precision` must be None, a jax.lax.Precision"):
+      validation.check_precision("where", precision)
+
+
+ENTRY_POINTS = {
+    "all_gather_matmul": lambda p: _trace_in_shard_map(
+        lambda x, w: all_gather_matmul(x, w, "tp", precision=p),
+        (P("tp"), P(None, "tp")), (16, 8), (8, 8)),
+    "dense.column_parallel_dense": lambda p: _trace_in_shard_map(
+        lambda x, w: dense.column_parallel_dense(x, w, axis_name="tp", precision=p),
+        (P("tp"), P(None, "tp")), (16, 8), (8, 8)),
+    "sharded.row_parallel_dense": lambda p: jax.eval_shape(
+        lambda h, w: sharded.row_parallel_dense(h, w, mesh=cpu_mesh(4), precision=p),
+        _spec((16, 8)), _spec((8, 8))),
+    "BlockOptions": lambda p: transformer.BlockOptions(2, precision=p),
+    "linen.ColumnParallelDense": lambda p: jcg.linen.ColumnParallelDense(
+        4, mesh=cpu_mesh(1), precision=p).init(jax.random.key(0), jnp.ones((2, 3))),
+    "nnx.RowParallelDense": lambda p: jcg.nnx.RowParallelDense(
+        4, 3, mesh=cpu_mesh(1), precision=p, rngs=flax.nnx.Rngs(0)),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_checks_precision(entry):
+  with pytest.raises(ValueError, match=r"`precision` must be None"):
+    ENTRY_POINTS[entry]("HIGHEST")  # jax's name is "highest"
+  ENTRY_POINTS[entry]("highest")
+
+
+def _connected_stand_in(mesh):
+  plan_lib.publish(stand_in_plan(cublasmp=True).with_axis(mesh, "tp", 7, {}))
+
+
+def test_auto_leaves_the_fused_ops_to_xla_for_a_precision_they_would_ignore():
+  """The fused ops compute in float32 whatever `precision` says: backend="auto"
+  runs such a layer on XLA, saying why; "cublasmp" refuses it by name."""
+  mesh = cpu_mesh(2)
+  _connected_stand_in(mesh)
+  config = CommGemmConfig()
+  assert not isinstance(resolve_backend(config, "tp", mesh), XlaBackend)  # fused otherwise
+  assert not isinstance(resolve_backend(config, "tp", mesh, precision="default"), XlaBackend)
+  choice = jcg.backends.choose_backend(config, "tp", mesh, precision=HIGHEST)
+  assert isinstance(choice.backend, XlaBackend) and "precision=" in choice.reason
+  with pytest.raises(ValueError, match=r"backend='cublasmp': precision='highest' would be "
+                                       r"ignored"):
+    resolve_backend(CommGemmConfig(backend="cublasmp"), "tp", mesh, precision="highest")
+  f = jax.shard_map(lambda x, w: all_gather_matmul(x, w, "tp", precision=HIGHEST), mesh=mesh,
+                    in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+  jaxpr = str(jax.make_jaxpr(f)(jnp.ones((16, 8)), jnp.ones((8, 8))))
+  assert TARGETS["all_gather_matmul"] not in jaxpr and "Precision.HIGHEST" in jaxpr
+
+
+def test_fp8_refuses_a_precision_it_would_ignore():
+  """FP8 GEMMs accumulate as the recipe says: a precision there is an error."""
+  config = CommGemmConfig(backend="xla", fp8=Fp8Recipe())
+  run = lambda p: _trace_in_shard_map(
+      lambda x, w: all_gather_matmul(x, w, "tp", precision=p, config=config),
+      (P("tp"), P(None, "tp")), (16, 16), (16, 16))
+  with pytest.raises(ValueError, match=r"precision=Precision.HIGHEST would be ignored: .*FP8"):
+    run(HIGHEST)
+  run(jax.lax.Precision.DEFAULT)

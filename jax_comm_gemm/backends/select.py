@@ -9,6 +9,7 @@ import warnings
 
 import jax
 
+from jax_comm_gemm import validation
 from jax_comm_gemm.backends.auto import AutoBackend, workspace
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
@@ -30,18 +31,19 @@ class Choice:
   reason: str
 
 
-def choose_backend(config, axis_name: str, mesh=None) -> Choice:
+def choose_backend(config, axis_name: str, mesh=None, precision=None) -> Choice:
   """The backend for `config` (a ``CommGemmConfig``) on `axis_name` of `mesh`
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
   reason, under the routing plan in force. Says once if the config's fused-op
-  options do nothing there.
+  options do nothing there. The fused ops compute in float32: for a
+  `precision` other than the default "auto" takes XLA, "cublasmp" refuses it.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> choose_backend(jcg.CommGemmConfig(backend="xla"), "tp", mesh).reason
   "backend='xla' was requested"
   """
-  choice = _choose(config, axis_name, mesh, current_plan())
+  choice = _choose(config, axis_name, mesh, current_plan(), precision)
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
     unused = [f"{name}={getattr(config, name)!r}" for name, default in fused_defaults()
               if getattr(config, name) != default]
@@ -58,13 +60,15 @@ def fused_defaults() -> tuple[tuple[str, object], ...]:
   return tuple((f.name, f.default) for f in dataclasses.fields(CublasMpBackend))
 
 
-def _choose(config, axis_name, mesh, plan) -> Choice:
+def _choose(config, axis_name, mesh, plan, precision) -> Choice:
   forced = plan.settings.backend
   requested = forced or config.backend
   asked = (f"{settings.BACKEND}={forced}" if forced else f"backend={requested!r}")
   if forced in PLAIN_BACKENDS:
     return Choice(PLAIN_BACKENDS[forced](), f"forced by {asked}")
   if isinstance(requested, Backend):
+    if isinstance(requested, (CublasMpBackend, AutoBackend)):
+      validation.check_precision_used(asked, precision, _FLOAT32)
     return Choice(requested, "a Backend instance was given")
   if requested in PLAIN_BACKENDS:
     return Choice(PLAIN_BACKENDS[requested](), f"{asked} was requested")
@@ -85,6 +89,10 @@ def _choose(config, axis_name, mesh, plan) -> Choice:
     warnings.warn(f"jax_comm_gemm: {why}; using XLA's collectives until then",
                   RuntimeWarning, stacklevel=3)
     return Choice(XlaBackend(), why)
+  if not validation.default_precision(precision):
+    if requested == "cublasmp":
+      validation.check_precision_used(asked, precision, _FLOAT32)
+    return Choice(XlaBackend(), f"precision={precision!r}: {_FLOAT32}; XLA's GEMMs take it")
   fused = config.fused
   found = workspace(mesh.shape[axis_name], plan)
   if requested == "cublasmp":
@@ -97,7 +105,10 @@ def _choose(config, axis_name, mesh, plan) -> Choice:
                                     + ("" if found.ok else f"; {found.reason}") + ")")
 
 
-def resolve_backend(config, axis_name: str = "tp", mesh=None) -> Backend:
+_FLOAT32 = "the fused ops compute in float32 (CUBLAS_COMPUTE_32F)"
+
+
+def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None) -> Backend:
   """The backend of :func:`choose_backend`, without the reason.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
@@ -105,4 +116,4 @@ def resolve_backend(config, axis_name: str = "tp", mesh=None) -> Backend:
   >>> resolve_backend(jcg.CommGemmConfig(backend="ring"), "tp", mesh).name
   'ring'
   """
-  return choose_backend(config, axis_name, mesh).backend
+  return choose_backend(config, axis_name, mesh, precision).backend

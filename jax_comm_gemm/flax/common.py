@@ -44,8 +44,9 @@ class Options:
       Flax's ``promote_dtype``: a float32 bias makes a bfloat16 input's output
       float32 unless ``dtype`` is set).
     param_dtype: the dtype passed to the initializers.
-    precision: ``lax.Precision`` of every GEMM the layer runs through XLA, the
-      weight-gradient GEMMs included (cuBLASMp always accumulates in float32).
+    precision: as ``lax.dot_general`` takes it, for every GEMM of the layer,
+      the weight-gradient GEMMs included (as in
+      :func:`jax_comm_gemm.all_gather_matmul`).
     kernel_init: initializer of the kernels (global shapes).
     bias_init: initializer of the biases.
     config: a :class:`~jax_comm_gemm.CommGemmConfig`: backend and algorithms.
@@ -115,7 +116,8 @@ def nnx_options(owner: str, given: dict, extra: dict) -> dict:
 
 def check_options(owner: str, options: dict, *, features: dict[str, int]) -> tuple:
   """Checks a module's options and sizes, each error naming its field; returns
-  the data axes as a tuple. With a mesh given, its axes are checked too.
+  the data axes as a tuple (`options` keeps the checked precision). With a
+  mesh given, its axes are checked too.
 
   >>> check_options("M", DEFAULTS | {"data_axes": "dp"}, features={"features": 4})
   ('dp',)
@@ -129,6 +131,7 @@ def check_options(owner: str, options: dict, *, features: dict[str, int]) -> tup
       raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}")
   validation.check_config(owner, options["config"])
   validation.check_flag(owner, "use_bias", options["use_bias"])
+  options["precision"] = validation.check_precision(owner, options["precision"])
   for name in ("keep_gathered_input", "causal"):
     if name in options:
       validation.check_flag(owner, name, options[name])

@@ -152,7 +152,8 @@ def checked_options(op: str, keep_gathered_input, precision, config, dot_general
     validation.check_callable(op, "dot_general", dot_general)
   return dict(keep_gathered_input=validation.check_flag(op, "keep_gathered_input",
                                                         keep_gathered_input),
-              precision=precision, config=config, dot_general=dot_general)
+              precision=validation.check_precision(op, precision), config=config,
+              dot_general=dot_general)
 
 
 # --- checked entries on local shards (the dispatch's local side) ---------------------

@@ -97,6 +97,7 @@ class BlockOptions:
     op = type(self).__name__
     validation.check_callable(op, "activation", self.activation)
     validation.check_config(op, self.config)
+    object.__setattr__(self, "precision", validation.check_precision(op, self.precision))
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
 
