@@ -144,6 +144,29 @@ def test_what_the_fused_fp8_ops_cannot_run_is_refused():
     jcg.CommGemmConfig(backend="cublasmp", fp8=Fp8Recipe("row"))
 
 
+class _LooksFused:
+  """Has the fused FP8 ops' names, but is no backend that declares them."""
+
+  def fp8_all_gather_matmul(self, *args, **kwargs):
+    raise AssertionError("called")
+
+  fp8_matmul_reduce_scatter = fp8_all_gather_matmul
+
+
+@pytest.mark.parametrize("collectives", [_LooksFused(), jcg.XlaBackend(), jcg.AutoBackend()],
+                         ids=lambda c: type(c).__name__)
+def test_the_fused_fp8_ops_are_found_through_the_backend_interface(collectives):
+  """`collectives` runs the fused FP8 ops where the Backend declares them
+  (Backend.fp8_fused_ops), not wherever a method of that name exists."""
+  mesh = cpu_mesh(2)
+  x, w1, _ = fp8_mlp.inputs()
+  f = jax.shard_map(lambda x, w: fp8_all_gather_matmul(x, w, "tp", collectives=collectives),
+                    mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+  with pytest.raises(ValueError, match=r"`collectives` must be one of"):
+    jax.eval_shape(f, x, w1)
+  assert CublasMpBackend.fp8_fused_ops and not jcg.Backend.fp8_fused_ops
+
+
 def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
   """backend="auto": a decision naming a fused algorithm routes the FP8
   problem to it (keyed with the recipe); a "row" recipe, which the fused ops

@@ -22,12 +22,14 @@ class Backend:
   gathered_reuse: whether return_gathered hands out the operand the op
     gathered anyway (no extra all-gather), for this group size, dtype and
     transpose. Only then may a caller ask for it.
-  all_gather_matmul_weight_gradient: x, w as all_gather_matmul, h of y's
-    shape [n, f] -> (y, dw), dw of w's shape computed from the gathered x
-    where the op gathered it (``h.T @ AG(x)`` for w [f, k], else
-    ``AG(x).T @ h``): the row-parallel layer's backward in one call.
-  weight_gradient_fusion: whether that call exists for these operands; only
-    then may a caller make it.
+  weight_gradient_fusion: whether ``all_gather_matmul_weight_gradient`` runs
+    for these operands (x, w as all_gather_matmul, h of y's shape [n, f] ->
+    (y, dw), dw from the gathered x where the op gathered it: the row-parallel
+    layer's backward in one call). Only a backend that can say yes defines it.
+  fp8_fused_ops: whether the backend has the extension's fused FP8 ops,
+    ``fp8_all_gather_matmul`` and ``fp8_matmul_reduce_scatter`` (as
+    ``CublasMpBackend`` defines them), which ``fp8/steps.py`` runs for
+    ``collectives=backend``.
   `precision` is passed to the GEMMs that XLA runs (``lax.dot_general``).
 
   A backend is a frozen dataclass (it is a static argument of the custom_vjp
@@ -43,6 +45,7 @@ class Backend:
   """
 
   name = "abstract"
+  fp8_fused_ops = False
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):
@@ -52,10 +55,6 @@ class Backend:
     raise NotImplementedError
 
   def gathered_reuse(self, axis_size: int, dtype, transpose_w: bool) -> Capability:
-    raise NotImplementedError
-
-  def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
-                                        precision=None):
     raise NotImplementedError
 
   def weight_gradient_fusion(self, x, w, axis_name, transpose_w: bool) -> Capability:

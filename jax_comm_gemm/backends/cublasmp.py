@@ -36,6 +36,7 @@ class CublasMpBackend(Backend):
   reduce_scatter: str = "xla"
 
   name = "cublasmp"
+  fp8_fused_ops = True
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):

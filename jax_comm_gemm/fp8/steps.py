@@ -80,7 +80,9 @@ def checked_collectives(op: str, collectives, recipe: Fp8Recipe, w):
   fused FP8 ops (a CublasMpBackend) where they can run (:func:`why_not_fused`)."""
   if isinstance(collectives, str) and collectives in COLLECTIVES:
     return collectives
-  if not hasattr(collectives, "fp8_all_gather_matmul"):
+  # A Backend declares whether it has them (base.py); this package sits below
+  # the backends, so it asks the declaration rather than the class.
+  if not getattr(collectives, "fp8_fused_ops", False):
     raise ValueError(f"{op}: `collectives` must be one of {COLLECTIVES} or a "
                      f"jax_comm_gemm.backends.CublasMpBackend (the extension's fused FP8 "
                      f"ops), got {collectives!r}")
