@@ -8,6 +8,7 @@ on one side only fails here. Where CI builds the extension
 (JCG_REQUIRE_EXTENSION=1), the module must import and answer.
 """
 
+import ast
 import os
 import pathlib
 import re
@@ -106,3 +107,38 @@ def test_the_exported_enum_is_cublasmp_h(extension):
                re.finditer(r"CUBLASMP_MATMUL_ALGO_TYPE_(\w+)\s*=\s*(\d+)", text)}
   assert in_header, f"no cublasMpMatmulAlgoType_t values found in {header}"
   assert dict(extension["cublasmp_algorithm_types"]) == in_header
+
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jax_comm_gemm"
+# Still mutable, and why: a test patches it item by item (test_autotune.py).
+MUTABLE_FOR_NOW = {"backends/auto.py: CANDIDATES", "backends/auto.py: FP8_CANDIDATES"}
+
+
+def _mutable_constants(source: str) -> list[str]:
+  """The module-level constants (upper-case names) that `source` binds to a
+  dict, list or set, which any importer could change for every other."""
+  mutable = (ast.Dict, ast.DictComp, ast.List, ast.ListComp, ast.Set, ast.SetComp)
+  found = []
+  for node in ast.parse(source).body:
+    targets = (node.targets if isinstance(node, ast.Assign) else
+               [node.target] if isinstance(node, ast.AnnAssign) and node.value else [])
+    value = getattr(node, "value", None)
+    built = (isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+             and value.func.id in ("dict", "list", "set"))
+    for target in targets:
+      if (isinstance(target, ast.Name) and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", target.id)
+          and (isinstance(value, mutable) or built)):
+        found.append(target.id)
+  return found
+
+
+def test_the_constant_finder_finds_a_mutable_constant():
+  assert _mutable_constants("A = {}\n_B: dict = dict(x=1)\nC = (1,)\n__all__ = []\n"
+                            "D = frozenset()\nlower = []\n") == ["A", "_B"]
+
+
+def test_module_level_constants_are_immutable():
+  """Tables are MappingProxyType, tuples or frozensets."""
+  found = {f"{path.relative_to(PACKAGE)}: {name}" for path in PACKAGE.rglob("*.py")
+           for name in _mutable_constants(path.read_text())}
+  assert found == MUTABLE_FOR_NOW

@@ -4,6 +4,7 @@ speed, and the GEMM helpers the other backends and the weight gradients share.""
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 import jax.numpy as jnp
 from jax import lax
@@ -176,4 +177,4 @@ class RingBackend(XlaBackend):
 
 
 # The backends that need neither cuBLASMp nor a connected axis, by name.
-PLAIN_BACKENDS = {"xla": XlaBackend, "ring": RingBackend}
+PLAIN_BACKENDS = MappingProxyType({"xla": XlaBackend, "ring": RingBackend})

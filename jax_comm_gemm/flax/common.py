@@ -11,6 +11,7 @@ built from ``dataclasses.fields(Options)``), and the NNX modules fill their
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 from typing import Sequence
 
 import jax
@@ -66,7 +67,7 @@ class Options:
   config: CommGemmConfig = DEFAULT_CONFIG
 
 
-DEFAULTS = {f.name: f.default for f in dataclasses.fields(Options)}
+DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(Options)})
 
 
 def kw_only(default):

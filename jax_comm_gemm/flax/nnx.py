@@ -64,9 +64,10 @@ from jax_comm_gemm.layers import dispatch, placement
 from jax_comm_gemm.validation import Names
 
 # Flax Linear's own arguments, with its defaults.
-LINEAR_DEFAULTS = dict(dot_general=jax.lax.dot_general, promote_dtype=dtypes.promote_dtype,
-                       preferred_element_type=None, kernel_metadata=MappingProxyType({}),
-                       bias_metadata=MappingProxyType({}))
+LINEAR_DEFAULTS = MappingProxyType(dict(
+    dot_general=jax.lax.dot_general, promote_dtype=dtypes.promote_dtype,
+    preferred_element_type=None, kernel_metadata=MappingProxyType({}),
+    bias_metadata=MappingProxyType({})))
 
 
 def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],

@@ -22,6 +22,8 @@ dense modules do; the linen block's and ``init_fp8_histories``' four).
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import jax
 from flax import nnx
 from flax.nnx.nn import initializers
@@ -34,9 +36,9 @@ from jax_comm_gemm.layers import dispatch, placement, transformer
 from jax_comm_gemm.validation import Names
 
 # The block's own arguments (beyond the shared Options), with their defaults.
-BLOCK_DEFAULTS = dict(activation=jax.nn.gelu, causal=True, epsilon=1e-6,
-                      scale_init=initializers.ones_init(), keep_gathered_input=False,
-                      attention_implementation=None)
+BLOCK_DEFAULTS = MappingProxyType(dict(
+    activation=jax.nn.gelu, causal=True, epsilon=1e-6, scale_init=initializers.ones_init(),
+    keep_gathered_input=False, attention_implementation=None))
 
 
 class LayerNormParams(nnx.Module):

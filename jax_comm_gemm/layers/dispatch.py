@@ -10,17 +10,19 @@ local shards inside the caller's ``jax.shard_map`` (``local.py``,
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 from jax_comm_gemm.layers import local, sharded, transformer
 from jax_comm_gemm.layers.placement import Placement
 from jax_comm_gemm.validation import Names
 
 # kind: (entry on local shards, entry on global arrays); each takes
 # (names, *operands, where=Placement, **options).
-ENTRIES = {
+ENTRIES = MappingProxyType({
     "column": (local.column_local, sharded.column_global),
     "row": (local.row_local, sharded.row_global),
     "block": (transformer.block_local, transformer.block_global),
-}
+})
 
 
 def run(kind: str, where: Placement, names: Names, *operands, **options):

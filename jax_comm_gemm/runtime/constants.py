@@ -7,8 +7,11 @@ The extension's own definitions (``xla_ffi/``) are exported by the small module
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 # XLA FFI target names of the handlers.
-TARGETS: dict[str, str] = {
+TARGETS: Mapping[str, str] = MappingProxyType({
     "all_gather_matmul": "jax_comm_gemm_all_gather_matmul",
     "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
     # the AllGather+GEMM that also computes the weight gradient in place
@@ -18,18 +21,18 @@ TARGETS: dict[str, str] = {
     "fp8_matmul_reduce_scatter": "jax_comm_gemm_fp8_matmul_reduce_scatter",
     # the FP8 GEMM with scale pointers and a timed algorithm (xla_ffi/fp8_gemm.h)
     "fp8_gemm": "jax_comm_gemm_fp8_gemm",
-}
+})
 
 # The fused ops' algorithms, by name: two of cuBLASMp's (their
 # cublasMpMatmulAlgoType_t values), and the project's own pipelined comm-GEMMs
 # (xla_ffi/pipelined.h), numbered clear of cuBLASMp's enum. cuBLASMp's others
 # are not offered (docs/design.md#options-removed-and-why).
-ALGORITHMS: dict[str, int] = {
+ALGORITHMS: Mapping[str, int] = MappingProxyType({
     "default": 0,
     "split_p2p": 1,
     "pipelined": 100,
     "pipelined_ce": 101,
-}
+})
 # The project's own algorithms (xla_ffi/pipelined.h).
 OWN_ALGORITHMS = frozenset({"pipelined", "pipelined_ce"})
 # The algorithms a fused GEMM+ReduceScatter takes: all but "pipelined", whose
@@ -38,4 +41,4 @@ OWN_ALGORITHMS = frozenset({"pipelined", "pipelined_ce"})
 REDUCE_SCATTER_ALGORITHMS: tuple[str, ...] = ("default", "split_p2p", "pipelined_ce")
 
 # Where cuBLASMp leaves the gathered operand in its workspace (capability.py).
-GATHERED_LAYOUTS: dict[str, int] = {"front": 0, "tail": 1}
+GATHERED_LAYOUTS: Mapping[str, int] = MappingProxyType({"front": 0, "tail": 1})

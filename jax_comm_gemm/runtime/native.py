@@ -14,18 +14,18 @@ import ctypes
 import importlib
 import importlib.util
 import os
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 
 EXTENSION = "jax_comm_gemm._comm_gemm"
 CONSTANTS_EXTENSION = "jax_comm_gemm._constants"
 
 # Relative to each entry of nvidia.__path__, in load order.
-_LIBRARIES = {
+_LIBRARIES = MappingProxyType({
     13: ("cu13/lib/libcudart.so.13", "cu13/lib/libcublasLt.so.13", "nccl/lib/libnccl.so.2",
          "cublasmp/cu13/lib/libcublasmp.so.0"),
     12: ("cuda_runtime/lib/libcudart.so.12", "cublas/lib/libcublasLt.so.12",
          "nccl/lib/libnccl.so.2", "cublasmp/cu12/lib/libcublasmp.so.0"),
-}
+})
 
 
 def _nvidia_dirs() -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from types import MappingProxyType
 
 PREFIX = "JAX_COMM_GEMM_"
 BACKEND = "JAX_COMM_GEMM_BACKEND"              # overrides every config's backend
@@ -34,11 +35,11 @@ AUTOTUNE_CACHE = "JAX_COMM_GEMM_AUTOTUNE_CACHE"  # the JSON file of measured cho
 VARIABLES = (BACKEND, CONNECT_TIMEOUT, CALL_TIMEOUT, ON_ABORT, ABORT_GRACE, AUTOTUNE,
              AUTOTUNE_CACHE)
 # Variables of earlier versions, and why they are gone (docs/design.md#options-removed-and-why).
-REMOVED = {
+REMOVED = MappingProxyType({
     "JAX_COMM_GEMM_FENCE": "every cuBLASMp call is now ordered the one safe way (own "
                            "stream and a barrier); the other fences gave wrong results",
     "JAX_COMM_GEMM_ALLOW_UNSAFE_FENCE": "the unsafe fences are gone",
-}
+})
 
 BACKENDS = ("auto", "cublasmp", "xla", "ring")
 # What backend="auto" may choose from, by name (backends/auto.py's CANDIDATES
