@@ -415,3 +415,30 @@ def test_fp8_refuses_a_precision_it_would_ignore():
   with pytest.raises(ValueError, match=r"precision=Precision.HIGHEST would be ignored: .*FP8"):
     run(HIGHEST)
   run(jax.lax.Precision.DEFAULT)
+
+
+# --- the autotune cache ------------------------------------------------------------
+
+def test_an_autotune_cache_that_cannot_be_a_file_is_refused_by_name(tmp_path):
+  """A directory, or a path under a regular file, is refused where the settings
+  are read, not when autotune writes its choices after measuring."""
+  (tmp_path / "file").write_text("")
+  for bad in (tmp_path, tmp_path / "file" / "autotune.json",
+              tmp_path / "file" / "deeper" / "autotune.json"):
+    with pytest.raises(ValueError, match=r"environment variable JAX_COMM_GEMM_AUTOTUNE_CACHE="):
+      Settings.from_environ({"JAX_COMM_GEMM_AUTOTUNE_CACHE": str(bad)})
+  for good in (tmp_path / "new" / "autotune.json", tmp_path / "file", ""):
+    assert Settings.from_environ({"JAX_COMM_GEMM_AUTOTUNE_CACHE": str(good)}).autotune_cache \
+        == str(good)
+
+
+def test_a_failed_cache_write_leaves_no_temporary_file(tmp_path):
+  from jax_comm_gemm.backends import tuning
+  (tmp_path / "d").mkdir()
+  for path, cache in ((tmp_path / "a.json", {"x": object()}),  # json.dump fails
+                      (tmp_path / "d", {"x": 1})):  # os.replace fails: a directory
+    with pytest.raises((TypeError, OSError)):
+      tuning.save_cache(str(path), cache)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+  tuning.save_cache(str(tmp_path / "a.json"), {"x": 1})
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "d"]

@@ -133,9 +133,14 @@ def save_cache(path: str, cache: dict) -> None:
   """Writes the whole cache atomically (a reader never sees half a file)."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   temporary = f"{path}.{os.getpid()}.tmp"
-  with open(temporary, "w") as f:
-    json.dump(cache, f, indent=1, sort_keys=True)
-  os.replace(temporary, path)
+  try:
+    with open(temporary, "w") as f:
+      json.dump(cache, f, indent=1, sort_keys=True)
+    os.replace(temporary, path)
+  except BaseException:  # a failed write leaves nothing behind
+    if os.path.exists(temporary):
+      os.remove(temporary)
+    raise
 
 
 def tunable(mesh, axis_name: str, plan) -> str | None:

@@ -104,7 +104,7 @@ class Settings:
     return cls(
         backend=_choice(env, BACKEND, "", ("", *BACKENDS)),
         autotune=_choice(env, AUTOTUNE, "on", ("on", "off", *IMPLEMENTATIONS)),
-        autotune_cache=env.get(AUTOTUNE_CACHE, default.autotune_cache),
+        autotune_cache=_cache_file(env.get(AUTOTUNE_CACHE, default.autotune_cache)),
         connect_timeout_s=_seconds(env, CONNECT_TIMEOUT, default.connect_timeout_s),
         call_timeout_s=_seconds(env, CALL_TIMEOUT, default.call_timeout_s),
         on_abort=_choice(env, ON_ABORT, "exit", ("exit", "wait")),
@@ -133,6 +133,22 @@ def _choice(env: Mapping[str, str], name: str, default: str, allowed: tuple[str,
     raise ValueError(f"environment variable {name}={env[name]!r}: allowed values are "
                      f"{shown}, or leave it unset")
   return value
+
+
+def _cache_file(path: str) -> str:
+  """`path`, where autotune can write its choices: "" (in memory), or a file
+  that is no directory and whose closest existing ancestor is a directory."""
+  if not path:
+    return path
+  ancestor = os.path.dirname(os.path.abspath(path))
+  while not os.path.exists(ancestor):
+    ancestor = os.path.dirname(ancestor)
+  why = ("is a directory" if os.path.isdir(path) else
+         None if os.path.isdir(ancestor) else f"is under {ancestor!r}, a file")
+  if why:
+    raise ValueError(f"environment variable {AUTOTUNE_CACHE}={path!r} {why}: it names the "
+                     "JSON file of autotune's choices (or set it to '' to keep them in memory)")
+  return path
 
 
 def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
