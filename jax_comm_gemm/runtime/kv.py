@@ -18,8 +18,8 @@ import jax
 # is_initialized and shutdown only, and neither jax.extend nor
 # jax.experimental hands out the client (jax's own checkpointing and
 # multihost_utils read jax._src.distributed.global_state.client too). So this
-# is the project's one private jax import (a test holds it here). Tested with
-# jax 0.10.2 and 0.11.2, where jax.distributed.initialize() sets the client.
+# is the project's one private jax import (a test holds it here).
+# Tested with jax 0.10.2 and 0.11.2, where jax.distributed.initialize() sets it.
 from jax._src import distributed
 
 
