@@ -25,8 +25,10 @@ class Names:
   """What errors call the operation and its arguments: the names the user
   wrote (a Flax module passes its class and ``inputs``).
 
-  >>> Names("RowParallelDense", x="inputs").x
-  'inputs'
+  >>> check_bias(Names("RowParallelDense", x="inputs"), np.ones(4, "f4"), 4, np.ones((2, 3), "f2"))
+  Traceback (most recent call last):
+  ...
+  TypeError: RowParallelDense: `bias` has dtype float32 but `inputs` has float16; cast the bias (bias.astype(inputs.dtype))
   """
   op: str
   x: str = "x"

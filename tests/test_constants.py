@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from jax_comm_gemm.config import REDUCE_SCATTER_IMPLS
+from jax_comm_gemm.config import CommGemmConfig
 from jax_comm_gemm.runtime import constants, native
 
 REQUIRED = os.environ.get("JCG_REQUIRE_EXTENSION") == "1"
@@ -64,10 +64,17 @@ def test_layouts_agree(extension):
 
 def test_reduce_scatter_algorithms_agree(extension):
   """The algorithms the GEMM+ReduceScatter handler accepts are those Python
-  offers for it: in constants, and as CommGemmConfig's fused choices."""
+  offers for it (CommGemmConfig's: the next test)."""
   assert tuple(extension["reduce_scatter_algorithms"]) == constants.REDUCE_SCATTER_ALGORITHMS
-  fused = tuple(i for i in REDUCE_SCATTER_IMPLS if i in constants.ALGORITHMS)
-  assert fused == constants.REDUCE_SCATTER_ALGORITHMS
+
+
+def test_the_config_offers_the_reduce_scatter_algorithms_and_no_other():
+  for name in constants.ALGORITHMS:
+    if name in constants.REDUCE_SCATTER_ALGORITHMS:
+      assert CommGemmConfig(reduce_scatter=name).reduce_scatter == name
+    else:
+      with pytest.raises(ValueError, match=r"CommGemmConfig.reduce_scatter must be one of"):
+        CommGemmConfig(reduce_scatter=name)
 
 
 def test_cublasmp_algorithms_are_cublasmps_enum_values(extension):

@@ -51,9 +51,6 @@ class Options:
     kernel_init: initializer of the kernels (global shapes).
     bias_init: initializer of the biases.
     config: a :class:`~jax_comm_gemm.CommGemmConfig`: backend and algorithms.
-
-  >>> Options().axis_name
-  'tp'
   """
   axis_name: str = "tp"
   mesh: jax.sharding.Mesh | None = None

@@ -75,8 +75,10 @@ def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],
   """A module's options at construction, checked; where a mesh is known (given
   or from ``jax.set_mesh``), `split` (a key of `features`) must split over it.
 
-  >>> init_options("M", {}, {}, {"features": 4}, "features")["axis_name"]
-  'tp'
+  >>> init_options("M", {"use_bias": "no"}, {}, {"features": 4}, "features")
+  Traceback (most recent call last):
+  ...
+  TypeError: M: `use_bias` must be True or False, got 'no' (str)
   """
   options = nnx_options(owner, given, extra)
   options["data_axes"] = check_options(owner, options, features=features)

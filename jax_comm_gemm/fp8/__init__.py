@@ -14,9 +14,6 @@ imports only jax, numpy, ``jax_comm_gemm.vma``, ``jax_comm_gemm.validation`` and
 * ``steps``: what the two ops share, and where each fused step runs.
 * ``matmul``: :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`,
   the differentiable ops, FP8 bytes on the wire. docs/fp8.md has the picture.
-
->>> Fp8Recipe().scaling
-'tensor'
 """
 
 from jax_comm_gemm.fp8.gemm import cublaslt_gemm_tn, fp8_gemm_tn, weight_copies

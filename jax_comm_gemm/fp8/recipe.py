@@ -72,8 +72,6 @@ class Fp8Recipe:
   ``"tensor"`` every output that the tensor's scale touches (the whole GEMM
   output, and through ``pmax`` the other ranks' too). Nothing is clipped away.
 
-  >>> Fp8Recipe(scaling="row").backward_dtype
-  dtype(float8_e5m2)
   >>> Fp8Recipe.from_key(Fp8Recipe(margin=1).key) == Fp8Recipe(margin=1)
   True
   >>> Fp8Recipe("delayed", amax_history=4).key

@@ -76,8 +76,8 @@ class Settings:
     abort_grace_s: ``JAX_COMM_GEMM_ABORT_GRACE``: seconds between an abort and
       the sentinel's exit.
 
-  >>> Settings().autotune
-  'on'
+  >>> Settings.from_environ({"JAX_COMM_GEMM_AUTOTUNE": " OFF "}).measuring
+  False
   """
 
   backend: str = ""
