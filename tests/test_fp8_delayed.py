@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from conftest import cpu_mesh
+from tolerance import assert_differs, assert_reduction_close
 from jax_comm_gemm.fp8 import (Fp8Recipe, fp8_all_gather_matmul, fp8_gemm_tn,
                                fp8_matmul_reduce_scatter, inverse, saturating_cast,
                                scale_from_amax)
@@ -20,6 +21,15 @@ from jax_comm_gemm.fp8.recipe import AmaxHistory
 N, D, F = 64, 48, 32
 E4 = jnp.float8_e4m3fn
 DELAYED = Fp8Recipe("delayed", amax_history=4)
+# The reductions along the FP8 MLP's gradient, for tests/tolerance.py: fc1's
+# and fc2's GEMMs forward (over D, F) and backward (over D, F), and the
+# weight gradients' sum over the tokens.
+K_MLP = 2 * (D + F) + N
+# The same for the transformer block: two layer norms, QKV, out-proj and fc1
+# (over D), fc2 (over 2D), the attention scores (over D / heads) and the
+# softmax and its weighted sum (over the sequence), forward and backward, and
+# the weight gradients' sum over the tokens (sequence x batch).
+K_BLOCK = 2 * (8 * D + 2 * N) + 2 * N
 
 
 def _inputs(seed=0, boost_shard=None, size=1):
@@ -32,8 +42,16 @@ def _inputs(seed=0, boost_shard=None, size=1):
           jax.random.normal(keys[2], (F, D)) / np.sqrt(F))
 
 
+def _weighted_sum(y):
+  """The tests' loss, sum(y * cos(feature)), and the sum of its terms'
+  magnitudes (which bounds every partial sum of the loss) as aux."""
+  terms = y * jnp.cos(jnp.arange(D, dtype=jnp.float32))
+  return jnp.sum(terms), jnp.sum(jnp.abs(terms))
+
+
 def _step(mesh, recipe, with_history=True):
-  """Loss and gradients (those of the histories too) of an FP8 MLP."""
+  """((loss, its terms' magnitude), gradients (those of the histories too))
+  of an FP8 MLP."""
   def mlp(x, w1, w2, h1, h2):
     h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=h1)
     return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe, history=h2)
@@ -41,9 +59,8 @@ def _step(mesh, recipe, with_history=True):
   if not with_history:
     return _step_without(mesh, recipe)
   f = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("tp"))
-  weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))
-  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights),
-                                    argnums=(0, 1, 2, 3, 4)))
+  return jax.jit(jax.value_and_grad(lambda *a: _weighted_sum(f(*a)), argnums=(0, 1, 2, 3, 4),
+                                    has_aux=True))
 
 
 def _step_without(mesh, recipe):
@@ -52,28 +69,46 @@ def _step_without(mesh, recipe):
     return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe)
   f = jax.shard_map(mlp, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
                     out_specs=P("tp"))
-  weights = jnp.cos(jnp.arange(D, dtype=jnp.float32))
-  return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) * weights), argnums=(0, 1, 2)))
+  return jax.jit(jax.value_and_grad(lambda *a: _weighted_sum(f(*a)), argnums=(0, 1, 2),
+                                    has_aux=True))
+
+
+def _gathered(mesh, recipe, x, w, history=None):
+  """The forward's gathered x as the FP8 GEMM saw it (its bytes at its scale),
+  every rank's copy side by side."""
+  kw = {} if history is None else {"history": history}
+  f = lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=recipe, return_gathered=True,
+                                         **kw)[1][None]
+  return np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                          out_specs=P("tp")))(x, w))
 
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 def test_an_empty_history_scales_as_current_scaling(size):
-  """The first step (all-zero histories) is the "tensor" recipe's, bit for bit."""
+  """The first step (all-zero histories) is the "tensor" recipe's: the same
+  FP8 operand, bit for bit, and the same loss and gradients up to rounding."""
   mesh = cpu_mesh(size)
   args = _inputs(seed=size)
   h0 = AmaxHistory.zeros(DELAYED)
-  (loss, grads) = _step(mesh, DELAYED)(*args, h0, h0)
-  (loss_t, grads_t) = _step_without(mesh, Fp8Recipe("tensor"))(*args)
-  assert float(loss) == float(loss_t)
-  for got, want in zip(grads[:3], grads_t):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Exact by construction: the same amax (a maximum), the same scale (one
+  # division), the same bytes (one multiply and one rounding each) and the same
+  # dequantization (one multiply).
+  np.testing.assert_array_equal(_gathered(mesh, DELAYED, *args[:2], history=h0),
+                                _gathered(mesh, Fp8Recipe("tensor"), *args[:2]))
+  ((loss, _), grads) = _step(mesh, DELAYED)(*args, h0, h0)
+  ((loss_t, size_t), grads_t) = _step_without(mesh, Fp8Recipe("tensor"))(*args)
+  # Two programs: their GEMMs' f32 sums may round in other orders.
+  assert_reduction_close(loss, loss_t, k=K_MLP + N * D, scale=size_t, what="loss")
+  for name, got, want in zip(("dx", "dw1", "dw2"), grads[:3], grads_t):
+    assert_reduction_close(got, want, k=K_MLP, what=name)
 
 
 @pytest.mark.parametrize("size", [1, 2])
 def test_the_scale_comes_from_the_history(size):
   """With amaxes in the histories (the largest counts), the forward quantizes
-  x and w with the histories' scales: equal, bit for bit, to the FP8 GEMM of
-  the operands cast with those scales, and unlike current scaling's."""
+  x and w with the histories' scales: the FP8 GEMM of the operands cast with
+  those scales (up to the order of its f32 sums), and unlike current
+  scaling's."""
   mesh = cpu_mesh(size)
   x, w1, _ = _inputs(seed=3)
   hx = jnp.array([2.0, 7.0, 0.0, 1.0])   # x's amax is about 4: a foreign scale
@@ -86,11 +121,12 @@ def test_the_scale_comes_from_the_history(size):
   sx, sw = scale_from_amax(7.0, E4), scale_from_amax(3.0, E4)
   want = fp8_gemm_tn(saturating_cast(x, sx, E4), saturating_cast(w1.T, sw, E4),
                      inverse(sx), inverse(sw), jnp.float32)
-  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # Two programs (the sharded op and the reference): a GEMM of D-long f32 sums.
+  assert_reduction_close(got, want, k=D)
   current = jax.jit(jax.shard_map(
       lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=Fp8Recipe()),
       mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")))(x, w1)
-  assert not np.array_equal(np.asarray(current), np.asarray(got))
+  assert_differs(current, got, k=D, what="current scaling")
 
 
 def test_values_beyond_the_history_saturate():
@@ -108,9 +144,9 @@ def test_values_beyond_the_history_saturate():
   clipped = jnp.clip(x, -0.01, 0.01)  # what the saturating cast keeps of x
   want = fp8_gemm_tn(saturating_cast(clipped, sx, E4), saturating_cast(w1.T, sw, E4),
                      inverse(sx), inverse(sw), jnp.float32)
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+  assert_reduction_close(y, want, k=D)  # two programs: a GEMM of D-long f32 sums
   grads = jax.jit(jax.grad(lambda x, w, h: jnp.sum(f(x, w, h)), argnums=2))(x, w1, history)
-  assert float(grads.x[0]) == float(jnp.max(jnp.abs(x)))
+  assert float(grads.x[0]) == float(jnp.max(jnp.abs(x)))  # a maximum: exact
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -125,6 +161,7 @@ def test_the_next_history_holds_the_agreed_amax(size):
   h2 = AmaxHistory.zeros(DELAYED)
   _, grads = _step(mesh, DELAYED)(x, w1, w2, h1, h2)
   n1, n2 = grads[3], grads[4]
+  # Exact: the amaxes of the inputs are maxima (no rounding), the rest a shift.
   np.testing.assert_allclose(n1.x, [float(jnp.max(jnp.abs(x))), 1.0, 2.0, 3.0], rtol=0)
   np.testing.assert_allclose(n1.w, [float(jnp.max(jnp.abs(w1))), 5.0, 0.0, 0.0], rtol=0)
   assert float(n1.dy[0]) > 0 and n1.dy[1:].tolist() == [6.0, 7.0, 0.0]
@@ -143,6 +180,7 @@ def test_the_history_is_one_for_all_data_replicas():
       out_specs=P("dp", "tp"))
   h = AmaxHistory.zeros(DELAYED)
   nxt = jax.jit(jax.grad(lambda x, w, h: jnp.sum(f(x, w, h)), argnums=2))(x, w1, h)
+  # Exact: a maximum of the inputs, agreed by a maximum over the replicas.
   assert float(nxt.x[0]) == float(jnp.max(jnp.abs(x)))
   assert float(nxt.w[0]) == float(jnp.max(jnp.abs(w1)))
 
@@ -202,6 +240,7 @@ def test_the_linen_layers_keep_their_histories_in_the_overwrite_collection():
 
   state = train_step(state, x)
   fc1 = state.params[OVERWRITE_WITH_GRADIENT]["fc1"]["fp8_amax_history"]
+  # Exact: maxima of the input and of the kernel (2x scales them by a power of two).
   assert float(fc1.x[0]) == float(jnp.max(jnp.abs(x)))
   kernel = variables["params"]["fc1"]["kernel"]
   kernel = getattr(kernel, "value", kernel)
@@ -228,8 +267,10 @@ def test_the_functional_layers_take_a_history():
   op = jax.jit(jax.shard_map(
       lambda x, w, h: fp8_all_gather_matmul(x, w, "tp", recipe=DELAYED, history=h),
       mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P()), out_specs=P(None, "tp")))
-  np.testing.assert_array_equal(np.asarray(f(x, w1, h)), np.asarray(op(x, w1, h)))
+  # Two programs (the layer's and the op's): a GEMM of D-long f32 sums.
+  assert_reduction_close(f(x, w1, h), op(x, w1, h), k=D)
   nxt = jax.grad(lambda h: jnp.sum(f(x, w1, h)))(h)
+  # Exact: a shift of the history and a maximum of the input.
   assert nxt.x.tolist()[1:] == [9.0, 0.0, 0.0] and float(nxt.x[0]) == float(
       jnp.max(jnp.abs(x)))
 
@@ -263,8 +304,8 @@ def test_front_ends_without_histories_say_so():
 
 def test_the_transformer_block_carries_a_history_per_dense_layer():
   """The functional block with init_fp8_histories: empty histories compute what
-  "tensor" scaling computes, bit for bit, and the next ones hold each dense
-  layer's amaxes (the weight's exactly)."""
+  "tensor" scaling computes (up to the order of the f32 sums), and the next
+  ones hold each dense layer's amaxes (the weight's exactly)."""
   import jax_comm_gemm as jcg
   from jax_comm_gemm.layers import transformer
 
@@ -283,15 +324,16 @@ def test_the_transformer_block_carries_a_history_per_dense_layer():
   def loss(params, histories, options):
     y = transformer.sharded_transformer_block(x, params, mesh=mesh, options=options,
                                               fp8_histories=histories)
-    return jnp.sum(y * jnp.cos(jnp.arange(D, dtype=jnp.float32)))
+    return _weighted_sum(y)
 
-  got, (_, nxt) = jax.jit(jax.value_and_grad(partial(loss, options=delayed),
-                                             argnums=(0, 1)))(params, histories)
-  want = jax.jit(partial(loss, histories=None, options=tensor))(params)
-  assert float(got) == float(want)
+  step = jax.value_and_grad(partial(loss, options=delayed), argnums=(0, 1), has_aux=True)
+  (got, _), (_, nxt) = jax.jit(step)(params, histories)
+  want, size = jax.jit(partial(loss, histories=None, options=tensor))(params)
+  # Two programs: the block's f32 sums and the loss's may round in other orders.
+  assert_reduction_close(got, want, k=K_BLOCK + x.size, scale=size, what="loss")
   kernels = {"qkv": params["attention"]["qkv"], "out": params["attention"]["out"],
              "fc1": params["mlp"]["fc1"], "fc2": params["mlp"]["fc2"]}
-  for name, layer in kernels.items():
+  for name, layer in kernels.items():  # a maximum of the kernel: exact
     assert float(nxt[name].w[0]) == float(jnp.max(jnp.abs(layer["kernel"]))), name
     assert float(nxt[name].x[0]) > 0 and float(nxt[name].dy[0]) > 0, name
 
@@ -321,4 +363,5 @@ def test_the_linen_block_keeps_its_histories_in_the_overwrite_collection():
       "fp8_amax_history"]
   for name in ("qkv", "out", "fc1", "fc2"):
     assert float(first[name].x[0]) > 0 and float(first[name].x[1]) == 0, name
+    # Exact: the same compiled step on the same state, then a shift.
     assert float(second[name].x[1]) == float(first[name].x[0]), name
