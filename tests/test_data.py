@@ -61,6 +61,7 @@ def test_batches_are_deterministic_for_a_seed(corpus_dir):
   corpus, again = ByteCorpus(corpus_dir), ByteCorpus(corpus_dir)
   first = corpus.batch("train", 7, batch=3, length=40, seed=1)
   assert first.shape == (3, 40) and first.dtype == np.uint8
+  # Token bytes (integers): exact.
   np.testing.assert_array_equal(first, again.batch("train", 7, batch=3, length=40, seed=1))
   assert not np.array_equal(first, corpus.batch("train", 7, batch=3, length=40, seed=2))
   assert not np.array_equal(first, corpus.batch("train", 8, batch=3, length=40, seed=1))

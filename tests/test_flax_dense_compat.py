@@ -64,6 +64,8 @@ def test_linen_values_and_init_match_dense(kind, size):
   params = cls(width + 2, mesh=mesh, **kw).init(jax.random.key(0), x)
   plain = nn.Dense(width + 2, **kw)
   plain_params = plain.init(jax.random.key(0), np.asarray(x))
+  # Exact: both call the same initializers outside jit, op by op, on the same
+  # key and shapes: the same executables on the same bits.
   jax.tree.map(np.testing.assert_array_equal, nn.unbox(params), plain_params)
   y = jax.jit(cls(width + 2, mesh=mesh, **kw).apply)(params, x)
   np.testing.assert_allclose(y, plain.apply(plain_params, np.asarray(x)), rtol=1e-5,
@@ -145,6 +147,7 @@ def test_nnx_values_and_init_match_linear(kind, size):
   kw = dict(bias_init=nnx.initializers.normal(1.0), precision=HIGHEST)
   layer = cls(width, width + 2, mesh=mesh, rngs=nnx.Rngs(0), **kw)
   plain = nnx.Linear(width, width + 2, rngs=nnx.Rngs(0), **kw)
+  # Exact: the same initializers, op by op outside jit, on the same keys and shapes.
   np.testing.assert_array_equal(layer.kernel[...], plain.kernel[...])
   np.testing.assert_array_equal(layer.bias[...], plain.bias[...])
   x = _placed(mesh, _x(width), spec)

@@ -186,6 +186,8 @@ def test_gathered_bytes_use_one_agreed_scale(scaling):
                                          return_gathered=True)[1][None]
   gathered = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
                                    out_specs=P("tp")))(x, w)
+  # Exact: the same amax (a maximum), scale (one division), bytes (one multiply
+  # and one rounding each) and dequantization (one multiply) in both programs.
   q, inv = (quantize_tensor if scaling == "tensor" else quantize_rows)(x, E4)
   want = np.asarray(dequantize(q, inv))
   for rank in range(4):

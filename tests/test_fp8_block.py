@@ -39,7 +39,8 @@ def test_each_block_has_its_own_scale(block_rows):
   q, inv = quantize_blocks(x, E4, block_rows)
   assert inv.shape == (256 // block_rows, 3)
   blocks = np.asarray(q.astype(jnp.float32)).reshape(256 // block_rows, block_rows, 3, BLOCK)
-  # Every block's largest magnitude lands on the FP8 maximum.
+  # Every block's largest magnitude lands on the FP8 maximum (exact: amax times
+  # fp8_max / amax is within a float32 ulp of fp8_max, which rounds and clips to it).
   np.testing.assert_array_equal(np.abs(blocks).max(axis=(1, 3)), fp8_max(E4))
   # Each value within E4M3's rounding of itself, or of the block's subnormal step.
   err = np.abs(np.asarray(dequantize(q, inv)) - np.asarray(x))
@@ -51,6 +52,7 @@ def test_the_weight_copies_are_one_quantization_transposed():
   fwd8, fwd_inv, bwd8, bwd_inv = weight_copies(_ramp(256, 384, BLOCK, 1), E4,
                                                scaling="block", transpose_w=False)
   assert fwd8.shape == (384, 256) and fwd_inv.shape == (3, 2)
+  # Exact: the backward copy is the forward's bytes and scales, transposed.
   np.testing.assert_array_equal(np.asarray(bwd8.astype(jnp.float32)),
                                 np.asarray(fwd8.astype(jnp.float32)).T)
   np.testing.assert_array_equal(np.asarray(bwd_inv), np.asarray(fwd_inv).T)
@@ -59,7 +61,7 @@ def test_the_weight_copies_are_one_quantization_transposed():
 def test_cublaslt_reads_the_scales_in_its_own_layout():
   """1 x 128: the rows fastest ([k/128, rows]); 128 x 128: the k blocks
   fastest, padded to a multiple of 4 ([rows/128, 4])."""
-  inv = jnp.arange(6.0).reshape(2, 3)
+  inv = jnp.arange(6.0).reshape(2, 3)  # a transpose and a pad: exact
   np.testing.assert_array_equal(_cublaslt_scales(inv, VEC128), [[0, 3], [1, 4], [2, 5]])
   np.testing.assert_array_equal(_cublaslt_scales(inv, BLK128), [[0, 1, 2, 0], [3, 4, 5, 0]])
 

@@ -55,4 +55,5 @@ def test_the_mlp_helpers_carry_their_histories_as_the_ops_do():
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
   # The next histories: this step's amax of the whole x in front of fc1's.
   next_x = got[1][3]["fc1"].x
+  # Exact: a maximum of the input, and a shifted history entry.
   assert float(next_x[0]) == float(jnp.max(jnp.abs(x))) and float(next_x[2]) == 200.0

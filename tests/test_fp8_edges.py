@@ -51,6 +51,7 @@ def test_saturating_cast_clips_to_the_fp8_max():
   plain cast makes NaN of it); NaN stays NaN."""
   v = jnp.array([1000.0, -1e6, 448.0, 465.0, jnp.inf, -jnp.inf, jnp.nan, 1.0])
   got = np.asarray(saturating_cast(v, jnp.float32(1.0), E4).astype(jnp.float32))
+  # Exact: saturation lands on the FP8 maxima themselves.
   np.testing.assert_array_equal(got[:6], [448, -448, 448, 448, 448, -448])
   assert np.isnan(got[6]) and got[7] == 1.0
   assert np.isnan(float(jnp.float32(1000.0).astype(E4)))  # why the clip is there
@@ -63,6 +64,7 @@ def test_scale_from_amax():
   a = jnp.array([4.0, 0.0, jnp.inf, jnp.nan])
   s = np.asarray(scale_from_amax(a, E4))
   assert s[0] == 112.0 and s[1] == 1.0 and s[2] == 0.0 and np.isnan(s[3])
+  # Exact: a division of small powers of two and integers, correctly rounded.
   assert float(scale_from_amax(jnp.float32(4.0), E4, margin=2)) == 28.0
   assert float(scale_from_amax(jnp.float32(4.0), E5)) == 57344.0 / 4
 
@@ -127,7 +129,7 @@ def test_nan_and_inf_spoil_what_bf16_spoils(where, op, scaling):
     assert np.all(np.isnan(np.asarray(f, np.float32))[bad_f]), f"{name}: inf, not NaN"
     assert not np.any(bad_b & ~bad_f), f"{name}: bf16 non-finite where FP8 is finite"
     if scaling == "row" and not (op, name) == ("ag", "dw"):
-      np.testing.assert_array_equal(bad_f, bad_b, err_msg=name)
+      np.testing.assert_array_equal(bad_f, bad_b, err_msg=name)  # masks: exact
     elif bad_b.any() and scaling == "tensor":
       assert bad_f.all(), f"{name}: per-tensor scaling spoils the whole output"
   assert spoiled_any
