@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from conftest import cpu_mesh
 from jax_comm_gemm import dense
+import jax_comm_gemm.backends.step_tuning as step_tuning
+import jax_comm_gemm.backends.timing as timing
 import jax_comm_gemm.backends.tuning as autotune
 import jax_comm_gemm.backends.verify as verify
 from jax_comm_gemm.backends import auto
@@ -28,6 +31,7 @@ from jax_comm_gemm.runtime import REGISTRY, settings
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.runtime.settings import Settings
 from conftest import stand_in_plan
+from test_kv import FakeJob
 from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.constants import TARGETS
 
@@ -117,50 +121,206 @@ def test_time_candidates_takes_the_median_not_the_fastest_round():
   assert times == {"a": 9.0, "b": 5.0}
 
 
-def test_time_candidates_skips_what_any_process_failed_to_run(caplog):
-  """A candidate that failed to warm up in another process is skipped here
-  too (the processes agree on the failed set before timing): running a
-  collective candidate that a peer skips would leave this process waiting.
-  Each failure is logged with its error."""
-  ran = []
+def test_time_candidates_agree_after_every_step_and_skip_what_any_process_failed(caplog):
+  """The failures are agreed after building, after each warm-up and after
+  each timed batch, before the next candidate runs: a candidate that failed
+  in another process (here "ring", while timed) is skipped here from then
+  on, as a collective candidate that a peer skips would leave this process
+  waiting. Each failure is logged with its error."""
+  events = []
 
   def runner(name, fail=False):
     def call():
-      ran.append(name)
+      events.append(name)
       if fail:
         raise RuntimeError("cublasMpMatmul failed: not supported")
     return call
 
-  seen = []
-
-  def agree(failed):  # this process failed "bad"; a peer failed "ring"
-    seen.append(set(failed))
-    return set(failed) | {"ring"}
+  def agree(failed):  # a peer fails "ring" in the first timed round
+    events.append(("agree", dict(failed)))
+    peer = {"ring": "process 1: lost"} if events.count("ring") == 2 else {}
+    return {name: f"process 0: {why}" for name, why in failed.items()} | peer
 
   with caplog.at_level("WARNING", logger="jax_comm_gemm.autotune"):
     times = autotune.time_candidates(
         {"xla": (runner("xla"), 1), "ring": (runner("ring"), 1),
-         "bad": (runner("bad", fail=True), 1)}, rounds=2, wait=lambda out: None, agree=agree)
-  assert seen == [{"bad"}]
-  assert times["ring"] == times["bad"] == math.inf and math.isfinite(times["xla"])
-  assert ran == ["xla", "ring", "bad", "xla", "xla"]  # warm-up, then only xla timed
+         "bad": (runner("bad", fail=True), 1), "unbuilt": "XlaRuntimeError: no kernel"},
+        rounds=2, wait=lambda out: None, agree=agree)
+  assert events == [
+      ("agree", {"unbuilt": "XlaRuntimeError: no kernel"}),  # built, or not, everywhere
+      "xla", ("agree", {}), "ring", ("agree", {}),            # warm-ups, each agreed
+      "bad", ("agree", {"bad": "cublasMpMatmul failed: not supported"}),
+      "xla", ("agree", {}), "ring", ("agree", {}),            # round 1: the peer lost ring
+      "xla", ("agree", {})]                                   # round 2: xla alone
+  assert math.isfinite(times["xla"])
+  assert times["ring"] == times["bad"] == times["unbuilt"] == math.inf
   assert "candidate bad failed: cublasMpMatmul failed: not supported" in caplog.text
+  assert "candidate unbuilt failed to build: XlaRuntimeError: no kernel" in caplog.text
+  assert "candidate ring failed elsewhere (process 1: lost); skipped here too" in caplog.text
 
 
-def test_union_of_failures_publishes_this_process_and_skips_every_process(monkeypatch):
-  """autotune's and autotune_step's `agree`: each process publishes what it
-  failed to warm up, under its own key, and all skip the union."""
-  store = {autotune.kv.key(7, 2, "step", "failed", 1): '["ring"]'}
+def test_union_names_each_failure_with_the_processes_that_saw_it():
+  got = timing.union([{"ring": "no memory"}, {}, {"xla": "hung", "ring": "no memory"},
+                      {"ring": "other"}])
+  assert got == {"ring": "processes 0, 2: no memory; process 3: other", "xla": "process 2: hung"}
+  assert list(got) == ["ring", "xla"]  # as process 0, then the others, saw them
+  assert timing.union([{}, {}]) == {}
+  assert timing.union([{"ring": "no memory"}]) == {"ring": "no memory"}  # one process
+
+
+def test_union_of_failures_publishes_each_exchange_under_its_own_key(monkeypatch):
+  """autotune's and autotune_step's `agree`: each process publishes the
+  failures it saw in one step, under a key of its own for each exchange, and
+  all take the union; `failed` keeps every failure agreed so far."""
+  store = {autotune.kv.key(7, 2, "step", "failed", 0, 1): '{"ring": "no memory"}',
+           autotune.kv.key(7, 2, "step", "failed", 1, 1): '{}'}
   monkeypatch.setattr(autotune.kv, "multi_process", lambda: True)
   monkeypatch.setattr(autotune.kv, "publish", store.__setitem__)
-  monkeypatch.setattr(autotune.kv, "fetch", lambda name, timeout: store[name])
+
+  def fetch(name, timeout):
+    if name not in store:
+      raise TimeoutError(f"no value for {name!r}")
+    return store[name]
+
+  monkeypatch.setattr(autotune.kv, "fetch", fetch)
   monkeypatch.setattr(jax, "process_index", lambda: 0)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  agree = autotune.union_of_failures(7, 2, "step", "failed", timeout=1.0)
-  assert agree({"bad"}) == {"bad", "ring"}
-  assert store[autotune.kv.key(7, 2, "step", "failed", 0)] == '["bad"]'
+  agree = autotune.UnionOfFailures(7, 2, "step", "failed", timeout=1.0)
+  assert agree({"bad": "raised"}) == {"bad": "process 0: raised", "ring": "process 1: no memory"}
+  assert store[autotune.kv.key(7, 2, "step", "failed", 0, 0)] == '{"bad": "raised"}'
+  assert agree({}) == {}
+  assert agree.failed == {"bad": "process 0: raised", "ring": "process 1: no memory"}
+  # A peer that never answers (dead, or stuck in a collective): a timeout, not a hang.
+  with pytest.raises(TimeoutError, match=r"exchange 2 \(step/failed\) within 1 s"):
+    agree({})
   monkeypatch.setattr(autotune.kv, "multi_process", lambda: False)
-  assert agree({"x"}) == {"x"}  # one process: nothing to agree on
+  assert agree({"x": "raised"}) == {"x": "raised"}  # one process: nothing to agree on
+
+
+class _Hang(BaseException):
+  """A simulated collective that its peer never joined (not an Exception, so
+  that no candidate's failure handling swallows it)."""
+
+
+def _simulated_processes(monkeypatch, processes=2):
+  """A FakeJob (threads over one key-value store) whose candidates are
+  collectives: a call completes only when every process makes the same one,
+  and each process's sequence of calls is recorded."""
+  job = FakeJob(processes)
+  monkeypatch.setattr(autotune.kv, "publish", job.publish)
+  monkeypatch.setattr(autotune.kv, "fetch", job.fetch)
+  monkeypatch.setattr(autotune.kv, "multi_process", lambda: True)
+  monkeypatch.setattr(jax, "process_index", lambda: job.me.index)
+  monkeypatch.setattr(jax, "process_count", lambda: job.processes)
+  job.calls = [[] for _ in range(processes)]
+  counts = [0] * processes
+  barriers, lock = {}, threading.Lock()
+
+  def collective(name):
+    me = job.me.index
+    job.calls[me].append(name)
+    counts[me] += 1
+    with lock:  # the n-th collective of every process meets the n-th of the others
+      barrier = barriers.setdefault(counts[me], threading.Barrier(processes, timeout=5))
+    try:
+      barrier.wait()
+    except threading.BrokenBarrierError:
+      raise _Hang(f"process {me} left waiting in {name}") from None
+    with lock:
+      sequence = {calls[counts[me] - 1] for calls in job.calls}
+    if len(sequence) > 1:
+      raise _Hang(f"the processes ran unlike collectives: {sorted(sequence)}")
+  job.collective = collective
+  return job
+
+
+@pytest.mark.parametrize("phase", ["build", "check", "time"])
+def test_a_failure_in_one_process_only_is_skipped_by_every_process(monkeypatch, phase):
+  """Process 1 alone sees "ring" fail: to build, with a wrong result, or in
+  its second timed batch. Every process learns of it before the next
+  collective and skips it: the processes run the same collectives (none is
+  left waiting) and end with the same failures and the same choice."""
+  job = _simulated_processes(monkeypatch)
+
+  def candidate(name):
+    def call():
+      job.collective(name)
+      if (phase == "time" and name == "ring" and jax.process_index() == 1
+          and job.calls[1].count("ring") == 3):  # warm-up, a warm-up round, a timed one
+        raise RuntimeError("ncclGetPeerDevicePointer: window argument is NULL")
+      return name
+    return (call, 1)
+
+  def body(process):
+    runs = {name: candidate(name) for name in ("xla", "ring", "pipelined_ce")}
+    if phase == "build" and process == 1:
+      runs["ring"] = "cublasMpMalloc failed: the requested functionality is not supported"
+    verify = lambda name, out: ("differs from XLA's by 2" if phase == "check" and  # noqa: E731
+                                name == "ring" and process == 1 else None)
+    agree = autotune.UnionOfFailures(7, 1, "autotune", 0, "failed", timeout=5)
+    times = autotune.time_candidates(runs, rounds=3, warmup_rounds=1,
+                                     wait=lambda out: None, agree=agree, verify=verify)
+    def decided(all_times):  # as autotune's measure decides
+      choice, why = autotune.decide({name: [t[name] for t in all_times] for name in times})
+      return [choice, autotune.with_failures(why, agree.failed)]
+
+    choice = autotune.kv.leader_decides(7, 1, "autotune", 0, value=times, timeout_s=5,
+                                        decide=decided)
+    return sorted(name for name, t in times.items() if t == math.inf), agree.failed, choice
+
+  got = job.run(body)
+  assert job.calls[0] == job.calls[1]
+  assert got[0] == got[1]
+  failed, failures, (choice, why) = got[0]
+  assert failed == ["ring"] and choice in ("xla", "pipelined_ce")
+  assert list(failures) == ["ring"] and failures["ring"].startswith("process 1: ")
+  assert why.endswith(f"; failed: ring ({failures['ring']})"), why
+  expected = {"build": "cublasMpMalloc failed", "check": "wrong result: differs from XLA's by 2",
+              "time": "ncclGetPeerDevicePointer: window argument is NULL"}[phase]
+  assert expected in failures["ring"]
+
+
+def test_autotune_step_where_every_plan_failed_raises_naming_each():
+  """Every plan of the step fails (here to compile, in every process): there
+  is nothing to choose, and every process raises the same error naming each
+  plan and what it raised (with one process, no process is named)."""
+  def step(x):
+    raise ValueError("planted: the step cannot be traced")
+
+  routes = {"ring": stand_in_plan(), "xla": stand_in_plan()}
+  with pytest.raises(RuntimeError, match=r"every plan of the step failed: "
+                                         r"xla \(planted: the step cannot be traced\), "
+                                         r"ring \(planted: the step cannot be traced\)$"):
+    step_tuning._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)
+
+
+def test_build_compiles_now_and_returns_the_error_of_one_that_cannot_compile():
+  calls = []
+  run, iterations = timing.build(lambda: "program", lambda program: calls.append(program), 3)
+  run()
+  assert calls == ["program"] and iterations == 3
+
+  def broken():
+    raise RuntimeError("\nINTERNAL: cublasMpMalloc failed\nmore lines")
+  assert timing.build(broken, None, 3) == "INTERNAL: cublasMpMalloc failed"
+  assert timing.message(RuntimeError()) == "RuntimeError"
+
+
+def test_autotunes_candidates_are_compiled_before_any_runs(monkeypatch):
+  """_runnables compiles each candidate, so a compile error is known (and
+  agreed) before any process runs a candidate; its entry is the error."""
+  real = CublasMpBackend.all_gather_matmul
+
+  def refuse(self, *args, **kwargs):
+    if self.all_gather_algorithm == "split_p2p":
+      raise RuntimeError("planted: split_p2p cannot be lowered")
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(CublasMpBackend, "all_gather_matmul", refuse)
+  runs = autotune._runnables(cpu_mesh(2), "tp", Problem(AG, 8, 8, 6, "float32", False, 2),
+                             seconds=0.01)
+  assert runs["cublasmp_split_p2p"] == "planted: split_p2p cannot be lowered"
+  assert isinstance(runs["xla"], tuple) and isinstance(runs["cublasmp_default"], tuple)
 
 
 def test_iterations_are_a_function_of_the_problem_alone():
@@ -390,8 +550,8 @@ def test_autotune_times_the_gathered_problem_with_its_operand_out():
 
 def test_a_candidate_with_a_wrong_result_is_left_out_everywhere(caplog):
   """Each warm-up result goes to `verify`; a wrong one fails its candidate
-  (in the set the processes agree on) with the reason in the log. One that
-  raised is not verified."""
+  (agreed with the other processes right after its warm-up) with the reason
+  in the log. One that raised is not verified."""
   seen, agreed = [], []
 
   def judge(name, out):
@@ -404,9 +564,11 @@ def test_a_candidate_with_a_wrong_result_is_left_out_everywhere(caplog):
   times = autotune.time_candidates(
       {"xla": (lambda: "x", 1), "wrong": (lambda: "w", 1), "broken": (broken, 1)},
       rounds=2, wait=lambda out: None, verify=judge,
-      agree=lambda failed: agreed.append(set(failed)) or failed)
+      agree=lambda failed: agreed.append(dict(failed)) or failed)
   assert seen == [("xla", "x"), ("wrong", "w")]
-  assert agreed == [{"wrong", "broken"}]
+  # Building, then each warm-up; then xla's two timed batches.
+  assert agreed == [{}, {}, {"wrong": "wrong result: differs from XLA's by 2"},
+                    {"broken": "cublasMpMatmul failed"}, {}, {}]
   assert times["wrong"] == times["broken"] == math.inf and math.isfinite(times["xla"])
   assert "candidate wrong gave a wrong result: differs from XLA's by 2" in caplog.text
 

@@ -10,6 +10,7 @@ alone, and a disagreement between the processes must raise in both.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,12 +32,13 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch(process_id: int, port: int, *args, **settings) -> subprocess.Popen:
+def _launch(process_id: int, port: int, *args, worker: str = "mp_worker.py",
+            **settings) -> subprocess.Popen:
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMM_GEMM_")}
   env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {CPU_TEST_FLAGS}", JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join(
                  p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p), **settings)
-  return subprocess.Popen([sys.executable, os.path.join(TESTS, "mp_worker.py"),
+  return subprocess.Popen([sys.executable, os.path.join(TESTS, worker),
                            str(process_id), str(port), *args],
                           cwd=TESTS, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -97,3 +99,36 @@ def test_processes_that_disagree_on_a_setting_fail_at_connect_on_cpu():
     assert ("JAX_COMM_GEMM_BACKEND differs (process 0: 'xla'; process 1: 'ring')"
             in result["message"]), result["message"]
   assert time.monotonic() - start < 30
+
+
+# In process 1 alone: the ring fails to build, pipelined_ce computes a wrong
+# result, cublasmp_default raises in its second timed batch (mp_autotune_worker.py).
+PLANTS = {"build": "ring", "check": "pipelined_ce", "time": "cublasmp_default"}
+
+
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_autotune_with_candidates_failing_in_one_process_ends_alike_in_both():
+  """autotune_step (each op's autotune, then the step under each plan) over a
+  tensor-parallel axis spanning both processes, with a candidate that fails
+  to build, one that is wrong and one that fails while timed, each in process
+  1 only: every process learns of each failure before its next collective,
+  so both finish, in bounded time (they stopped in time_candidates until
+  killed when a failure while timed was left to the process that saw it),
+  with the same choices, none of them a failed candidate, each failure named
+  with its process and message."""
+  port = _free_port()
+  plants = ",".join(f"{phase}={name}" for phase, name in PLANTS.items())
+  results = _run_both([_launch(i, port, plants, worker="mp_autotune_worker.py")
+                       for i in range(2)], TIMEOUT_S)
+  assert results[0]["choices"] == results[1]["choices"]
+  assert results[0]["step"] == results[1]["step"]
+  choices, (plan, why) = results[0]["choices"], results[0]["step"]
+  assert len(choices) >= 4, choices  # forward and backward, AllGather+GEMM and GEMM+RS
+  # In the step, the wrong result reaches process 0's shards too.
+  expected = {"ring": r"process 1: planted: ring cannot be built here",
+              "pipelined_ce": r"(process 0: [^;]*; )?process 1: wrong result: differs from XLA's",
+              "cublasmp_default": r"process 1: planted: cublasmp_default failed while timed"}
+  for choice, reason in [*choices.values(), (plan, why)]:
+    assert choice not in PLANTS.values(), (choice, reason)
+    for name, failure in expected.items():
+      assert re.search(rf"{name} \({failure}", reason), (name, reason)

@@ -28,8 +28,8 @@ import jax
 import jax_comm_gemm.runtime.kv as kv
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
-from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, fastest, time_candidates,
-                                           union_of_failures)
+from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, UnionOfFailures, build, fastest,
+                                           time_candidates, with_failures)
 from jax_comm_gemm.backends.tuning import load_cache, measure, remember, signature, tunable
 from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.runtime import comm_id
@@ -196,28 +196,40 @@ def collect_problems(step, args, plan: Plan, axis_size: int) -> list:
 def _measure(ident, attempt, routes: dict[str, Plan], step, args, iterations, rounds,
              timeout) -> tuple[str, str]:
   """Compiles the step under each plan, times them all interleaved, and
-  returns process 0's decision."""
+  returns process 0's decision. Every process learns of every plan that
+  failed in any (to compile, to run, to match XLA's result, while timed)
+  before the next plan runs, and skips it; where every plan failed, every
+  process raises the same RuntimeError naming each plan's failure."""
   runs = {}
   jitted = step if hasattr(step, "lower") else jax.jit(step)
   # XLA's step first: the others' results are checked against its (against_xla).
   for name, plan in sorted(routes.items(), key=lambda item: item[0] != XLA):
-    # Compiled ahead of time under its plan: each executable keeps its choices.
-    with plan_lib.use(plan):
-      compiled = jitted.lower(*args).compile()
-    runs[name] = (lambda compiled=compiled: compiled(*args), iterations)
-  # Every process skips a plan that failed to run in any (a collective plan
-  # that one process skipped would leave the others waiting in it).
-  agree = union_of_failures(ident, attempt, "step", "failed", timeout=timeout)
+    runs[name] = build(lambda plan=plan: _compiled(jitted, plan, args),
+                       lambda compiled: compiled(*args), iterations)
+  agree = UnionOfFailures(ident, attempt, "step", "failed", timeout=timeout)
   mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
                          verify=against_xla())
-  return agree_on_step(ident, attempt, mine, timeout)
+  if all(name in agree.failed for name in mine):
+    raise RuntimeError("jax_comm_gemm.autotune_step: every plan of the step failed: " + ", ".join(
+        f"{name} ({why})" for name, why in agree.failed.items()))
+  return agree_on_step(ident, attempt, mine, timeout, agree.failed)
 
 
-def agree_on_step(ident, attempt, mine: dict[str, float], timeout: float) -> tuple[str, str]:
-  """Process 0 decides from every process's times (``decide_step``); all
-  take its decision."""
-  plan, why = kv.leader_decides(
-      ident, attempt, "step", value=mine, timeout_s=timeout,
-      decide=lambda times: list(decide_step({name: [t[name] for t in times]
-                                             for name in mine})))
+def _compiled(jitted, plan: Plan, args):
+  """The step compiled ahead of time under `plan`: the executable keeps its choices."""
+  with plan_lib.use(plan):
+    return jitted.lower(*args).compile()
+
+
+def agree_on_step(ident, attempt, mine: dict[str, float], timeout: float,
+                  failures: dict[str, str] | None = None) -> tuple[str, str]:
+  """Process 0 decides from every process's times (``decide_step``), naming
+  the plans that failed (`failures`, the same in every process); all take
+  its decision."""
+  def decided(times):
+    plan, why = decide_step({name: [t[name] for t in times] for name in mine})
+    return [plan, with_failures(why, failures or {})]
+
+  plan, why = kv.leader_decides(ident, attempt, "step", value=mine, timeout_s=timeout,
+                                decide=decided)
   return plan, why

@@ -11,8 +11,9 @@ takes the slowest process's time per candidate, picks the fastest candidate
 and publishes the choices through the key-value store. The choices go into
 the routing plan (runtime/plan.py) and the disk cache, keyed by GPU model and
 versions. A candidate
-that fails to run, or whose result differs from XLA's on the same inputs, is
-left out in every process.
+that fails to build or run, or whose result differs from XLA's on the same
+inputs, in any process, is left out in every process, which all learn of it
+before the next candidate runs (timing.py's module docstring).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEME
                                          candidates, fp8_collectives_of, implementation, runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 # Re-exported: autotune's measuring steps live in timing.py.
-from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, decide, fastest,  # noqa: F401
-                                           time_candidates, union_of_failures)
+from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, UnionOfFailures, build,  # noqa: F401
+                                           decide, fastest, time_candidates, with_failures)
 from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime import comm_id, settings
@@ -57,7 +58,9 @@ def iterations(p: Problem, seconds: float) -> int:
 
 
 def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
-  """A jitted program per candidate of `p` on random data."""
+  """A compiled program per candidate of `p` on random data, as
+  time_candidates takes them: ``(call, iterations)``, the error that building
+  it raised, or None where the candidate cannot run `p`."""
   size = p.axis_size
   if p.op == AG:
     x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
@@ -75,9 +78,9 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   # power, so its clock under the cap, depends on the data it multiplies.
   w = _random(mesh, w_shape, w_spec, p.dtype, 2, scale=p.k ** -0.5)
   # Every candidate has an entry, in the same order in every process: one
-  # that cannot run here is None, which time_candidates' agreement turns into
-  # a candidate every process skips (a program run by some processes alone
-  # would hang).
+  # that cannot run here, or failed to compile, counts as failed in
+  # time_candidates' first agreement, before any candidate runs (a program
+  # run by some processes alone would hang).
   runs = {}
   for name in candidates(p):
     if not runnable(name, p).ok:
@@ -100,8 +103,9 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
                                          return_gathered=p.gathered)
       return backend.matmul_reduce_scatter(x, w, axis_name, transpose_w=p.transpose_w)
 
-    program = jax.jit(jax.shard_map(local, mesh=mesh, **specs))
-    runs[name] = (lambda program=program: program(x, w), iterations(p, seconds))
+    runs[name] = build(lambda local=local: jax.jit(jax.shard_map(local, mesh=mesh, **specs))
+                       .lower(x, w).compile(),
+                       lambda program: program(x, w), iterations(p, seconds))
   return runs
 
 
@@ -206,13 +210,16 @@ def measure(mesh, axis_name: str, problems, plan, *,
     p = Problem(**q)
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(work["measure"]))
     runs = _runnables(mesh, axis_name, p, seconds_per_problem)
-    agree = union_of_failures(ident, attempt, "autotune", index, "failed", timeout=timeout)
+    agree = UnionOfFailures(ident, attempt, "autotune", index, "failed", timeout=timeout)
     mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree,
                            verify=against_xla())
-    choice = kv.leader_decides(
-        ident, attempt, "autotune", index, value=mine, timeout_s=timeout,
-        decide=lambda times: list(decide({name: [t[name] for t in times]
-                                          for name in times[0]})))
+
+    def decided(times, failures=agree.failed):
+      chosen, why = decide({name: [t[name] for t in times] for name in times[0]})
+      return [chosen, with_failures(why, failures)]
+
+    choice = kv.leader_decides(ident, attempt, "autotune", index, value=mine,
+                               timeout_s=timeout, decide=decided)
     choices[p] = tuple(choice)
   measured = {Problem(**q).text(): list(choices[Problem(**q)]) for q, _ in work["measure"]}
   remember(path, section, measured)

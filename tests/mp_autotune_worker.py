@@ -1,0 +1,180 @@
+"""One of the two CPU processes of test_multiprocess.py's autotune test.
+
+Usage: ``python mp_autotune_worker.py PROCESS_ID PORT PLANTS`` with
+``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and ``JAX_PLATFORMS=cpu``.
+PLANTS is a comma-separated list of ``phase=implementation`` with phase
+"build", "check" or "time": in process 1 alone, that implementation fails to
+build (its op raises while traced), computes a wrong result (its output times
+2), or raises in its second timed batch (after its program ran, as an error
+reported late would). Process 0 runs everything as it is.
+
+Both processes join through ``jax.distributed`` and run ``autotune_step`` on
+a sequence-parallel MLP's gradient over a tensor-parallel axis of all 4
+devices, spanning both processes: first the per-op autotune of each problem
+the step meets, then the step under each plan, every candidate a real
+collective program (on CPU the fused ops lower to XLA's collectives, with a
+plan as if cuBLASMp ran). Prints one JSON line:
+``{"process": i, "ok": bool, "choices": {problem: [choice, why]},
+"step": [plan, why], "error": str}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+
+import jax
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import jax_comm_gemm as jcg  # noqa: E402
+import jax_comm_gemm.runtime.plan as plan_lib  # noqa: E402
+from jax_comm_gemm.backends import auto, step_tuning, tuning  # noqa: E402
+from jax_comm_gemm.runtime import REGISTRY, comm_id  # noqa: E402
+from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
+from jax_comm_gemm.runtime.settings import Settings  # noqa: E402
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter")
+
+
+class _Versions:
+  """What autotune asks of the C++ extension (its cache section's versions)."""
+
+  def cublasmp_version(self):
+    return 1000
+
+  def nccl_version(self):
+    return 23203
+
+
+class _Refuses:
+  """A backend whose ops raise while traced: the candidate fails to build."""
+
+  def __init__(self, name):
+    self.name = name
+
+  def __getattr__(self, attr):
+    def refuse(*args, **kwargs):
+      raise RuntimeError(f"planted: {self.name} cannot be built here")
+    return refuse
+
+
+class _Wrong:
+  """A backend whose ops compute twice the right output (and the gathered
+  operand as it is): the candidate's check fails."""
+
+  def __init__(self, backend):
+    self.backend = backend
+
+  def __getattr__(self, attr):
+    found = getattr(self.backend, attr)
+    if attr not in OPS:
+      return found
+
+    def doubled(*args, **kwargs):
+      out = found(*args, **kwargs)
+      return (2 * out[0], *out[1:]) if isinstance(out, tuple) else 2 * out
+    return doubled
+
+
+def _plant(plants: dict[str, str]) -> None:
+  """Makes process 1's candidates fail as `plants` ({phase: implementation}) says."""
+  if jax.process_index() != 1:
+    return
+  real_implementation = auto.implementation
+
+  def implementation(name, template):
+    backend = real_implementation(name, template)
+    if name == plants.get("build"):
+      return _Refuses(name)
+    if name == plants.get("check"):
+      return _Wrong(backend)
+    return backend
+
+  # autotune builds its candidates through tuning's name, the step's layers
+  # through auto's.
+  tuning.implementation = auto.implementation = implementation
+  for module in (tuning, step_tuning):
+    module.time_candidates = _failing_when_timed(module.time_candidates, plants.get("time"))
+
+
+def _failing_when_timed(time_candidates, name):
+  """time_candidates, where candidate (or plan) `name` raises after its
+  program ran in its second timed batch."""
+  def planted(runs, **kwargs):
+    if name in runs and isinstance(runs[name], tuple):
+      call, iterations = runs[name]
+      calls = [0]
+
+      def fails_late():
+        out = call()
+        calls[0] += 1
+        # The warm-up call, the warm-up rounds' batches, then the timed ones.
+        if calls[0] > 1 + (kwargs["warmup_rounds"] + 1) * iterations:
+          raise RuntimeError(f"planted: {name} failed while timed")
+        return out
+      runs = {**runs, name: (fails_late, iterations)}
+    return time_candidates(runs, **kwargs)
+  return planted
+
+
+def run(process_id: int, plants: dict[str, str]) -> dict:
+  assert jax.process_count() == 2 and jax.device_count() == 4
+  mesh = Mesh(np.asarray(jax.devices()), ("tp",))
+  # A plan as connect publishes it where cuBLASMp runs: the axis connected,
+  # measuring on, no disk cache (every choice is measured here).
+  REGISTRY._status, REGISTRY._native = Capability(True, "stand-in"), _Versions()
+  plan_lib.publish(plan_lib.Plan(Settings(autotune_cache="", connect_timeout_s=60.0),
+                                 Capability(True, "stand-in"), "tail")
+                   .with_axis(mesh, "tp", comm_id(mesh, "tp"), {}))
+  _plant(plants)
+  choices = {}
+  real_measure = step_tuning.measure
+
+  def measure(*args, **kwargs):
+    found = real_measure(*args, **kwargs)
+    choices.update({p.text(): list(choice) for p, choice in found.items()})
+    return found
+
+  step_tuning.measure = measure
+  x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
+               for i, s in enumerate([(32, 16), (16, 64), (64, 16)]))
+
+  def step(x, w1, w2):
+    local = jax.shard_map(lambda x, a, b: jcg.mlp(x, a, b, axis_name="tp"), mesh=mesh,
+                          in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    return jax.grad(lambda a, b: jnp.sum(local(x, a, b) ** 2), (0, 1))(w1, w2)
+
+  tuned = jcg.autotune_step(mesh, "tp", step, x, w1, w2, iterations=1, rounds=3,
+                            seconds_per_problem=1e-6)
+  jax.block_until_ready(tuned(x, w1, w2))  # the plan taken runs, in both processes
+  return {"choices": choices, "step": [tuned.plan, tuned.why]}
+
+
+def main() -> int:
+  process_id, port = int(sys.argv[1]), int(sys.argv[2])
+  plants = dict(item.split("=") for item in sys.argv[3].split(",") if item)
+  result = {"process": process_id, "ok": False}
+  try:
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                               num_processes=2, process_id=process_id,
+                               initialization_timeout=60)
+    try:
+      result.update(run(process_id, plants))
+      result["ok"] = True
+    finally:
+      jax.distributed.shutdown()
+  except Exception:  # noqa: BLE001  (reported to the test as JSON)
+    result["error"] = traceback.format_exc()
+  print(json.dumps(result), flush=True)
+  return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
