@@ -7,14 +7,15 @@ import pytest
 from jax.sharding import Mesh
 
 import jax_comm_gemm.runtime.plan as plan_lib
+from tests.cpu_flags import cpu_test_flags
 from jax_comm_gemm.runtime.capability import Capability
 from jax_comm_gemm.runtime.settings import Settings
 
 
 # The XLA flags of the CPU processes that tests start (the examples, the
 # multi-process workers): faster compiles, as the root conftest.py sets them
-# for the pytest process (its docstring says why).
-CPU_TEST_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+# for the pytest process (tests/cpu_flags.py says why and which).
+CPU_TEST_FLAGS = cpu_test_flags()
 
 
 def cpu_mesh(size: int, axis_name: str = "tp") -> Mesh:
