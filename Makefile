@@ -1,6 +1,8 @@
 # The two commands of the README, each doing all set-up on a fresh machine:
 #   make example   the main job: trains a byte-level GPT of sequence-parallel blocks
 #   make test      the test suite (the GPU tests skip without two GPUs)
+# PYTHON and VENV choose the interpreter and its virtualenv (CI's second leg:
+# make test PYTHON=python3.13 VENV=.venv-newest).
 # and, run by make test as well:
 #   make cpp-test  the C++ unit tests (CTest; no GPU needed)
 # Set-up: a virtualenv in .venv with jax, flax and the NVIDIA wheels (CUDA 13 by
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard xla_ffi/*) \
     $(shell find jax_comm_gemm -type d -not -name __pycache__)
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet scikit-build-core nanobind cmake ninja "jax>=0.10"
+	$(PIP) install --quiet scikit-build-core nanobind cmake ninja "jax>=0.10.2"
 	@# The NVIDIA wheels must be installed before the extension can build
 	@# against them: the first pass installs the dependencies (its build finds
 	@# no headers yet and skips the extension), the second builds it.
@@ -37,9 +39,10 @@ example: setup
 # 2-core machine runs the suite in about half the time. The GPU tests stay on
 # one worker (the root conftest.py groups them).
 test: setup cpp-test
+	@$(PY) -c "import sys; from importlib.metadata import version as v; print('Python', sys.version.split()[0], '| jax', v('jax'), '| jaxlib', v('jaxlib'), '| flax', v('flax'))"
 	JCG_REQUIRE_EXTENSION=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(ARGS)
 
-CPP_TEST_DIR := build/cpp-tests
+CPP_TEST_DIR := build/cpp-tests-$(notdir $(VENV))
 cpp-test: setup
 	$(VENV)/bin/cmake -S tests/cpp -B $(CPP_TEST_DIR) -G Ninja \
 	  -DPython_EXECUTABLE=$(abspath $(PY)) -DCMAKE_MAKE_PROGRAM=$(abspath $(VENV))/bin/ninja

@@ -120,11 +120,12 @@ def test_linen_injected_dot_general_is_called(kind, local):
 
 
 def test_linen_dot_general_cls_runs_flax_fp8_ops():
-  """dot_general_cls=nn.Fp8DotGeneralOp (Flax's FP8 injection): the op's own
+  """dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp (Flax's FP8 injection; it
+  replaces the deprecated Fp8DotGeneralOp): the op's own
   variables appear beside the layer's, and the output is close to Dense's."""
   mesh = cpu_mesh(2)
   x = _placed(mesh, _x(K), P("tp"))
-  layer = L.ColumnParallelDense(F, mesh=mesh, dot_general_cls=fp8_ops.Fp8DotGeneralOp)
+  layer = L.ColumnParallelDense(F, mesh=mesh, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)
   variables = layer.init(jax.random.key(0), x)
   assert "_overwrite_with_gradient" in variables
   y = jax.jit(layer.apply)(variables, x)

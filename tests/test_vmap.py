@@ -202,9 +202,12 @@ def test_vmap_of_the_fp8_gemm(form, scaling, axes):
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 @pytest.mark.parametrize("form", FP8_FORMS)
 def test_vmap_of_the_fp8_mlp(form, scaling):
-  """jax.vmap over the FP8 MLP layer, forward and gradients: each element as
-  the layer computes it unbatched (up to a rare FP8 rounding flipped by the
-  last bit of an f32 sum), and near the float32 layer's."""
+  """jax.vmap over the FP8 MLP layer, forward and gradients: each element near
+  what the FP8 layer and the float32 layer compute for it unbatched. The two
+  FP8 programs differ: the last bit of an f32 sum can flip an FP8 rounding of a
+  gradient (E5M2: a quarter of its value), which on these small tensors moves
+  the norm by up to about 0.1; a batch rule that mixed up elements is off by
+  about 1. (test_vmap_of_the_fp8_gemm checks the rule itself against float64.)"""
   mesh = cpu_mesh(2)
   n, k, f = 16, 16, 32  # local GEMM dims multiples of 16: the custom call runs
   args = random_inputs(4, [(BATCH, n, k), (BATCH, k, f), (BATCH, f, k)], jnp.float32)
@@ -219,7 +222,7 @@ def test_vmap_of_the_fp8_mlp(form, scaling):
   element_specs = tuple(P(*s[1:]) for s in specs)
   for i in range(BATCH):
     element = [a[i] for a in args]
-    for config, tolerance in ((fp8, 1e-3), (XLA, 0.2)):
+    for config, tolerance in ((fp8, 0.25), (XLA, 0.25)):
       y_i, grads_i, _ = _unbatched_value_and_grads(local(config), element_specs, P("tp"),
                                                    element, mesh)
       for got, want in zip((y, *grads), (y_i, *grads_i)):
