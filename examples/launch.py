@@ -33,13 +33,18 @@ def _on_cpu() -> bool:
   return os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
 
 
-def run_processes(n: int, script: str, argv: list[str]) -> int:
+def run_processes(n: int, script: str, argv: list[str], share_gpu: bool = False) -> int:
   """Runs ``script argv`` in `n` processes and waits for them; returns the
-  first failure's exit code, else 0. Only process 0 prints its progress."""
+  first failure's exit code, else 0. Only process 0 prints its progress.
+
+  With `share_gpu` the processes all drive GPU 0: NCCL counts each as a host
+  of its own (NCCL_HOSTID) and joins them through its network transport, and
+  each takes a share of the GPU's memory. That checks a multi-process run on
+  one GPU; it measures no speed, and NCCL has no symmetric memory there."""
   on_cpu = _on_cpu() or gpu_count() == 0
-  if not on_cpu and gpu_count() < n:
-    print(f"error: --processes {n} needs {n} GPUs, nvidia-smi lists {gpu_count()}",
-          file=sys.stderr)
+  if not on_cpu and not share_gpu and gpu_count() < n:
+    print(f"error: --processes {n} needs {n} GPUs, nvidia-smi lists {gpu_count()} "
+          f"(--share-gpu runs them all on GPU 0)", file=sys.stderr)
     return 2
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
@@ -53,6 +58,9 @@ def run_processes(n: int, script: str, argv: list[str]) -> int:
       count = max(1, CPU_DEVICES // n)
       env.update(JAX_PLATFORMS="cpu",
                  XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={count}"]))
+    elif share_gpu:
+      env.update(NCCL_HOSTID=f"jcg-shared-rank-{i}")
+      env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / n:.3f}")
     procs.append(subprocess.Popen([sys.executable, script, *argv, "--process-id", str(i),
                                    "--port", str(port)], env=env))
   code = 0
@@ -67,12 +75,13 @@ def run_processes(n: int, script: str, argv: list[str]) -> int:
   return code or next((p.returncode for p in procs if p.returncode), 0)
 
 
-def join(process_id: int, n: int, port: int) -> None:
-  """jax.distributed for a process that run_processes started."""
+def join(process_id: int, n: int, port: int, share_gpu: bool = False) -> None:
+  """jax.distributed for a process that run_processes started (`share_gpu`:
+  as it was started)."""
   if _on_cpu():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=process_id,
-                             local_device_ids=None if _on_cpu() else [process_id],
+                             local_device_ids=None if _on_cpu() else [0 if share_gpu else process_id],
                              initialization_timeout=300)
 
 

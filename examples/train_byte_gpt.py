@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
   comm.add_argument("--processes", type=int, default=1,
                     help="run this many processes joined by jax.distributed on 127.0.0.1, "
                          "one per GPU (on CPU: the 8 simulated devices shared among them)")
+  comm.add_argument("--share-gpu", action="store_true",
+                    help="with --processes, run every process on GPU 0 (a multi-process check "
+                         "on one GPU; its tokens/s measure no speed)")
   comm.add_argument("--process-id", type=int, help=argparse.SUPPRESS)  # set by the launcher
   comm.add_argument("--port", type=int, help=argparse.SUPPRESS)
   run = p.add_argument_group("run")
@@ -259,9 +262,10 @@ def main(argv=None) -> dict | None:
   args = parse_args(argv)
   if args.processes > 1 and args.process_id is None:
     raise SystemExit(launch.run_processes(args.processes, __file__,
-                                          sys.argv[1:] if argv is None else argv))
+                                          sys.argv[1:] if argv is None else argv,
+                                          share_gpu=args.share_gpu))
   if args.process_id is not None:
-    launch.join(args.process_id, args.processes, args.port)
+    launch.join(args.process_id, args.processes, args.port, share_gpu=args.share_gpu)
   try:
     return train(args)
   finally:
@@ -364,6 +368,8 @@ def train(args) -> dict:
     say(f"profile: 3 steps traced into {args.profile}")
   tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
   say(run_report.loss_summary(history, tokens_per_s, start))
+  if args.share_gpu:
+    say("(--share-gpu: the processes share one GPU, so tokens/s is not a speed measurement)")
 
   step_text = run_report.program_text(step_fn, params, opt_state, tokens, targets)
   summary = run_report.layer_report(step_text, config, mesh, dtype, args, s["layers"], say,

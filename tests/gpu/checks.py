@@ -48,8 +48,65 @@ DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
 TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3, "f32": 2e-5}
 
 
-def cublasmp(**kw) -> jcg.CommGemmConfig:
-  return jcg.CommGemmConfig(backend="cublasmp", **kw)
+# --- the shared-GPU mode -----------------------------------------------------------
+# With JCG_GPU_SHARED set, the job's ranks share one GPU (tests/gpu/machine.py).
+# NCCL then has no symmetric memory, so cuBLASMp's own algorithms and jax's
+# Pallas kernel cannot run there: a check (or a case of one) that needs them
+# raises NeedsDistinctGpus with the library's refusal, and the suite reports it
+# as skipped. Anywhere else nothing is skipped: the same refusal fails the check.
+SHARED_GPU = bool(os.environ.get("JCG_GPU_SHARED"))
+NEEDS_SYMMETRIC_MEMORY = ("default", "split_p2p", "cublasmp_default", "cublasmp_split_p2p",
+                          pallas.NAME)
+
+
+class NeedsDistinctGpus(Exception):
+  """A check that cannot run with ranks sharing one GPU; the message says why."""
+
+
+def refusal_here(mesh, *names: str) -> str | None:
+  """Why `names` (algorithms or autotune candidates) cannot run in the
+  shared-GPU mode on `mesh`; None where they can, or outside that mode."""
+  needed = [n for n in names if n in NEEDS_SYMMETRIC_MEMORY]
+  if not SHARED_GPU or not needed:
+    return None
+  from jax_comm_gemm.backends.auto import workspace  # noqa: PLC0415
+  verdict = workspace(mesh.shape["tp"])
+  if verdict.ok:
+    return None  # the group has symmetric memory after all: run, and fail if wrong
+  return f"{', '.join(needed)} need NCCL symmetric memory, absent with ranks sharing a GPU: " \
+         f"{verdict.reason}"
+
+
+def require(mesh, *names: str) -> None:
+  reason = refusal_here(mesh, *names)
+  if reason:
+    raise NeedsDistinctGpus(reason)
+
+
+def own_where_refused(mesh, **kw) -> dict:
+  """`kw` (CommGemmConfig's algorithm fields) with the project's own
+  pipelined_ce for each algorithm that cannot run here (the shared-GPU mode):
+  the failure scenarios and the stress runs test the fused path's protocol,
+  not one algorithm."""
+  out = dict(kw)
+  for field in ("all_gather_algorithm", "reduce_scatter"):
+    if refusal_here(mesh, kw.get(field, getattr(jcg.CommGemmConfig(), field))):
+      out[field] = "pipelined_ce"
+  return out
+
+
+def fused_config(mesh, **kw) -> jcg.CommGemmConfig:
+  """backend="cublasmp" with `kw`, as own_where_refused leaves them."""
+  return jcg.CommGemmConfig(backend="cublasmp", **own_where_refused(mesh, **kw))
+
+
+def cublasmp(mesh=None, **kw) -> jcg.CommGemmConfig:
+  """backend="cublasmp" with `kw`; with `mesh`, a NeedsDistinctGpus where its
+  algorithms cannot run in the shared-GPU mode."""
+  config = jcg.CommGemmConfig(backend="cublasmp", **kw)
+  if mesh is not None:
+    require(mesh, config.all_gather_algorithm, config.reduce_scatter)
+  return config
 
 
 @contextlib.contextmanager
@@ -130,6 +187,9 @@ def check_all_gather_matmul(mesh, dtype: str, transpose_w: bool):
                   (P("tp"),), P("tp"))(x)
   out = {}
   for name in CANDIDATES[AG]:
+    if refusal_here(mesh, name):
+      out[name] = f"skipped: {refusal_here(mesh, name)}"
+      continue
     backend = implementation(name, backends.CublasMpBackend())
 
     def run(x, w, backend=backend):
@@ -156,6 +216,10 @@ def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
   ref = np.asarray(x64.astype(dt), np.float64) @ np.asarray(w64.astype(dt), np.float64)
   out = {}
   for algorithm in REDUCE_SCATTER_ALGORITHMS:
+    if refusal_here(mesh, algorithm):
+      out[algorithm] = f"skipped: {refusal_here(mesh, algorithm)}"
+      continue
+
     def fused(x, w, algorithm=algorithm):
       return primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
                                               algorithm=jcg.ALGORITHMS[algorithm])
@@ -209,6 +273,8 @@ def check_inputs_intact(mesh):
                                      ("rs", False, "default"), ("rs", False, "pipelined_ce"),
                                      ("rs", True, "pipelined_ce"), ("ag", False, "pipelined"),
                                      ("ag", True, "pipelined"), ("ag", False, "pipelined_ce")):
+    if refusal_here(mesh, algorithm):
+      continue
     x64 = random(30, 1024, 512)
     w64 = random(31, 512, 768, scale=512**-0.5)
     if op == "ag":
@@ -268,6 +334,8 @@ def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
                               all_gather_algorithm=all_gather_algorithm,
                               reuse_gathered=reuse_gathered,
                               fuse_weight_gradient=fuse_weight_gradient, fp8=fp8)
+  if backend == "cublasmp":
+    require(mesh, all_gather_algorithm, reduce_scatter)
 
   def loss(x, w1, w2, g):
     y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=config)
@@ -391,6 +459,9 @@ def check_fp8_fused_gemm(mesh):
     w_rows = jax.device_put(w8, NamedSharding(mesh, P("tp")))
     w_cols = jax.device_put(w8, NamedSharding(mesh, P(None, "tp")))
     for algorithm in ALGORITHMS:
+      if refusal_here(mesh, algorithm):
+        results[f"ag/{algorithm}"] = f"skipped: {refusal_here(mesh, algorithm)}"
+        continue
       reuse = backends.CublasMpBackend(algorithm).gathered_reuse(
           size, jnp.dtype(dtype).name, True).ok
       hand_out = reuse or algorithm == "pipelined"  # "pipelined" gathers into it
@@ -410,6 +481,9 @@ def check_fp8_fused_gemm(mesh):
           assert np.array_equal(block[0], want), f"AG {algorithm}: gathered bytes differ"
       results[f"ag/{algorithm}/{jnp.dtype(dtype).name}"] = {"err": err, "gathered": reuse}
     for algorithm in REDUCE_SCATTER_ALGORITHMS:
+      if refusal_here(mesh, algorithm):
+        results[f"rs/{algorithm}"] = f"skipped: {refusal_here(mesh, algorithm)}"
+        continue
       step = smap(mesh, lambda x, w, a, b, alg=algorithm: primitives.fp8_matmul_reduce_scatter(
           x, w, a, b, "tp", out_dtype=jnp.bfloat16, algorithm=ALGORITHMS[alg],
           fast_accum=False), (P(None, "tp"), P(None, "tp"), P(), P()), P("tp"))
@@ -448,6 +522,7 @@ def check_pallas(mesh, dtype: str):
   its AllGather+GEMM per row against float64, and the MLP's forward and
   gradients with the kernel in the column-parallel forward where its tiles
   divide the MLP's shapes."""
+  require(mesh, pallas.NAME)
   size = mesh.size
   n, k, m = 256 * size, 512, 512 * size  # the rank's rows, k and columns divide the tiles
   dt = DTYPES[dtype]
@@ -534,7 +609,7 @@ def check_weight_gradient(mesh, dtype: str, transpose_w: bool):
   out = {}
   for algorithm in FUSING_ALGORITHMS:
     for fuse in (True, False):
-      config = cublasmp(all_gather_algorithm=algorithm, fuse_weight_gradient=fuse)
+      config = cublasmp(mesh, all_gather_algorithm=algorithm, fuse_weight_gradient=fuse)
 
       def loss(h, w, g, config=config):
         y = jcg.matmul_reduce_scatter(h, w, "tp", transpose_w=transpose_w, config=config)
@@ -574,14 +649,14 @@ def check_routing(mesh):
   w = put(mesh, random(10, f, d, scale=f**-0.5), P("tp"), dt)
   g = put(mesh, random(11, n, d), P("tp"), dt)
   specs = ((P(None, "tp"), P("tp"), P("tp")), (P(), (P(None, "tp"), P("tp"))))
-  fused = smap(mesh, _row_step(cublasmp()), *specs)
+  fused = smap(mesh, _row_step(cublasmp(mesh)), *specs)
   counts = hlo.compiled_collectives(fused, h, w, g)
   assert counts.all_gather == 0 and counts.fused_all_gather_matmul == 1, counts
   _, (dhf, dwf) = fused(h, w, g)  # under the plan in force, before the forced one
   plan = REGISTRY.plan()
   with plan_lib.use(dataclasses.replace(
       plan, settings=dataclasses.replace(plan.settings, backend="xla"))):
-    fallback = smap(mesh, _row_step(cublasmp()), *specs)
+    fallback = smap(mesh, _row_step(cublasmp(mesh)), *specs)
     fallback_counts = hlo.compiled_collectives(fallback, h, w, g)
     _, (dhx, dwx) = fallback(h, w, g)
   assert fallback_counts.all_gather >= 1 and fallback_counts.fused_all_gather_matmul == 0
@@ -595,14 +670,14 @@ def check_routing(mesh):
   w2 = put(mesh, random(14, f, d, scale=f**-0.5), P("tp"), dt)
   for keep, expected in ((False, 1), (True, 0)):
     def loss(x, w1, w2, keep=keep):
-      y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=cublasmp())
+      y = dense.mlp(x, w1, w2, axis_name="tp", keep_gathered_input=keep, config=cublasmp(mesh))
       return lax.psum(jnp.sum(y.astype(jnp.float32)), "tp")
     step = smap(mesh, jax.value_and_grad(loss, argnums=(0, 1, 2)),
                 (P("tp"), P(None, "tp"), P("tp")), (P(), (P("tp"), P(None, "tp"), P("tp"))))
     c = hlo.compiled_collectives(step, x, w1, w2)
     assert c.all_gather == expected and c.fused_all_gather_matmul == 2, (keep, c)
     out[f"mlp_keep={keep}"] = str(c)
-  off = smap(mesh, _row_step(cublasmp(reuse_gathered=False)), *specs)
+  off = smap(mesh, _row_step(cublasmp(mesh, reuse_gathered=False)), *specs)
   c = hlo.compiled_collectives(off, h, w, g)
   assert c.all_gather == 1, c
   out["row_reuse_off"] = str(c)
@@ -642,7 +717,7 @@ def check_layout_self_test(mesh):
   h = put(mesh, random(15, n, f), P(None, "tp"), jnp.float32)
   w = put(mesh, random(16, f, d, scale=f**-0.5), P("tp"), jnp.float32)
   g = put(mesh, random(17, n, d), P("tp"), jnp.float32)
-  step = smap(mesh, _row_step(cublasmp()),
+  step = smap(mesh, _row_step(cublasmp(mesh)),
               (P(None, "tp"), P("tp"), P("tp")), (P(), (P(None, "tp"), P("tp"))))
   # The layout is the plan's: under a plan that names the wrong one, the
   # verdict refuses reuse and the layer gathers again.
@@ -752,7 +827,7 @@ def check_memory_flat(mesh, steps: int = 200):
   xs = [put(mesh, random(22 + i, n, d), P("tp"), jnp.bfloat16) for i, n in enumerate(sizes)]
 
   def loss(w1, w2, x):
-    y = dense.mlp(x, w1, w2, axis_name="tp", config=cublasmp())
+    y = dense.mlp(x, w1, w2, axis_name="tp", config=cublasmp(mesh))
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
   def sgd(w1, w2, x):
@@ -825,7 +900,7 @@ def check_vmap(mesh):
   x64, w1_64, w2_64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in hosts)
   specs = (P(None, "tp"), P(None, None, "tp"), P(None, "tp"))
   x, w1, w2 = (put(mesh, a, s, jnp.bfloat16) for a, s in zip(hosts, specs))
-  config = cublasmp()
+  config = cublasmp(mesh)
 
   def layer(x, w1, w2):
     h = dense.column_parallel_dense(x, w1, axis_name="tp", config=config)
@@ -893,8 +968,8 @@ def check_mesh_2d(mesh):
     assert status.ok, status.reason
     assert REGISTRY.comm_id(grid, "tp") is not None, "no communicator for the tp groups"
     x, w1, w2, g = (put(grid, a, s_, jnp.bfloat16) for a, s_ in zip(hosts, (*specs, tokens)))
-    for name, config in (("split_p2p", cublasmp()),
-                         ("pipelined_ce", cublasmp(all_gather_algorithm="pipelined_ce",
+    for name, config in (("split_p2p", cublasmp(mesh)),
+                         ("pipelined_ce", cublasmp(mesh, all_gather_algorithm="pipelined_ce",
                                                    reduce_scatter="pipelined_ce"))):
       local = jax.shard_map(
           lambda x, w1, w2, config=config: dense.mlp(x, w1, w2, axis_name="tp", config=config),

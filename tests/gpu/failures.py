@@ -56,6 +56,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from machine import local_device_ids  # noqa: E402
+
 RESULT_PREFIX = "JCG_RESULT "
 KILL_MARKER = "JCG_KILL_ME"
 KILL_AFTER_STEPS = 20        # the victim asks to be killed after this many steps
@@ -310,7 +312,7 @@ def scenario_shapes(ctx) -> dict:
   import jax_comm_gemm as jcg  # noqa: PLC0415
 
   import checks  # noqa: PLC0415
-  f = ag_fn(ctx.mesh, jcg.CommGemmConfig(backend="cublasmp"))
+  f = ag_fn(ctx.mesh, checks.fused_config(ctx.mesh))
   bad_rows = 512 if ctx.pid == 0 else 768
   x, w, _ = ag_inputs(ctx.mesh, 40 + ctx.pid, bad_rows)
   mismatch = timed_call(f, x, w)
@@ -338,7 +340,7 @@ def scenario_shapes_cached(ctx) -> dict:
   import jax_comm_gemm as jcg  # noqa: PLC0415
 
   import checks  # noqa: PLC0415
-  f = ag_fn(ctx.mesh, jcg.CommGemmConfig(backend="cublasmp"))
+  f = ag_fn(ctx.mesh, checks.fused_config(ctx.mesh))
   x, w, ref = ag_inputs(ctx.mesh, 44, 512)
   warm = timed_call(f, x, w)
   out = {"warmup_error": warm["error"],
@@ -419,7 +421,7 @@ def scenario_kill(ctx) -> dict:
   from jax_comm_gemm import hlo  # noqa: PLC0415
   from jax_comm_gemm.runtime import REGISTRY  # noqa: PLC0415
   n, d, f = 4096, 1024, 4096
-  config = jcg.CommGemmConfig(backend="cublasmp", reduce_scatter="split_p2p")
+  config = checks.fused_config(ctx.mesh, reduce_scatter="split_p2p")
   step = _train_step(ctx.mesh, config, keep=True)
   w1 = checks.put(ctx.mesh, checks.random(60, d, f, scale=d**-0.5), P(None, "tp"), jnp.bfloat16)
   w2 = checks.put(ctx.mesh, checks.random(61, f, d, scale=f**-0.5), P("tp"), jnp.bfloat16)
@@ -499,7 +501,7 @@ def scenario_one_rank(ctx) -> dict:
   from jax_comm_gemm.runtime import REGISTRY  # noqa: PLC0415
   from jax_comm_gemm.runtime.constants import TARGETS  # noqa: PLC0415
   deadline = REGISTRY.plan().settings.call_timeout_s
-  f = ag_fn(ctx.mesh, jcg.CommGemmConfig(backend="cublasmp"))
+  f = ag_fn(ctx.mesh, checks.fused_config(ctx.mesh))
   x, w, ref = ag_inputs(ctx.mesh, 50, 512)
   warm = timed_call(f, x, w)
   out = {"call_timeout_s": deadline, "warmup_error": warm["error"]}
@@ -517,7 +519,8 @@ def scenario_one_rank(ctx) -> dict:
       return jax.ffi.ffi_call(
           TARGETS["all_gather_matmul"],
           jax.ShapeDtypeStruct((x.shape[0] * size, w.shape[1]), x.dtype))(
-              x, w, comm_id=np.int64(comm), algorithm=np.int64(1), transpose_w=False,
+              x, w, comm_id=np.int64(comm), transpose_w=False,
+              algorithm=np.int64(jcg.ALGORITHMS[checks.fused_config(ctx.mesh).all_gather_algorithm]),
               layout=np.int64(0))
 
     g = jax.jit(jax.shard_map(rejected, mesh=ctx.mesh, in_specs=(P("tp"), P(None, "tp")),
@@ -564,7 +567,7 @@ def scenario_poll_growth(ctx) -> dict:
   k, m = 4096, 1024
   sizes = tuple(int(s) for s in os.environ.get("JCG_GROWTH_TOKENS",
                                                "2048,8192,32768,65536").split(","))
-  config = jcg.CommGemmConfig(backend="cublasmp", reduce_scatter="split_p2p")
+  config = checks.fused_config(ctx.mesh, reduce_scatter="split_p2p")
   ag = checks.smap(mesh, lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
                    (P("tp"), P(None, "tp")), P(None, "tp"))
   rs = checks.smap(mesh, lambda x, w: jcg.matmul_reduce_scatter(x, w, "tp", config=config),
@@ -705,7 +708,8 @@ def main(argv=None) -> None:
     ctx.distributed_kwargs = distributed_kwargs(
         jax.distributed.initialize, heartbeat_timeout_seconds=600, initialization_timeout=120)
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
-                               process_id=args.process_id, local_device_ids=[args.process_id],
+                               process_id=args.process_id,
+                               local_device_ids=local_device_ids(args.process_id),
                                **ctx.distributed_kwargs)
   jax.config.update("jax_default_matmul_precision", "highest")
   import numpy as np  # noqa: PLC0415

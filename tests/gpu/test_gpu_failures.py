@@ -27,7 +27,7 @@ import warnings
 import pytest
 
 from tests.gpu import checks
-from tests.gpu.machine import free_port, skip_reason
+from tests.gpu.machine import free_port, rank_environment, shared_ranks, skip_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -80,8 +80,8 @@ def _summary(line: str, name: str = "failures_summary.log") -> None:
     f.write(line.rstrip() + "\n")
 
 
-def _worker_env(overrides: dict, timeout_s: float) -> dict:
-  env = dict(os.environ)
+def _worker_env(overrides: dict, timeout_s: float, process_id: int) -> dict:
+  env = dict(os.environ, **rank_environment(process_id))
   env.pop("JAX_PLATFORMS", None)  # the pytest process is pinned to CPU, workers are not
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if "xla_force_host_platform_device_count" not in f)
@@ -126,7 +126,7 @@ def _run_job(name: str) -> dict:
       cmd += ["--process-id", str(pid), "--num-processes", str(nproc), "--port", str(port)]
     path = os.path.join(_log_dir(), f"failures_{name}_process{pid}.log")
     with open(path, "w") as log:
-      p = subprocess.Popen(cmd, env=_worker_env(envs[pid], timeout_s), stdout=log,
+      p = subprocess.Popen(cmd, env=_worker_env(envs[pid], timeout_s, pid), stdout=log,
                            stderr=subprocess.STDOUT)
     procs.append({"proc": p, "log": path, "t_launch": time.time(), "t_end": None})
   job = {"name": name, "t_kill": None, "timed_out": []}
@@ -175,6 +175,8 @@ def _job(name: str) -> dict:
   reason = skip_reason()
   if reason:
     pytest.skip(reason)
+  if shared_ranks() and JOBS[name][0] == 1:
+    pytest.skip("the shared-GPU mode has one GPU: one process driving it is a group of one")
   if name not in _JOB_CACHE:
     _JOB_CACHE[name] = _run_job(name)
   return _JOB_CACHE[name]

@@ -5,7 +5,10 @@ Two jobs run once per session: one process per GPU (jax.distributed on
 127.0.0.1, all checks; every GPU of the machine, or JCG_GPU_PROCESSES) and one
 process driving every GPU (a subset). Each test below reports one check of one
 job. Without two GPUs or without the built extension they skip, saying why.
-Set JCG_GPU_LOG_DIR to keep the workers' logs.
+Set JCG_GPU_LOG_DIR to keep the workers' logs. With JCG_GPU_SHARED=N (the
+default on a machine with one GPU: 2) the one-process-per-GPU job runs N ranks
+on one GPU (tests/gpu/machine.py); checks that need distinct GPUs skip there,
+naming the library's refusal.
 """
 
 import json
@@ -18,7 +21,8 @@ import time
 import pytest
 
 from tests.gpu import checks
-from tests.gpu.machine import free_port, processes, skip_reason
+from tests.gpu.machine import (free_port, processes, rank_environment, shared_ranks,
+                               skip_reason)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1500)]
 
@@ -26,8 +30,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 JOB_TIMEOUT_S = float(os.environ.get("JCG_GPU_JOB_TIMEOUT_S", "600"))
 
 
-def _worker_env() -> dict:
-  env = dict(os.environ)
+def _worker_env(process_id: int | None = None) -> dict:
+  """The environment of a worker process; of rank `process_id` of a job."""
+  env = dict(os.environ, **({} if process_id is None else rank_environment(process_id)))
   env.pop("JAX_PLATFORMS", None)  # the pytest process is pinned to CPU, workers are not
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if "xla_force_host_platform_device_count" not in f)
@@ -50,7 +55,7 @@ def _run_job(name: str, num_processes: int, check_names) -> dict:
     # Written as it goes, so that a hang still leaves the log behind.
     logs.append(os.path.join(log_dir, f"{name}_process{pid}.log"))
     with open(logs[-1], "w") as log:
-      procs.append(subprocess.Popen(cmd, env=_worker_env(), stdout=log,
+      procs.append(subprocess.Popen(cmd, env=_worker_env(pid), stdout=log,
                                     stderr=subprocess.STDOUT))
   deadline = time.monotonic() + JOB_TIMEOUT_S
   for p in procs:
@@ -90,10 +95,15 @@ def single_process_results():
   reason = skip_reason()
   if reason:
     pytest.skip(reason)
+  if shared_ranks():
+    pytest.skip("the shared-GPU mode has one GPU: one process driving it is a group of one")
   return _run_job("single_process", 1, checks.SINGLE_PROCESS_CHECKS)
 
 
 def _assert_ok(per_process):
+  skipped = [r["skipped"] for r in per_process if r.get("skipped")]
+  if skipped:
+    pytest.skip(skipped[0])
   for pid, result in enumerate(per_process):
     assert result["ok"], f"process {pid}: {result.get('error')}\n{result.get('traceback', '')}"
 

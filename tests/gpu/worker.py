@@ -3,7 +3,9 @@ over all the job's GPUs and prints each check's result as one JSON line
 (JCG_CHECK) as soon as the check ends.
 
 Usage: worker.py --checks a,b,c [--repeat R] [--process-id I --num-processes N --port P]
-With --num-processes > 1 each process drives one GPU (local_device_ids=[I]).
+With --num-processes > 1 each process drives one GPU (local_device_ids=[I]), or,
+in the shared-GPU mode (JCG_GPU_SHARED, tests/gpu/machine.py), all share GPU 0.
+A check that cannot run there reports "skipped" with the reason.
 """
 
 import argparse
@@ -31,6 +33,7 @@ def main() -> None:
   faulthandler.dump_traceback_later(float(os.environ.get("JCG_HANG_DUMP_S", "240")), exit=True)
 
   import jax  # noqa: PLC0415
+  from machine import local_device_ids  # noqa: PLC0415
 
   # autotune says what it measures (and, with JCG_AUTOTUNE_DEBUG=1, each batch).
   logging.basicConfig(stream=sys.stderr, format="[%(asctime)s] %(message)s")
@@ -40,7 +43,7 @@ def main() -> None:
   if args.num_processes > 1:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.num_processes,
                                process_id=args.process_id,
-                               local_device_ids=[args.process_id])
+                               local_device_ids=local_device_ids(args.process_id))
   # fp32 comparisons against float64 need XLA's reference path without TF32.
   jax.config.update("jax_default_matmul_precision", "highest")
   import numpy as np  # noqa: PLC0415
@@ -61,6 +64,8 @@ def main() -> None:
     start = time.perf_counter()
     try:
       result = {"ok": True, "details": checks.CHECKS[check](mesh)}
+    except checks.NeedsDistinctGpus as e:
+      result = {"ok": True, "skipped": str(e)}
     except Exception as e:  # noqa: BLE001  (reported per check)
       result = {"ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
                 "traceback": traceback.format_exc()[-3000:]}
