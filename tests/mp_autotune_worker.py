@@ -20,9 +20,7 @@ plan as if cuBLASMp ran). Prints one JSON line:
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 
 import jax
 
@@ -38,6 +36,7 @@ import jax_comm_gemm.runtime.plan as plan_lib  # noqa: E402
 from jax_comm_gemm.backends import auto, step_tuning, tuning  # noqa: E402
 from jax_comm_gemm.runtime import REGISTRY, comm_id  # noqa: E402
 from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
+from mp_worker import run_and_report  # noqa: E402
 from jax_comm_gemm.runtime.settings import Settings  # noqa: E402
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter")
@@ -160,20 +159,7 @@ def run(process_id: int, plants: dict[str, str]) -> dict:
 def main() -> int:
   process_id, port = int(sys.argv[1]), int(sys.argv[2])
   plants = dict(item.split("=") for item in sys.argv[3].split(",") if item)
-  result = {"process": process_id, "ok": False}
-  try:
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                               num_processes=2, process_id=process_id,
-                               initialization_timeout=60)
-    try:
-      result.update(run(process_id, plants))
-      result["ok"] = True
-    finally:
-      jax.distributed.shutdown()
-  except Exception:  # noqa: BLE001  (reported to the test as JSON)
-    result["error"] = traceback.format_exc()
-  print(json.dumps(result), flush=True)
-  return 0 if result["ok"] else 1
+  return run_and_report(process_id, port, lambda: run(process_id, plants))
 
 
 if __name__ == "__main__":

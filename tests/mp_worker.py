@@ -186,16 +186,17 @@ def disagree(process_id: int) -> dict:
   raise AssertionError("connect did not raise a DisagreementError")
 
 
-def main() -> int:
-  process_id, port = int(sys.argv[1]), int(sys.argv[2])
-  scenario = disagree if sys.argv[3:] == ["disagree"] else run
+def run_and_report(process_id: int, port: int, body) -> int:
+  """Joins the other process through jax.distributed, runs ``body()`` and prints
+  its dict as one JSON line (with "process", "ok" and any "error"); returns the
+  exit status. The multi-process tests' workers all end this way."""
   result = {"process": process_id, "ok": False}
   try:
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
                                num_processes=2, process_id=process_id,
                                initialization_timeout=60)
     try:
-      result.update(scenario(process_id))
+      result.update(body())
       result["ok"] = True
     finally:
       jax.distributed.shutdown()
@@ -203,6 +204,12 @@ def main() -> int:
     result["error"] = traceback.format_exc()
   print(json.dumps(result), flush=True)
   return 0 if result["ok"] else 1
+
+
+def main() -> int:
+  process_id, port = int(sys.argv[1]), int(sys.argv[2])
+  scenario = disagree if sys.argv[3:] == ["disagree"] else run
+  return run_and_report(process_id, port, lambda: scenario(process_id))
 
 
 if __name__ == "__main__":
