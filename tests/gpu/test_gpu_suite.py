@@ -11,6 +11,7 @@ on one GPU (tests/gpu/machine.py); checks that need distinct GPUs skip there,
 naming the library's refusal.
 """
 
+import fnmatch
 import json
 import os
 import subprocess
@@ -28,12 +29,19 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(1500)]
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 JOB_TIMEOUT_S = float(os.environ.get("JCG_GPU_JOB_TIMEOUT_S", "600"))
+# JCG_GPU_CHECKS="a*,b" runs only the checks matching those patterns (a long
+# suite split over several runs); the others are reported as not selected.
+SELECTED = [c for c in checks.CHECKS
+            if any(fnmatch.fnmatchcase(c, pattern)
+                   for pattern in os.environ.get("JCG_GPU_CHECKS", "*").split(","))]
 
 
 def _worker_env(process_id: int | None = None) -> dict:
   """The environment of a worker process; of rank `process_id` of a job."""
   env = dict(os.environ, **({} if process_id is None else rank_environment(process_id)))
   env.pop("JAX_PLATFORMS", None)  # the pytest process is pinned to CPU, workers are not
+  # The workers' stacks are dumped shortly before the job is killed.
+  env.setdefault("JCG_HANG_DUMP_S", str(max(30, int(JOB_TIMEOUT_S) - 15)))
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if "xla_force_host_platform_device_count" not in f)
   env["PYTHONPATH"] = os.pathsep.join(
@@ -87,7 +95,7 @@ def multi_process_results():
   reason = skip_reason()
   if reason:
     pytest.skip(reason)
-  return _run_job("multi_process", processes(), list(checks.CHECKS))
+  return _run_job("multi_process", processes(), SELECTED)
 
 
 @pytest.fixture(scope="session")
@@ -97,7 +105,8 @@ def single_process_results():
     pytest.skip(reason)
   if shared_ranks():
     pytest.skip("the shared-GPU mode has one GPU: one process driving it is a group of one")
-  return _run_job("single_process", 1, checks.SINGLE_PROCESS_CHECKS)
+  return _run_job("single_process", 1,
+                  [c for c in checks.SINGLE_PROCESS_CHECKS if c in SELECTED])
 
 
 def _assert_ok(per_process):
@@ -110,11 +119,15 @@ def _assert_ok(per_process):
 
 @pytest.mark.parametrize("check", list(checks.CHECKS))
 def test_one_process_per_gpu(check, multi_process_results):
+  if check not in SELECTED:
+    pytest.skip("not selected by JCG_GPU_CHECKS")
   _assert_ok(multi_process_results[check])
 
 
 @pytest.mark.parametrize("check", checks.SINGLE_PROCESS_CHECKS)
 def test_one_process_all_gpus(check, single_process_results):
+  if check not in SELECTED:
+    pytest.skip("not selected by JCG_GPU_CHECKS")
   _assert_ok(single_process_results[check])
 
 
