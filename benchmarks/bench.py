@@ -880,19 +880,16 @@ def line_for(rec: dict) -> str:
 
 
 def autotune_auto_variants(jax, jcg, mesh, fns, args, names) -> dict:
-  """What a user of backend="auto" does before training: trace the program once
-  (auto notes the problems it meets), autotune them (collective; choices cached
-  on disk), then drop the traces so that the programs are traced anew with the
-  choices. Returns {problem: [choice, why]} of every problem of these programs,
-  those measured for an earlier shape too."""
+  """What a user of backend="auto" does before training: list the problems the
+  programs meet (jcg.problems_of), autotune them (collective; choices cached on
+  disk), then trace the programs, which take the choices. Returns {problem:
+  [choice, why]} of every problem of these programs, those measured for an
+  earlier shape too."""
   auto = [n for n in names if n.startswith("auto")]
   if not auto or not hasattr(jcg, "autotune"):
     return {}
-  jcg.REGISTRY.forget_seen()
-  for n in auto:
-    fns[n].trace(*args[n])
-  problems = jcg.REGISTRY.seen()
-  jcg.autotune(mesh, AXIS, seconds_per_problem=0.6)  # publishes a plan: traces are redone
+  problems = list(dict.fromkeys(p for n in auto for p in jcg.problems_of(fns[n], *args[n])))
+  jcg.autotune(mesh, AXIS, problems, seconds_per_problem=0.6)
   plan = jcg.REGISTRY.plan()
   return {p.text(): list(plan.decision(p) or ("?", "not decided")) for p in problems}
 

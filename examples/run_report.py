@@ -187,8 +187,7 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
   if auto:
     expected = None
     say("autotune's choice per problem (op, local shape, dtype, transpose, group size):")
-    for problem in jcg.REGISTRY.seen():
-      chosen = routes.decision(problem) if routes is not None else None
+    for problem, chosen in (routes.decisions if routes is not None else ()):
       say(f"  {problem.text():<58} {chosen[0] if chosen else 'rule of thumb'}"
           f"{'  (' + chosen[1] + ')' if chosen else ''}")
   say(f"collectives of the compiled training step (forward + backward, {layers} blocks):")

@@ -47,7 +47,7 @@ require_jax(jax.__version__)
 from jax_comm_gemm import diagnostics, hlo, sharded  # noqa: E402
 from jax_comm_gemm.backends import (AutoBackend, Backend, Capability, CublasMpBackend,
                                     TunedStep, XlaBackend, autotune, autotune_step,
-                                    resolve_backend)
+                                    problems_of, resolve_backend)
 from jax_comm_gemm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_comm_gemm.config import ALGORITHMS, CommGemmConfig
 from jax_comm_gemm.layers.local import column_parallel_dense, mlp, row_parallel_dense
@@ -79,6 +79,6 @@ __all__ = [
     "REGISTRY", "TunedStep", "XlaBackend", "all_gather_matmul", "autotune", "autotune_step",
     "column_parallel_dense", "connect",
     "cublasmp_status", "cublasmp_version", "diagnostics", "hlo", "matmul_reduce_scatter",
-    "mlp", "resolve_backend", "row_parallel_dense", "sharded",
+    "mlp", "problems_of", "resolve_backend", "row_parallel_dense", "sharded",
 ]
 __version__ = "0.1.0"

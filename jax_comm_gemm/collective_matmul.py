@@ -16,10 +16,8 @@ gradient. The weight gradient needs the gathered operand, and
   ``lax.all_gather`` of the input.
 
 With ``config.fp8`` set, both ops run :mod:`jax_comm_gemm.fp8`'s custom_vjps
-instead (``routes.fp8_route``, ``routes.fp8_collectives``).
-
-No exception is raised or caught on this path: the routing is a trace-time
-branch on the routing plan (runtime/plan.py). The routes live in routes.py.
+(``routes.fp8_route``). No exception is raised or caught on this path: the
+routing is a trace-time branch on the routing plan (runtime/plan.py).
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.routes import (fp8_collectives, fp8_route, gathered_route,
                                   weight_gradient_route)
+from jax_comm_gemm.runtime.registry import current_plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +55,7 @@ class _Static:
   keep_gathered_input: bool = False
   precision: Any = None
   fuse_weight_gradient: bool = False
+  plan: Any = None  # the plan that chose `backend`: the jits below key on it
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -146,7 +146,7 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
         collectives=fp8_collectives(config, AG, x, w, transpose_w, axis_name, gathered)[0])
   backend = resolve_backend(config, axis_name, precision=precision)
   static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, return_gathered,
-                   keep_gathered_input, precision)
+                   keep_gathered_input, precision, plan=current_plan())
   return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
 
 
@@ -161,7 +161,7 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
         collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0])
   backend = resolve_backend(config, axis_name, precision=precision)
   static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, precision=precision,
-                   fuse_weight_gradient=config.fuse_weight_gradient)
+                   fuse_weight_gradient=config.fuse_weight_gradient, plan=current_plan())
   return _matmul_reduce_scatter_jit(*_varying(axis_name, x, w), static)
 
 

@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 import jax_comm_gemm.runtime.plan as plan_lib
 from tests.cpu_flags import cpu_test_flags
 from jax_comm_gemm.runtime.capability import Capability
+from jax_comm_gemm.runtime.registry import REGISTRY
 from jax_comm_gemm.runtime.settings import Settings
 
 
@@ -36,9 +37,9 @@ def tp_mesh(request) -> Mesh:
 def _restore_plan():
   """A test may publish routing plans (connect, autotune, or by hand): the
   next test starts from the plan in force before it."""
-  before = plan_lib.published()
+  before = REGISTRY._published
   yield
-  plan_lib.publish(before)
+  REGISTRY.publish(before)
 
 
 def stand_in_plan(*, cublasmp: bool = True, layout: str = "tail",

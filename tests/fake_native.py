@@ -3,7 +3,6 @@ records what the runtime asks of the extension, its contexts may refuse
 cuBLASMp's workspace as the library does where NCCL has no symmetric memory,
 and the layout self-test's GPU program by verdicts the test chooses."""
 
-import jax_comm_gemm.runtime.plan as plan_lib
 from conftest import stand_in_plan
 from jax_comm_gemm.runtime import REGISTRY, capability
 from jax_comm_gemm.runtime.capability import Capability
@@ -65,9 +64,9 @@ def install_fake_native(monkeypatch, passing=lambda key: True,
   contexts refuse cuBLASMp's workspace with `workspace_error` if given."""
   native = FakeNative(workspace_error)
   for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
-                      ("_groups", set()), ("_attempts", {}), ("_wanted", {}), ("_seen", {}),
+                      ("_groups", set()), ("_attempts", {}),
                       ("_sentinel", None), ("_first", None)]:
     monkeypatch.setattr(REGISTRY, name, value)
   monkeypatch.setattr(capability, "_probe", fake_probe(passing, workspace_error=workspace_error))
-  plan_lib.publish(stand_in_plan())
+  REGISTRY.publish(stand_in_plan())
   return native

@@ -129,7 +129,7 @@ def run(process_id: int, plants: dict[str, str]) -> dict:
   # A plan as connect publishes it where cuBLASMp runs: the axis connected,
   # measuring on, no disk cache (every choice is measured here).
   REGISTRY._status, REGISTRY._native = Capability(True, "stand-in"), _Versions()
-  plan_lib.publish(plan_lib.Plan(Settings(autotune_cache="", connect_timeout_s=60.0),
+  REGISTRY.publish(plan_lib.Plan(Settings(autotune_cache="", connect_timeout_s=60.0),
                                  Capability(True, "stand-in"), "tail")
                    .with_axis(mesh, "tp", comm_id(mesh, "tp"), {}))
   _plant(plants)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.registry import REGISTRY
 from conftest import cpu_mesh, stand_in_plan
 from jax_comm_gemm.runtime.settings import Settings
 
@@ -75,7 +75,7 @@ def test_reuse_gathered_takes_none_or_false(value):
 def test_a_forced_backend_that_cannot_run_names_the_variable():
   """JAX_COMM_GEMM_BACKEND=cublasmp where cuBLASMp cannot run: the error speaks
   of the variable, not of a backend= the user never wrote."""
-  plan_lib.publish(dataclasses.replace(stand_in_plan(cublasmp=False),
+  REGISTRY.publish(dataclasses.replace(stand_in_plan(cublasmp=False),
                                        settings=Settings(backend="cublasmp")))
   with pytest.raises(RuntimeError, match=r"JAX_COMM_GEMM_BACKEND=cublasmp was requested but "
                                          r"cuBLASMp is unavailable"):

@@ -11,6 +11,8 @@ import math
 import re
 import threading
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -336,21 +338,24 @@ def test_iterations_are_a_function_of_the_problem_alone():
 
 @pytest.fixture
 def empty_decisions(monkeypatch):
-  """A plan in force where cuBLASMp runs, nothing measured, nothing wanted."""
-  monkeypatch.setattr(REGISTRY, "_wanted", {})
-  plan_lib.publish(stand_in_plan())
+  """A plan in force where cuBLASMp runs, nothing measured."""
+  REGISTRY.publish(stand_in_plan())
 
 
-def test_rule_of_thumb_and_wanted(empty_decisions):
+def test_rule_of_thumb_then_the_measured_choice(empty_decisions):
+  """Unmeasured: the rule of thumb, with a warning that a program traced now
+  keeps that route; measured: the choice, without one."""
   small = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)
   large = Problem(AG, 4096, 8192, 4096, "bfloat16", False, 2)
-  assert auto.choose(small, "cublasmp_split_p2p")[0] == "xla"
-  name, why = auto.choose(large, "cublasmp_split_p2p")
+  with pytest.warns(RuntimeWarning, match="keeps that route when autotune measures it"):
+    assert auto.choose(small, "cublasmp_split_p2p")[0] == "xla"
+  with pytest.warns(RuntimeWarning, match="is not measured"):
+    name, why = auto.choose(large, "cublasmp_split_p2p")
   assert name == "cublasmp_split_p2p" and "not measured yet" in why
-  assert REGISTRY.wanted() == [small, large]
   REGISTRY.record_decisions({small: ("cublasmp_split_p2p", "measured: ...")})
-  assert auto.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
-  assert REGISTRY.wanted() == [large]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert auto.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
 
 
 def test_settings_force_or_turn_off(empty_decisions):
@@ -419,7 +424,7 @@ def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fu
 
 
 def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
-  plan_lib.publish(stand_in_plan())
+  REGISTRY.publish(stand_in_plan())
   verdict = AutoBackend(CublasMpBackend()).gathered_reuse(2, jnp.bfloat16, True)
   assert not verdict.ok and "no self-test covered it" in verdict.reason
   monkeypatch.setattr(plan_lib.Plan, "verdict", lambda self, key: Capability(True, "ok"))
@@ -435,7 +440,7 @@ def test_auto_with_every_choice_xla_is_exactly_the_xla_program(monkeypatch):
   program backend="xla" does (the MLP's gradient; locations aside): whatever
   separates them in a timing is the measurement, not the program."""
   mesh = cpu_mesh(2)
-  plan_lib.publish(stand_in_plan(autotune="xla").with_axis(mesh, "tp", 1, {}))
+  REGISTRY.publish(stand_in_plan(autotune="xla").with_axis(mesh, "tp", 1, {}))
   monkeypatch.setattr(plan_lib.Plan, "verdict", lambda self, key: Capability(True, "stand-in"))
   x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
                for i, s in enumerate([(16, 8), (8, 12), (12, 8)]))

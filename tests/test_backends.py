@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.registry import REGISTRY
 from conftest import stand_in_plan
 from jax.sharding import PartitionSpec as P
 
@@ -175,7 +175,7 @@ def test_auto_fuses_the_weight_gradient_where_its_choice_can(monkeypatch, chosen
   """backend="auto" fuses the weight gradient exactly where the AllGather+GEMM
   implementation it chose for that problem can; right numbers either way."""
   from jax_comm_gemm.backends.auto import AutoBackend
-  plan_lib.publish(stand_in_plan(autotune=chosen))
+  REGISTRY.publish(stand_in_plan(autotune=chosen))
   equations = _checked_mlp_gradient_equations(AutoBackend(fused=VerdictBackend()), seed=104,
                                               fuse_weight_gradient=True)
   fused = [e for e in equations

@@ -25,7 +25,6 @@ import jax_comm_gemm.backends.tuning as tuning
 import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
 from jax_comm_gemm.runtime.constants import TARGETS
-import jax_comm_gemm.runtime.plan as plan_lib
 from fake_native import fake_probe, install_fake_native
 
 
@@ -235,27 +234,23 @@ def test_bad_settings_fail_at_connect_on_a_cpu_too(monkeypatch, env):
 def test_bad_settings_fail_at_first_use_without_connect(monkeypatch):
   """No connect: the settings are read, and checked, at the first trace."""
   monkeypatch.setattr(REGISTRY, "_first", None)
-  plan_lib.publish(None)
+  REGISTRY.publish(None)
   monkeypatch.setenv("JAX_COMM_GEMM_TIMEOUT", "-1")
   with pytest.raises(ValueError, match="JAX_COMM_GEMM_TIMEOUT='-1'"):
     jax.eval_shape(_layer_program(Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",)),
                                   "auto"), *ARGS)
 
 
-def test_connect_adopts_the_settings_and_programs_trace_again(fake, monkeypatch):
-  """A program traced before connect runs on XLA; connect publishes a plan
-  with the axis, and the same jitted program traces again at its next call,
-  now on the fused op, without anybody clearing jax's caches. The settings
-  that connect read are the plan's."""
+def test_connect_adopts_the_settings(fake, monkeypatch):
+  """The settings that connect read are the plan's, and programs traced after
+  it follow them (those traced before keep their routes:
+  tests/test_explicit_plan.py)."""
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
-  program = _layer_program(mesh, "auto")
   x, w = jnp.ones((16, 8)), jnp.ones((8, 16))
-  with pytest.warns(RuntimeWarning, match="not connected"):
-    before = str(program.trace(x, w).jaxpr)
-  assert TARGETS["all_gather_matmul"] not in before
   monkeypatch.setenv(settings.AUTOTUNE, "pipelined")
   jcg.connect(mesh, "tp")
   assert REGISTRY.plan().settings.autotune == "pipelined"
+  program = _layer_program(mesh, "auto")
   assert TARGETS["all_gather_matmul"] in str(program.trace(x, w).jaxpr)
   np.testing.assert_allclose(program(x, w), np.full((16, 16), 8.0))  # sums of ones: exact
 
@@ -339,7 +334,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     tuned = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
     plan, why = tuned.plan, tuned.why
     assert plan == faster and why.startswith("step measured"), why
-    problems = REGISTRY.seen()
+    problems = jcg.problems_of(step, x, w1, w2)
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
     taken = {tuned.routes.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
@@ -373,7 +368,8 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
   again = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
   assert first.plan == again.plan == "pipelined_ce" and not compiled
   assert again.why == first.why + " (cached)"
-  assert {again.routes.decision(p)[0] for p in REGISTRY.seen()} == {"pipelined_ce"}
+  assert {again.routes.decision(p)[0]
+          for p in jcg.problems_of(step, x, w1, w2)} == {"pipelined_ce"}
   # Fewer plans: another key, measured anew.
   other = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5,
                             implementations=("ring",))

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.registry import REGISTRY
 from conftest import cpu_mesh, stand_in_plan
 from jax_comm_gemm import linen as L
 from jax_comm_gemm.diagnostics import hlo, report
@@ -80,7 +80,7 @@ def test_a_forced_backend_without_fp8_cannot_run_fp8():
   """JAX_COMM_GEMM_BACKEND=pallas (read into the plan) with an FP8 config is
   an error naming the variable, not a silent bf16 run."""
   mesh = cpu_mesh(2)
-  plan_lib.publish(dataclasses.replace(stand_in_plan(), settings=Settings(backend="pallas")))
+  REGISTRY.publish(dataclasses.replace(stand_in_plan(), settings=Settings(backend="pallas")))
   with pytest.raises(RuntimeError, match=r"JAX_COMM_GEMM_BACKEND=pallas cannot run "
                                          r"CommGemmConfig.fp8"):
     jax.eval_shape(_mlp(FP8, mesh), *_inputs())

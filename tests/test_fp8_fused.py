@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 import jax_comm_gemm.backends.auto as auto
-import jax_comm_gemm.runtime.plan as plan_lib
 import fp8_mlp
 from conftest import cpu_mesh, stand_in_plan
 from fake_native import install_fake_native
@@ -181,14 +180,16 @@ def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
                       mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
     return jax.jit(f).trace(x, w1).lower(lowering_platforms=("cuda",)).as_text()
 
-  REGISTRY.forget_seen()
   assert _calls(lowered(config), AG) == 0  # not measured: XLA's collectives
-  mine = [p for p in REGISTRY.seen() if p.fp8 and p.op == auto.AG]
+  f = jax.shard_map(lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
+                    mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+  mine = [p for p in jcg.problems_of(f, x, w1) if p.fp8 and p.op == auto.AG]
+  assert mine
   plan = REGISTRY.plan()
-  plan_lib.publish(plan.with_decisions({p: ("pipelined_ce", "measured") for p in mine}))
+  REGISTRY.publish(plan.with_decisions({p: ("pipelined_ce", "measured") for p in mine}))
   text = lowered(config)
   assert _calls(text, AG) == 1 and "algorithm = 101" in text
   row = dataclasses.replace(config, fp8=Fp8Recipe("row"))
-  plan_lib.publish(dataclasses.replace(plan, settings=stand_in_plan(
+  REGISTRY.publish(dataclasses.replace(plan, settings=stand_in_plan(
       autotune="pipelined_ce").settings))
   assert _calls(lowered(row), AG) == 0

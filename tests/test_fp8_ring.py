@@ -14,7 +14,6 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 import jax_comm_gemm.backends.auto as auto
-import jax_comm_gemm.runtime.plan as plan_lib
 import fp8_mlp
 from conftest import cpu_mesh, stand_in_plan
 from jax_comm_gemm.diagnostics import hlo, report
@@ -85,26 +84,26 @@ def _collectives_traced(config, mesh):
 
 def test_auto_runs_each_fp8_problem_as_decided():
   """backend="auto" with FP8: XLA's collectives where nothing was measured
-  (the problems are then wanted, keyed with the recipe), the ring where the
+  (problems_of lists the problems, keyed with the recipe), the ring where the
   plan's decision says so, and the forced implementation where
   JAX_COMM_GEMM_AUTOTUNE names one."""
   mesh = cpu_mesh(2)
   config = jcg.CommGemmConfig(fp8=Fp8Recipe())
-  plan_lib.publish(stand_in_plan())
-  REGISTRY.forget_seen()
+  REGISTRY.publish(stand_in_plan())
   assert _collectives_traced(config, mesh) == "xla"
-  mine = [p for p in REGISTRY.seen() if p.fp8]
+  x, a, b = fp8_mlp.inputs()
+  mine = jcg.problems_of(lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp",
+                                                          config=config), x, a, b)
   assert {p.op for p in mine} == {auto.AG, auto.RS}
   assert all(p.fp8 == Fp8Recipe().key and p.fp8 in p.text() for p in mine)
-  assert set(mine) <= set(REGISTRY.wanted())
-  plan_lib.publish(stand_in_plan().with_decisions({p: ("ring", "measured") for p in mine}))
+  REGISTRY.publish(stand_in_plan().with_decisions({p: ("ring", "measured") for p in mine}))
   assert _collectives_traced(config, mesh) == "ring"
   # Another recipe is another problem: not decided, so XLA's.
   row = dataclasses.replace(config, fp8=Fp8Recipe(scaling="row"))
   assert _collectives_traced(row, mesh) == "xla"
-  plan_lib.publish(stand_in_plan(autotune="ring"))
+  REGISTRY.publish(stand_in_plan(autotune="ring"))
   assert _collectives_traced(row, mesh) == "ring"
-  plan_lib.publish(stand_in_plan(autotune="pipelined_ce"))  # no FP8 op: XLA's
+  REGISTRY.publish(stand_in_plan(autotune="pipelined_ce"))  # no FP8 op: XLA's
   assert _collectives_traced(row, mesh) == "xla"
 
 

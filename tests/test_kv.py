@@ -8,7 +8,6 @@ import threading
 import jax
 import pytest
 
-import jax_comm_gemm.runtime.plan as plan_lib
 from conftest import stand_in_plan
 
 import jax_comm_gemm.runtime.kv as kv
@@ -155,10 +154,9 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
   fused_wins = Problem(RS, 4096, 256, 512, "bfloat16", False, 2)
   cache_file = tmp_path / "autotune.json"
   tuning.save_cache(str(cache_file), {"sig": {cached.text(): ["ring", "measured: before"]}})
-  plan_lib.publish(stand_in_plan(autotune_cache=str(cache_file)))
+  REGISTRY.publish(stand_in_plan(autotune_cache=str(cache_file)))
   monkeypatch.setattr(tuning, "tunable", lambda mesh, axis, plan: None)
   monkeypatch.setattr(REGISTRY, "next_attempt", lambda key: 1)
-  monkeypatch.setattr(REGISTRY, "wanted", lambda: [])
   monkeypatch.setattr(tuning, "comm_id", lambda mesh, axis: 7)
   monkeypatch.setattr(tuning, "signature", lambda: "sig")
   monkeypatch.setattr(tuning, "_runnables", lambda mesh, axis, p, seconds: p)

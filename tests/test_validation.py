@@ -23,7 +23,7 @@ import flax
 import jax_comm_gemm as jcg
 import jax_comm_gemm.linen  # noqa: F401  (the modules, as jcg.linen and jcg.nnx)
 import jax_comm_gemm.nnx  # noqa: F401
-import jax_comm_gemm.runtime.plan as plan_lib
+from jax_comm_gemm.runtime.registry import REGISTRY
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.settings import Settings
 from jax_comm_gemm import (CommGemmConfig, XlaBackend, all_gather_matmul, dense,
@@ -384,7 +384,7 @@ def test_every_entry_point_checks_precision(entry):
 
 
 def _connected_stand_in(mesh):
-  plan_lib.publish(stand_in_plan(cublasmp=True).with_axis(mesh, "tp", 7, {}))
+  REGISTRY.publish(stand_in_plan(cublasmp=True).with_axis(mesh, "tp", 7, {}))
 
 
 def test_auto_leaves_the_fused_ops_to_xla_for_a_precision_they_would_ignore():

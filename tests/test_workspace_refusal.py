@@ -21,7 +21,6 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 import jax_comm_gemm.backends.auto as auto
 import jax_comm_gemm.runtime.communicators as connect_module
-import jax_comm_gemm.runtime.plan as plan_lib
 from fake_native import fake_probe, install_fake_native
 from fused_emulation import check_against_reference, random_inputs
 from jax_comm_gemm.diagnostics import report
@@ -204,7 +203,7 @@ def test_pipelined_ce_runs_and_reuses_where_its_verdict_passed(monkeypatch, back
   jcg.connect(mesh, "tp")
   assert native.connected
   if backend == "auto":  # as if every problem measured fastest on pipelined_ce
-    plan_lib.publish(_forced("pipelined_ce"))
+    REGISTRY.publish(_forced("pipelined_ce"))
   args = _args(7)
   program = _program(mesh, config)
   check_against_reference(lambda *a: (program(*a),),

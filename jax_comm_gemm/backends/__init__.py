@@ -15,7 +15,7 @@ A new backend is one module here implementing ``base.Backend``.
 
 from jax_comm_gemm.backends.auto import AutoBackend
 from jax_comm_gemm.backends.step_tuning import TunedStep, autotune_step
-from jax_comm_gemm.backends.tuning import autotune
+from jax_comm_gemm.backends.tuning import autotune, problems_of
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.pallas import PallasBackend
@@ -27,6 +27,6 @@ from jax_comm_gemm.runtime.capability import Capability
 
 __all__ = ["AutoBackend", "Backend", "Capability", "Choice", "CublasMpBackend", "PallasBackend",
            "RingBackend", "TunedStep", "XlaBackend", "all_gather_tokens", "autotune",
-           "autotune_step", "choose_backend", "gathered_matmul_t", "local_matmul",
+           "autotune_step", "choose_backend", "gathered_matmul_t", "local_matmul", "problems_of",
            "resolve_backend", "ring_all_gather_matmul", "ring_matmul_reduce_scatter",
            "weight_gradient"]

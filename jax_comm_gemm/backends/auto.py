@@ -8,20 +8,23 @@ transpose, group size). Its implementation comes from, in order:
    same on every rank: see tuning.py), read from the routing plan in force;
 3. a rule of thumb where nothing was measured (or measuring is off): XLA for
    per-GPU GEMMs under ``FUSED_FROM_FLOP`` (there the fused op's fixed cost
-   outweighs the hidden all-gather), else the configured algorithm. The
-   problem is then noted as wanted, so that the next ``autotune`` measures it.
+   outweighs the hidden all-gather), else the configured algorithm. With
+   measuring on, a warning says that the program keeps this route when
+   ``autotune`` measures the problem later.
 
 Where connect found that cuBLASMp cannot get its workspace on groups of the
 problem's size, none of the three takes cuBLASMp's algorithms or jax's Pallas
 kernel (both need NCCL symmetric memory): XLA runs instead, and autotune does
 not measure them. Every step reads the plan (runtime/plan.py) at trace time,
-the same in every process. Why per problem, and the measurements behind the
+the same in every process, and writes nothing (``tuning.problems_of`` lists
+the problems of a trace in a list its own plan carries). Why per problem, and the measurements behind the
 rule of thumb: docs/design.md#backendauto-and-autotuning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax.numpy as jnp
 from jax import lax
@@ -35,7 +38,7 @@ from jax_comm_gemm.fp8.steps import why_not_fused
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.capability import Capability, WorkspaceKey
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
-from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
+from jax_comm_gemm.runtime.registry import current_plan
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # What autotune measures, per op. "cublasmp_<algorithm>" runs cuBLASMp's fused
@@ -151,13 +154,18 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
     return ("xla" if _refusal(mode, p.axis_size, plan) else mode), (
         f"forced by {settings.AUTOTUNE}={mode}" +
         ("" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}"))
-  decided = None
-  if mode == "on":
-    decided = plan.decision(p)
-    REGISTRY.note(p, decided is not None)
+  if plan.problems is not None:
+    plan.problems.append(p)
+  decided = plan.decision(p) if mode == "on" else None
   if decided is not None:  # a cached choice may name what cannot run here
     return _or_xla(*decided, p, plan)
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
+  if mode == "on" and plan.problems is None:
+    warnings.warn(f"jax_comm_gemm: {p.text()} is not measured: the rule of thumb routes it, "
+                  "and a program traced now keeps that route when autotune measures it "
+                  "later; autotune before tracing (jax_comm_gemm.autotune(mesh, axis, "
+                  "jax_comm_gemm.problems_of(step, *args))), or run the step that "
+                  "autotune_step returns", RuntimeWarning, stacklevel=2)
   if p.fp8:
     return "xla", f"{why}; FP8 runs on XLA's collectives unless another measured faster"
   if p.flop() < FUSED_FROM_FLOP:

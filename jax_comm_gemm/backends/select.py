@@ -82,8 +82,8 @@ def _choose(config, axis_name, mesh, plan, precision) -> Choice:
     return Choice(XlaBackend(), f"axis {axis_name!r} has size 1: nothing to communicate")
   if axis_name not in mesh.axis_names or plan.comm_id(mesh, axis_name) is None:
     why = (f"mesh axis {axis_name!r} is not connected: call "
-           f"jax_comm_gemm.connect(mesh, {axis_name!r}) in every process; a program "
-           "traced before it traces again at its next call")
+           f"jax_comm_gemm.connect(mesh, {axis_name!r}) in every process before tracing; "
+           "a program traced now keeps XLA's collectives after connect")
     if requested == "cublasmp":
       raise RuntimeError(f"{asked}: {why}")
     warnings.warn(f"jax_comm_gemm: {why}; using XLA's collectives until then",

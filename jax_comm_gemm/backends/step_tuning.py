@@ -19,7 +19,6 @@ process's plan and every program compiled under it stay as they were.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import Any, Callable
 
@@ -30,7 +29,8 @@ import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import CANDIDATES, IMPLEMENTATIONS
 from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, UnionOfFailures, build, fastest,
                                            time_candidates, with_failures)
-from jax_comm_gemm.backends.tuning import load_cache, measure, remember, signature, tunable
+from jax_comm_gemm.backends.tuning import (load_cache, measure, problems_of, remember, signature,
+                                           tunable)
 from jax_comm_gemm.backends.verify import against_xla
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.plan import Plan
@@ -42,7 +42,6 @@ from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 # plans repeat within about 1-2% (docs/design.md#whole-step-tuning-autotune_step).
 KEEP_MARGIN = 0.01
 TUNED, XLA = "tuned", "xla"
-_TAGS = itertools.count(1)  # makes each collecting trace's plan a new one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +155,8 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
   why_not = tunable(mesh, axis_name, base)
   if why_not is not None:
     return TunedStep(step, base, TUNED, f"nothing to choose: {why_not}")
-  problems = collect_problems(step, args, base, int(mesh.shape[axis_name]))
+  size = int(mesh.shape[axis_name])
+  problems = [p for p in problems_of(step, *args) if p.axis_size == size]
   if not problems:
     return TunedStep(step, base, TUNED, "the step meets no op that auto chooses for")
   chosen = measure(mesh, axis_name, problems, base,
@@ -180,17 +180,6 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
   if plan != TUNED:
     routes[plan] = base.with_decisions({p: (name, why) for p, (name, _) in plans[plan].items()})
   return TunedStep(step, routes[plan], plan, why)
-
-
-def collect_problems(step, args, plan: Plan, axis_size: int) -> list:
-  """The problems `step(*args)` meets on an axis of `axis_size`: it is
-  traced under a copy of `plan` that no trace saw before, so that the
-  library's trace-time code runs (and notes them) even where `step` was
-  traced already."""
-  REGISTRY.forget_seen()
-  with plan_lib.use(dataclasses.replace(plan, tag=next(_TAGS))):
-    jax.eval_shape(step, *args)
-  return [p for p in REGISTRY.seen() if p.axis_size == axis_size]
 
 
 def _measure(ident, attempt, routes: dict[str, Plan], step, args, iterations, rounds,

@@ -1,9 +1,9 @@
 """``autotune``: measure which implementation is fastest for each problem that
 ``backend="auto"`` met, once, and make every rank take the same choice.
 
-Collective, like ``connect``: every process calls it, after tracing the
-program once (``jax.eval_shape`` or ``.lower``) so that the problems it needs
-are known (``REGISTRY.wanted``), and before compiling it for real. Process 0
+Collective, like ``connect``: every process calls it with the problems to
+measure (``problems_of(step, *args)`` lists a step's), before tracing the
+program for real: a program traced before keeps its routes. Process 0
 leads: it says which problems to measure (those not in its disk cache), every
 process times every candidate on its devices, interleaved (A B C A B C ...,
 medians, so that clock changes under the power cap hit all alike), process 0
@@ -18,6 +18,8 @@ before the next candidate runs (timing.py's module docstring).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -27,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm.runtime.kv as kv
+import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS, Problem,
                                          candidates, fp8_collectives_of, implementation, runnable)
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
@@ -162,14 +165,34 @@ def tunable(mesh, axis_name: str, plan) -> str | None:
   return None
 
 
+_TAGS = itertools.count(1)  # makes each problems_of trace's plan a new one
+
+
+def problems_of(step, *args) -> list[Problem]:
+  """The problems `step(*args)` meets that ``backend="auto"`` chooses for, in
+  order: `step` is traced (``jax.eval_shape``) under a copy of the plan in
+  force that no trace saw before, which lists them, so the library's
+  trace-time code runs even where `step` was traced already, and programs
+  traced outside it stay as they are.
+
+  >>> import jax.numpy as jnp
+  >>> problems_of(lambda x: x + 1, jnp.zeros(2))  # no collective matmul
+  []
+  """
+  found: list = []
+  with plan_lib.use(dataclasses.replace(current_plan(), tag=next(_TAGS), problems=found)):
+    jax.eval_shape(step, *args)
+  return list(dict.fromkeys(found))
+
+
 def autotune(mesh, axis_name: str = "tp", problems=(), *,
              seconds_per_problem: float = 1.0) -> dict[Problem, tuple[str, str]]:
-  """Measures the problems traced without a choice, and `problems`, and
+  """Measures `problems` (``problems_of`` lists a step's) on `axis_name` and
   publishes a routing plan with the choices (collective: every process calls
-  it; see the module docstring). Programs traced before it trace again at
-  their next call, with the choices. Returns the choices made; does nothing
-  where nothing can be tuned (no cuBLASMp, ``JAX_COMM_GEMM_AUTOTUNE`` other
-  than "on", an axis of size 1).
+  it; see the module docstring). Programs traced after it take the choices;
+  those traced before keep their routes (tracing warned of that). Returns
+  the choices made; does nothing where nothing can be tuned (no cuBLASMp,
+  ``JAX_COMM_GEMM_AUTOTUNE`` other than "on", an axis of size 1).
 
   >>> import jax, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -180,7 +203,7 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
   if tunable(mesh, axis_name, plan) is not None:
     return {}
   size = int(mesh.shape[axis_name])
-  wanted = [q for q in [*REGISTRY.wanted(), *problems] if q.axis_size == size]
+  wanted = [q for q in problems if q.axis_size == size]
   choices = measure(mesh, axis_name, wanted, plan, seconds_per_problem=seconds_per_problem)
   REGISTRY.record_decisions(choices)
   return choices

@@ -32,11 +32,14 @@ from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 import jax_comm_gemm.layers.local as local
 from jax_comm_gemm.layers.histories import mlp_histories
 from jax_comm_gemm.layers.placement import Placement, global_placement, resolve_mesh
+from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
 
 __all__ = ["column_parallel_dense", "mlp", "resolve_mesh", "row_parallel_dense"]
 
-_STATIC = ("mesh", "axis_name", "data_axes", "precision", "config")
+# The routing plan in force is static too: a trace under an older plan (before
+# connect or autotune) is never reused for a call under a newer one.
+_STATIC = ("mesh", "axis_name", "data_axes", "precision", "config", "plan")
 
 
 def column_parallel_dense(x, kernel, bias=None, *, mesh=None, axis_name: str = "tp",
@@ -107,7 +110,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
   del options["dot_general"]
   return _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, mesh=where.mesh,
               axis_name=axis_name, data_axes=where.data_axes, activation=activation,
-              **options)
+              plan=current_plan(), **options)
 
 
 # --- checked entries on global arrays (the dispatch's global side) -------------------
@@ -128,7 +131,7 @@ def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathe
   if dot_general is None:
     return _column(x, kernel, bias, fp8_history, mesh=where.mesh, axis_name=axis_name,
                    data_axes=data, keep_gathered_input=keep_gathered_input,
-                   precision=precision, config=config)
+                   precision=precision, config=config, plan=current_plan())
   _, features = _specs(np.ndim(x), data, axis_name)
   gathered = _constrain(x, where.mesh, P(data or None))  # XLA's all-gather
   y = _constrain(local._injected(dot_general, gathered, kernel, precision, dot_kwargs),
@@ -150,7 +153,7 @@ def row_global(names: Names, h, kernel, bias, *, where: Placement, precision, co
   data, axis_name = where.data_axes, where.axis_name
   if dot_general is None:
     return _row(h, kernel, bias, fp8_history, mesh=where.mesh, axis_name=axis_name,
-                data_axes=data, precision=precision, config=config)
+                data_axes=data, precision=precision, config=config, plan=current_plan())
   tokens, _ = _specs(np.ndim(h), data, axis_name)
   # The partial sums, then XLA's reduce-scatter onto the token shards.
   y = _constrain(local._injected(dot_general, h, kernel, precision, dot_kwargs),
@@ -175,7 +178,7 @@ def _specs(ndim, data, axis_name):
 
 @partial(jax.jit, static_argnames=(*_STATIC, "keep_gathered_input"))
 def _column(x, kernel, bias, history, *, mesh, axis_name, data_axes, keep_gathered_input,
-            precision, config):
+            precision, config, plan):
   tokens, features = _specs(np.ndim(x), data_axes, axis_name)
 
   def body(x, kernel, bias, history):
@@ -190,7 +193,7 @@ def _column(x, kernel, bias, history, *, mesh, axis_name, data_axes, keep_gather
 
 
 @partial(jax.jit, static_argnames=_STATIC)
-def _row(h, kernel, bias, history, *, mesh, axis_name, data_axes, precision, config):
+def _row(h, kernel, bias, history, *, mesh, axis_name, data_axes, precision, config, plan):
   tokens, features = _specs(np.ndim(h), data_axes, axis_name)
 
   def body(h, kernel, bias, history):
@@ -205,7 +208,7 @@ def _row(h, kernel, bias, history, *, mesh, axis_name, data_axes, precision, con
 
 @partial(jax.jit, static_argnames=(*_STATIC, "keep_gathered_input", "activation"))
 def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, *, mesh, axis_name,
-         data_axes, activation, keep_gathered_input, precision, config):
+         data_axes, activation, keep_gathered_input, precision, config, plan):
   tokens, _ = _specs(np.ndim(x), data_axes, axis_name)
 
   def body(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories):

@@ -46,6 +46,7 @@ from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.layers import local
 from jax_comm_gemm.layers.placement import Placement, global_placement
+from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
 
 SCOPE = "sp_transformer_block"
@@ -326,11 +327,13 @@ def block_global(names: Names, x, params, *, where: Placement, options: BlockOpt
                              np.shape(x)[1], "*".join(data) or "()", shards)
   histories = _checked_histories(op, options, fp8_histories)
   return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
-                  data_axes=data, options=options)
+                  data_axes=data, options=options, plan=current_plan())
 
 
-@partial(jax.jit, static_argnames=("mesh", "axis_name", "data_axes", "options"))
-def _sharded(x, params, histories, *, mesh, axis_name, data_axes, options):
+# Keyed on the routing plan in force too: a trace under an older plan (before
+# connect or autotune) is never reused for a call under a newer one.
+@partial(jax.jit, static_argnames=("mesh", "axis_name", "data_axes", "options", "plan"))
+def _sharded(x, params, histories, *, mesh, axis_name, data_axes, options, plan):
   tokens = P(axis_name, data_axes or None, None)
 
   def body(x, params, histories):

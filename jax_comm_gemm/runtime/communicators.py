@@ -95,7 +95,7 @@ def connect(mesh, axis_name: str = "tp", *, config=None,
   learns whether cuBLASMp can get its workspace on them (where it cannot,
   ``auto`` leaves cuBLASMp's algorithms out and runs the project's own, the
   ring or XLA) and runs the layout self-test. It publishes a new routing plan:
-  programs traced before it trace again at their next call
+  programs traced after it take it, those traced before keep their routes
   (docs/design.md#routing-plan).
 
   `config`, a ``CommGemmConfig`` the layers will run with, is checked against

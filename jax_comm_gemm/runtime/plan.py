@@ -8,21 +8,22 @@ gradient reuses the gathered operand) is decided while jax traces it, from:
 * the mesh axes that ``connect`` set up, and the self-test's verdicts;
 * the choices ``autotune`` measured per problem.
 
-A :class:`Plan` holds all of them and nothing else. It is hashable, and the
-plan in force is a ``jax.make_user_context`` value, which ``jax.jit`` makes
-part of its cache key: a program traced under one plan is never reused under
-another. So ``connect`` and ``autotune``, which publish a new plan, make
-programs traced before them trace again at their next call, with the new
-route, and nobody has to clear jax's caches; and :func:`use` runs code under a
-plan of its own (``autotune_step``'s tuned step does) without touching the
-programs compiled under the process's plan. Why: docs/design.md#routing-plan.
+A :class:`Plan` holds all of them and nothing else. The registry keeps the
+process's plan (``REGISTRY.plan()``); ``connect`` and ``autotune`` replace it
+there, which no ``jax.jit`` keys on: a program already traced keeps the route
+it was traced with, and nothing else in the process compiles again. A
+:func:`use` scope runs code under a plan of its own (``autotune_step``'s tuned
+step), and only programs traced inside such a scope key on its plan: that is
+how a tuned step carries its decisions. Why: docs/design.md#routing-plan.
 
 >>> plan = Plan(Settings(), Capability(False, "no GPU"), "front")
 >>> plan.decision("a problem") is None
 True
 >>> tuned = plan.with_decisions({"a problem": ("xla", "measured")})
 >>> with use(tuned):
-...   published() is tuned
+...   scoped() is tuned
+True
+>>> scoped() is None
 True
 """
 
@@ -58,8 +59,10 @@ class Plan:
     verdicts: (VerdictKey, Capability) of the layout self-test.
     decisions: (problem, (implementation, why)) measured by autotune.
     tag: a number that only makes two otherwise equal plans differ, so that
-      a trace under it runs the library's trace-time code afresh (autotune_step
-      collects the problems of a step that way).
+      a trace under it runs the library's trace-time code afresh.
+    problems: where tracing under this plan lists the problems it meets
+      (``tuning.problems_of`` passes a list of its own, with a new tag); None
+      everywhere else: tracing writes nothing.
   """
 
   settings: Settings
@@ -69,6 +72,7 @@ class Plan:
   verdicts: tuple = ()
   decisions: tuple = ()
   tag: int = 0
+  problems: list | None = None
 
   def __post_init__(self):
     # jit hashes and compares the plan in force at every call: do it once.
@@ -122,22 +126,17 @@ class Plan:
     return dataclasses.replace(self, axes=tuple(axes.items()), verdicts=tuple(merged.items()))
 
 
-# The plan in force. None until one is published or used: registry.current_plan
-# then builds the process's first plan (its settings read at that first use).
-_ROUTES = jax.make_user_context(default_value=None)
+# The plan of a use() scope, else None. Its value outside any scope never
+# changes, so the programs traced outside one never trace again because of it.
+_SCOPE = jax.make_user_context(default_value=None)
 
 
-def published() -> Plan | None:
-  """The plan in force here, or None before any was published or used."""
-  return _ROUTES.value
-
-
-def publish(plan: Plan) -> None:
-  """Makes `plan` the process's plan: programs traced under another one
-  trace again at their next call."""
-  _ROUTES.set_global(plan)
+def scoped() -> Plan | None:
+  """The plan of the innermost use() scope on this thread, or None."""
+  return _SCOPE.value
 
 
 def use(plan: Plan):
-  """A context manager that runs its body under `plan` (this thread only)."""
-  return _ROUTES(plan)
+  """A context manager that runs its body under `plan` (this thread only);
+  programs traced in it key on `plan`."""
+  return _SCOPE(plan)

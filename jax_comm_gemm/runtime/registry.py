@@ -7,13 +7,12 @@ It holds what this process knows about the cuBLASMp runtime, and nothing else:
   found that cuBLASMp cannot get its workspace);
 * the NCCL groups that ``connect`` made (the communicators themselves live in
   the C++ registry, which owns every context);
-* the routing plan in force (``plan``, ``plan.py``): what ``connect`` and
-  ``autotune`` learnt, published as one immutable value that jax.jit keys on;
-* the problems that tracing met (``seen``), and those without a measured
-  choice (``wanted``), for ``autotune`` to measure.
+* the process's routing plan (``plan``, ``plan.py``): what ``connect`` and
+  ``autotune`` learnt, as one immutable value that each replaces; no
+  ``jax.jit`` keys on it, so a program already traced keeps its route.
 
-Reading it never touches NCCL: tracing, lowering and ``jax.eval_shape`` only
-read. Everything collective happens in ``communicators.connect``.
+Tracing, lowering and ``jax.eval_shape`` only read it, and never touch NCCL.
+Everything collective happens in ``communicators.connect``.
 """
 
 from __future__ import annotations
@@ -67,10 +66,9 @@ class Registry:
     self._native: ModuleType | None = None
     self._status: Capability | None = None
     self._first: Plan | None = None           # the plan before any was published
+    self._published: Plan | None = None       # the plan connect and autotune made
     self._groups: set[int] = set()            # NCCL groups made on this process
     self._attempts: dict = {}                 # exchange name -> attempts so far
-    self._wanted: dict = {}                   # traced problems without a decision, in order
-    self._seen: dict = {}                     # every problem traced since forget_seen()
     self._sentinel: Sentinel | None = None    # ends the process after an abort (sentinel.py)
 
   # --- the extension and the library ------------------------------------------
@@ -80,8 +78,7 @@ class Registry:
     on which groups connect found that cuBLASMp cannot get its workspace
     (there ``auto`` runs the project's own algorithms, the ring or XLA)."""
     status = self.library_status()
-    plan = plan_lib.published()
-    refused = sorted({v.reason for k, v in (plan.verdicts if plan is not None else ())
+    refused = sorted({v.reason for k, v in self.plan().verdicts
                       if isinstance(k, WorkspaceKey) and not v.ok})
     if not refused:
       return status
@@ -127,9 +124,10 @@ class Registry:
   # --- the routing plan -----------------------------------------------------------
 
   def plan(self) -> Plan:
-    """The plan in force: the published (or used) one, else this process's
-    first plan, whose settings are read from the environment at this first use."""
-    found = plan_lib.published()
+    """The plan in force: a use() scope's, else the published one, else this
+    process's first plan, whose settings are read from the environment at
+    this first use."""
+    found = plan_lib.scoped() or self._published
     if found is not None:
       return found
     if self._first is None:  # built once; a race builds two equal plans
@@ -140,14 +138,19 @@ class Registry:
           self._first = first
     return self._first
 
+  def publish(self, plan: Plan | None) -> None:
+    """Makes `plan` the process's plan (None: back to the first plan). Programs
+    traced before keep their routes; those traced after take `plan`'s."""
+    with self._lock:
+      self._published = plan
+
   def adopt(self, settings: Settings) -> None:
     """Publishes the plan in force with `settings` and what this process
-    knows of cuBLASMp now (connect, once the settings are agreed). An equal
-    plan leaves every compiled program as it is."""
+    knows of cuBLASMp now (connect, once the settings are agreed)."""
     status = self.library_status()
     layout = default_layout(self.cublasmp_version())
-    plan_lib.publish(dataclasses.replace(self.plan(), settings=settings, cublasmp=status,
-                                         layout=layout))
+    self.publish(dataclasses.replace(self.plan(), settings=settings, cublasmp=status,
+                                     layout=layout))
 
   # --- what connect() set up ----------------------------------------------------
 
@@ -170,7 +173,7 @@ class Registry:
     """Publishes a plan with the connected axis and its verdicts."""
     with self._lock:
       self._groups.update(groups)
-    plan_lib.publish(self.plan().with_axis(mesh, axis_name, comm_id, verdicts))
+    self.publish(self.plan().with_axis(mesh, axis_name, comm_id, verdicts))
 
   def watch(self, grace_s: float) -> None:
     """Starts the sentinel over this process's contexts (once)."""
@@ -178,35 +181,11 @@ class Registry:
       if self._sentinel is None:
         self._sentinel = Sentinel(self.contexts, grace_s).start()
 
-  # --- autotune's problems and choices ---------------------------------------------
-
-  def note(self, problem, decided: bool) -> None:
-    """Notes a problem met while tracing (trace time): ``autotune`` measures
-    those traced without a decision, ``autotune_step`` those of its step."""
-    with self._lock:
-      self._seen.setdefault(problem, None)
-      if not decided:
-        self._wanted.setdefault(problem, None)
+  # --- autotune's choices ---------------------------------------------------------
 
   def record_decisions(self, decisions) -> None:
     """Publishes a plan with `decisions` ({problem: (implementation, why)})."""
-    with self._lock:
-      for problem in decisions:
-        self._wanted.pop(problem, None)
-    plan_lib.publish(self.plan().with_decisions(decisions))
-
-  def wanted(self) -> list:
-    with self._lock:
-      return list(self._wanted)
-
-  def seen(self) -> list:
-    """The problems traced since the last forget_seen(), in order."""
-    with self._lock:
-      return list(self._seen)
-
-  def forget_seen(self) -> None:
-    with self._lock:
-      self._seen.clear()
+    self.publish(self.plan().with_decisions(decisions))
 
   # --- the contexts -------------------------------------------------------------------
 
@@ -233,7 +212,7 @@ class Registry:
       had_groups = bool(self._groups)
       self._groups.clear()
     if had_groups:
-      plan_lib.publish(dataclasses.replace(self.plan(), axes=(), verdicts=()))
+      self.publish(dataclasses.replace(self.plan(), axes=(), verdicts=()))
 
 
 REGISTRY = Registry()
