@@ -2,6 +2,7 @@
 # The shared-GPU mode's runs on a machine with one GPU (docs/gpu-testing.md):
 #   tests/gpu/shared_gpu.sh suite RANKS [PATTERNS] [SECONDS]  the GPU suite at RANKS ranks
 #   tests/gpu/shared_gpu.sh failures [SECONDS]                the failure scenarios, stress at 2
+#                                                             (ONLY=EXPR: those pytest -k selects)
 #   tests/gpu/shared_gpu.sh example PROCESSES [SECONDS]       the example: trains, resumes
 # Logs go to $LOG_DIR (default ./shared_gpu_logs), one folder per run; each run
 # ends with one summary line in $LOG_DIR/summary.txt. SECONDS bounds the run.
@@ -36,7 +37,7 @@ case $what in
     mkdir -p "$dir"
     start=$(date +%s)
     JCG_GPU_SHARED=2 JCG_STRESS_RUNS=${JCG_STRESS_RUNS:-200} JCG_GPU_LOG_DIR=$dir \
-      timeout "$seconds" python3 -m pytest -q -rfs -p no:cacheprovider \
+      timeout "$seconds" python3 -m pytest -q -rfs -p no:cacheprovider ${ONLY:+-k "$ONLY"} \
       tests/gpu/test_gpu_failures.py > "$dir/pytest.log" 2>&1
     rc=$?
     summary "failures ranks=2 stress_runs=${JCG_STRESS_RUNS:-200}: $(pytest_counts "$dir/pytest.log")" \
@@ -52,6 +53,7 @@ case $what in
           --seq-len 512 --batch 8 --ab-steps 0 --log-every 4 --eval-every 8 --checkpoint-every 8
           --checkpoint-dir "$dir/checkpoints" --json-out "$dir/run.json")
     start=$(date +%s)
+    export JAX_COMM_GEMM_AUTOTUNE_CACHE=$dir/autotune.json  # the resumed run reads the choices
     timeout $((seconds * 2 / 3)) python3 examples/train_byte_gpt.py "${args[@]}" --steps 16 \
       > "$dir/train.log" 2>&1
     rc_train=$?
