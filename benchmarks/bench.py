@@ -22,9 +22,6 @@ cublasmp_rs_pipelined_ce: with the project's own GEMM+ReduceScatter), pipelined
 and pipelined_ce (the project's own AllGather+GEMMs; the layers' reduce-scatter
 as configured; for matmul_reduce_scatter, pipelined_ce alone: the own
 GEMM+ReduceScatter), pipelined_ce_all (the project's own, both ops),
-<variant>_fused (the layers with fuse_weight_gradient=True: the weight gradient
-computed inside the AllGather+GEMM from the gathered operand in place;
-<variant>_copy, False, names the copy path where it is not the default),
 ring (backend="ring": both ops as rings of per-shard GEMMs and ppermutes), auto_no_reuse, auto_keep, xla
 (backend="xla"), auto_step (auto tuned by jcg.autotune_step on the whole
 step), pure_jax (autodiff of shard_map all_gather -> dot / dot -> psum_scatter),
@@ -134,20 +131,15 @@ AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "pipelined_ce", "ring", "xla", "pure_jax", "floor")
-# <variant>_fused: the same with fuse_weight_gradient=True (the weight gradient
-# inside the AllGather+GEMM, no copy of the gathered operand), beside the default.
-ROW_VARIANTS = ("auto", "auto_fused", "auto_no_reuse", "cublasmp_split_p2p",
-                "cublasmp_split_p2p_fused", "pipelined", "pipelined_ce", "pipelined_ce_fused",
+ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "pipelined", "pipelined_ce",
                 "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined_ce",
-                "pipelined_ce_all", "pipelined_ce_all_fused", "xla", "pure_jax", "auto_step",
-                "floor")
+                "pipelined_ce_all", "xla", "pure_jax", "auto_step", "floor")
 # auto_step, here and in ROW_VARIANTS (last: its step-level decision is recorded
 # for the problems it meets): backend="auto" tuned with jcg.autotune_step, as the
 # example does.
-MLP_VARIANTS = ("auto", "auto_fused", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p",
-                "cublasmp_split_p2p_fused", "pipelined", "pipelined_ce", "pipelined_ce_fused",
-                "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined_ce",
-                "pipelined_ce_all", "pipelined_ce_all_fused", "xla", "pure_jax", "auto_step",
+MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "pipelined",
+                "pipelined_ce", "ring", "cublasmp_rs_ring", "cublasmp_rs_default",
+                "cublasmp_rs_pipelined_ce", "pipelined_ce_all", "xla", "pure_jax", "auto_step",
                 "floor")
 SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
 
@@ -185,10 +177,6 @@ class Ctx:
     """(CommGemmConfig, keep_gathered_input) of a project variant. role: "ag"
     (the AllGather+GEMM alone), "rs" (the GEMM+ReduceScatter alone) or "layer"."""
     C = self.jcg.CommGemmConfig
-    for suffix, fuse in (("_fused", True), ("_copy", False)):
-      if variant.endswith(suffix):
-        cfg, keep = self.config(variant.removesuffix(suffix), role)
-        return dataclasses.replace(cfg, fuse_weight_gradient=fuse), keep
     if variant == "auto":
       return C(), False
     if variant == "auto_no_reuse":

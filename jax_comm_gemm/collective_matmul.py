@@ -9,8 +9,7 @@ gradient. The weight gradient needs the gathered operand, and
 * in ``matmul_reduce_scatter``'s backward, from the AllGather+GEMM that computes
   the input gradient (its gathered grad_output), where the backend can hand it
   out (a verdict cached at connect and read at trace time), else from a
-  regular ``lax.all_gather``. Where :func:`weight_gradient_route` allows, that
-  call computes the weight gradient itself, reading the operand in place;
+  regular ``lax.all_gather``;
 * in ``all_gather_matmul``'s backward, from the forward when
   ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
   ``lax.all_gather`` of the input.
@@ -39,8 +38,7 @@ from jax_comm_gemm.backends.select import resolve_backend
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
-from jax_comm_gemm.routes import (fp8_collectives, fp8_route, gathered_route,
-                                  weight_gradient_route)
+from jax_comm_gemm.routes import fp8_collectives, fp8_route, gathered_route
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -54,7 +52,6 @@ class _Static:
   return_gathered: bool = False
   keep_gathered_input: bool = False
   precision: Any = None
-  fuse_weight_gradient: bool = False
   plan: Any = None  # the plan that chose `backend`: the jits below key on it
 
 
@@ -161,7 +158,7 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
         collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0])
   backend = resolve_backend(config, axis_name, precision=precision)
   static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, precision=precision,
-                   fuse_weight_gradient=config.fuse_weight_gradient, plan=current_plan())
+                   plan=current_plan())
   return _matmul_reduce_scatter_jit(*_varying(axis_name, x, w), static)
 
 
@@ -280,11 +277,6 @@ def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
   x, w = res
   if isinstance(ct_y, SymbolicZero):
     return (_or_zeros(None, x.shape, x.dtype, x), _or_zeros(None, w.shape, w.dtype, w))
-  route = weight_gradient_route(s.backend, s.fuse_weight_gradient, s.reuse_gathered, ct_y, w,
-                                s.axis_name, not s.transpose_w)
-  if route.fuse:  # dx and dw in one call, AG(dy) read where it was gathered
-    return s.backend.all_gather_matmul_weight_gradient(
-        ct_y, w, x, s.axis_name, transpose_w=not s.transpose_w, precision=s.precision)
   # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
   dx, gathered_dy = _gathering_matmul(s, ct_y, w, not s.transpose_w)
   return dx, weight_gradient(x, gathered_dy, s.transpose_w, s.precision)

@@ -52,11 +52,6 @@ class CommGemmConfig:
     reuse_gathered: ``None`` reuses the operand that a fused AllGather+GEMM
       gathered wherever the self-test's verdict passes; ``False`` always
       gathers again with ``lax.all_gather`` (for A/B runs and debugging).
-    fuse_weight_gradient: in the row-parallel backward, let the AllGather+GEMM
-      that computes the input gradient also compute the weight gradient,
-      reading its gathered grad_output in place instead of copying it out for
-      XLA's GEMM. Off by default: it saves the copy but holds more memory in
-      a training step: docs/design.md#fused-weight-gradient.
     fp8: ``None`` (the GEMMs run in the inputs' dtype) or an
       :class:`~jax_comm_gemm.fp8.Fp8Recipe`: the GEMMs run in FP8 (E4M3
       forward, E5M2 gradients, current scaling agreed over the axis), FP8
@@ -79,7 +74,6 @@ class CommGemmConfig:
   all_gather_algorithm: str = _FUSED.all_gather_algorithm
   reduce_scatter: str = _FUSED.reduce_scatter
   reuse_gathered: bool | None = None
-  fuse_weight_gradient: bool = False
   fp8: Fp8Recipe | None = None
 
   def __post_init__(self):
@@ -96,11 +90,6 @@ class CommGemmConfig:
             "CommGemmConfig.reuse_gathered must be None (reuse where the "
             f"self-test passed) or False, got {self.reuse_gathered!r}")
       object.__setattr__(self, "reuse_gathered", False)
-    if not isinstance(self.fuse_weight_gradient, (bool, np.bool_)):
-      raise ValueError(
-          "CommGemmConfig.fuse_weight_gradient must be True or False, got "
-          f"{self.fuse_weight_gradient!r}")
-    object.__setattr__(self, "fuse_weight_gradient", bool(self.fuse_weight_gradient))
     if self.fp8 is not None:
       if not isinstance(self.fp8, Fp8Recipe):
         raise ValueError("CommGemmConfig.fp8 must be None or a jax_comm_gemm.fp8.Fp8Recipe, "

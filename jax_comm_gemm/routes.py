@@ -1,6 +1,6 @@
 """Routing decisions of the collective matmuls that are not the backend's:
-where a weight gradient gets its gathered operand, whether the row-parallel
-backward fuses its weight gradient, and whether the ops run in FP8. Each is
+where a weight gradient gets its gathered operand, and whether the ops run in
+FP8. Each is
 decided here, at trace time, from the routing plan in force; the custom_vjps
 (collective_matmul.py) and the per-layer report (diagnostics/report.py) ask
 the same functions.
@@ -46,38 +46,6 @@ def gathered_route(backend: Backend, reuse_gathered: bool | None, axis_size: int
     return GatheredRoute(False, "reuse_gathered=False was requested")
   verdict = backend.gathered_reuse(axis_size, dtype, transpose_w)
   return GatheredRoute(verdict.ok, verdict.reason)
-
-
-@dataclasses.dataclass(frozen=True)
-class WeightGradientRoute:
-  """Whether the row-parallel backward computes its weight gradient inside the
-  AllGather+GEMM (``fuse``), reading the gathered operand in place, and why.
-
-  >>> WeightGradientRoute(True, "verified").fuse
-  True
-  """
-  fuse: bool
-  reason: str
-
-
-def weight_gradient_route(backend: Backend, fuse_weight_gradient: bool,
-                          reuse_gathered: bool | None, x, w, axis_name: str,
-                          transpose_w: bool) -> WeightGradientRoute:
-  """The one place that decides whether the row-parallel backward's
-  AllGather+GEMM (of grad_output `x` and `w`, with `transpose_w`) also
-  computes the weight gradient.
-
-  >>> from jax_comm_gemm.backends import XlaBackend
-  >>> weight_gradient_route(XlaBackend(), False, None, None, None, "tp", False).fuse
-  False
-  """
-  if not fuse_weight_gradient:
-    return WeightGradientRoute(False, "fuse_weight_gradient is off (the default: "
-                                      "docs/design.md#fused-weight-gradient)")
-  if reuse_gathered is False:
-    return WeightGradientRoute(False, "reuse_gathered=False was requested")
-  verdict = backend.weight_gradient_fusion(x, w, axis_name, transpose_w)
-  return WeightGradientRoute(verdict.ok, verdict.reason)
 
 
 @dataclasses.dataclass(frozen=True)

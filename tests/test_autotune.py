@@ -492,35 +492,6 @@ def test_a_call_that_returns_the_gathered_operand_is_its_own_problem(empty_decis
   np.testing.assert_array_equal(np.asarray(g)[:16], np.asarray(x))  # a gathered copy: exact
 
 
-def test_the_fused_weight_gradient_takes_the_gathered_problems_choice(empty_decisions,
-                                                                    monkeypatch):
-  """The row-parallel backward's one call (dgrad AllGather+GEMM and wgrad)
-  reads the gathered operand, so it runs the choice of the problem with the
-  operand out, as weight_gradient_fusion asked it; the plain problem's choice
-  (here XLA, which has no such call) is not consulted."""
-  mesh = cpu_mesh(2)
-  REGISTRY.record_decisions({
-      Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True): ("cublasmp_default", "test"),
-      Problem(AG, 8, 8, 6, "float32", False, 2): ("xla", "test")})
-  ran = []
-
-  def fused(self, x, w, h, axis_name, *, transpose_w, precision=None):
-    ran.append(self.all_gather_algorithm)
-    return jnp.zeros((16, 6), x.dtype), jnp.zeros(w.shape, w.dtype)
-
-  monkeypatch.setattr(CublasMpBackend, "all_gather_matmul_weight_gradient", fused)
-  backend = AutoBackend(CublasMpBackend())
-
-  def local(x, w, h):
-    return backend.all_gather_matmul_weight_gradient(x, w, h, "tp", transpose_w=False)
-
-  x, w, h = jnp.ones((16, 8)), jnp.ones((8, 12)), jnp.ones((32, 12))
-  jax.make_jaxpr(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp"),
-                                                              P(None, "tp")),
-                               out_specs=(P(None, "tp"), P(None, "tp"))))(x, w, h)
-  assert ran == ["default"]
-
-
 def test_the_disk_cache_section_names_every_candidate(monkeypatch):
   """A choice measured before an implementation was added is stale: the
   cache's section for it changes with the candidates (and the method)."""

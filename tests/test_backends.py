@@ -15,8 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_comm_gemm.runtime.registry import REGISTRY
-from conftest import stand_in_plan
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
@@ -130,17 +128,14 @@ def test_mlp_on_each_reduce_scatter(reduce_scatter, size):
 
 
 @pytest.mark.parametrize("transpose_w", [False, True], ids=["w", "wT"])
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "copy"])
 @pytest.mark.parametrize("reuse_ok", [True, False], ids=["verdict_passes", "verdict_fails"])
-def test_row_parallel_weight_gradient_routing(reuse_ok, fuse, transpose_w):
-  """The row-parallel backward: where the verdict passes and fusing is on, one
-  call computes dx and dw (the weight-gradient primitive); with fusing off the
-  AllGather+GEMM primitive hands its gathered grad_output to XLA's GEMM; where
-  the verdict fails, a lax.all_gather of it does. The numbers are right every
-  way, for w [k, m] and w [m, k]."""
+def test_row_parallel_weight_gradient_routing(reuse_ok, transpose_w):
+  """The row-parallel backward: where the verdict passes, the AllGather+GEMM
+  primitive hands its gathered grad_output to XLA's GEMM; where it fails, a
+  lax.all_gather of it does. The numbers are right both ways, for w [k, m]
+  and w [m, k]."""
   mesh = cpu_mesh(2)
-  config = jcg.CommGemmConfig(backend=VerdictBackend(reuse_ok=reuse_ok),
-                              fuse_weight_gradient=fuse)
+  config = jcg.CommGemmConfig(backend=VerdictBackend(reuse_ok=reuse_ok))
   h, w = random_inputs(70, [(N, M), (K, M) if transpose_w else (M, K)], jnp.float32)
 
   def fn(h, w):
@@ -155,49 +150,11 @@ def test_row_parallel_weight_gradient_routing(reuse_ok, fuse, transpose_w):
                           [(N, K)], jnp.float32, seed=71, arg_names=["h", "w"])
   equations = list(_equations(
       jax.make_jaxpr(jax.grad(lambda h, w: jnp.sum(fn(h, w)[0] ** 2), (0, 1)))(h, w).jaxpr))
-  calls = [e for e in equations if e.primitive.name == TARGETS["all_gather_matmul"]]
-  fused = [e for e in equations
-           if e.primitive.name == TARGETS["all_gather_matmul_weight_gradient"]]
+  (call,) = [e for e in equations if e.primitive.name == TARGETS["all_gather_matmul"]]
   gathers = [e for e in equations if e.primitive.name == "all_gather"]
-  assert len(calls) + len(fused) == 1
-  (call,) = calls + fused
   assert call.params["transpose_w"] != transpose_w
-  assert len(fused) == (1 if reuse_ok and fuse else 0)
-  if calls:
-    assert calls[0].params["return_gathered"] == reuse_ok
+  assert call.params["return_gathered"] == reuse_ok
   assert len(gathers) == (0 if reuse_ok else 1)
-
-
-@pytest.mark.parametrize("chosen,fuses", [("xla", False), ("ring", False),
-                                           ("cublasmp_split_p2p", True), ("pipelined", False),
-                                           ("pipelined_ce", True)])
-def test_auto_fuses_the_weight_gradient_where_its_choice_can(monkeypatch, chosen, fuses):
-  """backend="auto" fuses the weight gradient exactly where the AllGather+GEMM
-  implementation it chose for that problem can; right numbers either way."""
-  from jax_comm_gemm.backends.auto import AutoBackend
-  REGISTRY.publish(stand_in_plan(autotune=chosen))
-  equations = _checked_mlp_gradient_equations(AutoBackend(fused=VerdictBackend()), seed=104,
-                                              fuse_weight_gradient=True)
-  fused = [e for e in equations
-           if e.primitive.name == TARGETS["all_gather_matmul_weight_gradient"]]
-  assert len(fused) == int(fuses)
-
-
-def test_asking_for_the_fused_weight_gradient_where_it_cannot_run_fails():
-  """A caller that skips routes.weight_gradient_route cannot make
-  the weight-gradient call where the gathered operand's place is unverified,
-  nor on "pipelined", which gathers into an XLA buffer."""
-  mesh = cpu_mesh(2)
-  x, w, h = random_inputs(81, [(N, K), (M, K), (N, M)], jnp.float32)
-  backends = {"verdict chosen by the test": VerdictBackend(reuse_ok=False),
-              "gathers into an XLA buffer": VerdictBackend(all_gather_algorithm="pipelined")}
-  for reason, backend in backends.items():
-    def local(x, w, h, backend=backend):
-      return backend.all_gather_matmul_weight_gradient(x, w, h, "tp", transpose_w=True)[1]
-
-    with pytest.raises(RuntimeError, match="cannot run: .*" + reason):
-      jax.eval_shape(jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P("tp"), P(None, "tp")),
-                                   out_specs=P("tp")), x, w, h)
 
 
 def test_asking_for_the_gathered_operand_without_a_verdict_fails():
@@ -226,11 +183,11 @@ def _equations(jaxpr):
           yield from _equations(inner)
 
 
-def _checked_mlp_gradient_equations(backend, seed: int, fuse_weight_gradient=False) -> list:
+def _checked_mlp_gradient_equations(backend, seed: int) -> list:
   """The MLP block on `backend` over 2 CPU devices: forward and gradients
   checked against float64; returns the equations of its gradient's jaxpr."""
   mesh = cpu_mesh(2)
-  config = jcg.CommGemmConfig(backend=backend, fuse_weight_gradient=fuse_weight_gradient)
+  config = jcg.CommGemmConfig(backend=backend)
   args = random_inputs(seed, [(N, K), (K, M), (M, K)], jnp.float32)
 
   def fn(x, w1, w2):
@@ -245,27 +202,20 @@ def _checked_mlp_gradient_equations(backend, seed: int, fuse_weight_gradient=Fal
   return list(_equations(jaxpr.jaxpr))
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "copy"])
 @pytest.mark.parametrize("reuse_ok", [True, False], ids=["verdict_passes", "verdict_fails"])
 @pytest.mark.parametrize("algorithm", ["pipelined", "pipelined_ce"])
-def test_own_algorithms_mlp(algorithm, reuse_ok, fuse):
+def test_own_algorithms_mlp(algorithm, reuse_ok):
   """The project's own AllGather+GEMMs through CublasMpBackend: the MLP block,
   forward and gradients, against float64. Both AllGather+GEMM calls (fc1
   forward, fc2's dgrad, TN) run the chosen algorithm. "pipelined" receives
   the shards into the gathered output, so it always asks for it and drops it
-  where it is not reused, and never fuses the weight gradient (nothing to
-  save); "pipelined_ce" fuses fc2's weight gradient where the verdict passes
-  and fusing is on, else asks for the operand only where it is reused."""
+  where it is not reused; "pipelined_ce" asks for the operand only where it
+  is reused."""
   equations = _checked_mlp_gradient_equations(
-      VerdictBackend(all_gather_algorithm=algorithm, reuse_ok=reuse_ok), seed=100,
-      fuse_weight_gradient=fuse)
+      VerdictBackend(all_gather_algorithm=algorithm, reuse_ok=reuse_ok), seed=100)
   calls = [e for e in equations if e.primitive.name == TARGETS["all_gather_matmul"]]
-  fused = [e for e in equations
-           if e.primitive.name == TARGETS["all_gather_matmul_weight_gradient"]]
-  assert len(fused) == (1 if fuse and reuse_ok and algorithm == "pipelined_ce" else 0)
-  assert len(calls) + len(fused) == 2
-  assert all(c.params["algorithm"] == jcg.ALGORITHMS[algorithm] for c in calls + fused)
-  assert all(c.params["transpose_w"] for c in fused)  # fc2's dgrad
+  assert len(calls) == 2
+  assert all(c.params["algorithm"] == jcg.ALGORITHMS[algorithm] for c in calls)
   # By transpose_w: fc2's dgrad (TN) hands its operand on, fc1 (NN) gathers x again.
   reused = {True: reuse_ok, False: False}
   for c in calls:

@@ -72,13 +72,3 @@ def test_jax_private_modules_are_imported_in_one_module():
   assert users == ["runtime/kv.py"]
   assert re.search(r"[Tt]ested with jax 0\.10\.2 and 0\.11\.2", (PACKAGE / "runtime/kv.py").read_text())
 
-
-def test_the_backend_interface_declares_no_op_it_cannot_run():
-  """The fused weight gradient is an op of the backends whose
-  weight_gradient_fusion can pass, not a stub on every Backend."""
-  from jax_comm_gemm.backends import AutoBackend, Backend, CublasMpBackend, XlaBackend
-  assert not hasattr(Backend, "all_gather_matmul_weight_gradient")
-  assert not hasattr(XlaBackend(), "all_gather_matmul_weight_gradient")
-  assert not XlaBackend().weight_gradient_fusion(None, None, "tp", False).ok
-  for fused in (CublasMpBackend(), AutoBackend()):
-    assert callable(fused.all_gather_matmul_weight_gradient)

@@ -275,10 +275,7 @@ def test_kernel_sharded_along_wrong_axis(layer, spec, needs):
      r"CommGemmConfig.reduce_scatter must be one of \('xla', .*'default', .*\), got 'tree'"),
     (dict(reuse_gathered=True), r"CommGemmConfig.reuse_gathered must be None \(reuse "
                                 r"where the self-test passed\) or False, got True"),
-    (dict(fuse_weight_gradient="yes"), r"CommGemmConfig.fuse_weight_gradient must be True "
-                                       r"or False, got 'yes'"),
-], ids=["backend", "backend_object", "algorithm", "reduce_scatter", "reuse_true",
-        "fuse_weight_gradient"])
+], ids=["backend", "backend_object", "algorithm", "reduce_scatter", "reuse_true"])
 def test_bad_config(kwargs, match):
   """CommGemmConfig refuses bad values when it is built."""
   with pytest.raises(ValueError, match=match):

@@ -15,9 +15,6 @@ namespace jax_comm_gemm {
 // The names Python registers the handlers under (jax.ffi.register_ffi_target).
 inline constexpr char kAllGatherMatmulTarget[] = "jax_comm_gemm_all_gather_matmul";
 inline constexpr char kMatmulReduceScatterTarget[] = "jax_comm_gemm_matmul_reduce_scatter";
-// The AllGather+GEMM that also computes the weight gradient (weight_gradient.h).
-inline constexpr char kAllGatherMatmulWeightGradientTarget[] =
-    "jax_comm_gemm_all_gather_matmul_weight_gradient";
 // The FP8 twins of the first two: FP8 x and w with their scales (plan.h).
 inline constexpr char kFp8AllGatherMatmulTarget[] = "jax_comm_gemm_fp8_all_gather_matmul";
 inline constexpr char kFp8MatmulReduceScatterTarget[] =

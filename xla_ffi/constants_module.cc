@@ -16,7 +16,6 @@ NB_MODULE(_constants, m) {
     nb::dict targets;
     targets["all_gather_matmul"] = jcg::kAllGatherMatmulTarget;
     targets["matmul_reduce_scatter"] = jcg::kMatmulReduceScatterTarget;
-    targets["all_gather_matmul_weight_gradient"] = jcg::kAllGatherMatmulWeightGradientTarget;
     targets["fp8_all_gather_matmul"] = jcg::kFp8AllGatherMatmulTarget;
     targets["fp8_matmul_reduce_scatter"] = jcg::kFp8MatmulReduceScatterTarget;
     targets["fp8_gemm"] = jcg::kFp8GemmTarget;

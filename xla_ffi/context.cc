@@ -11,7 +11,6 @@
 #include "layout.h"
 #include "library_status.h"
 #include "pipelined.h"
-#include "weight_gradient.h"
 
 namespace jax_comm_gemm {
 namespace {
@@ -277,11 +276,6 @@ Status Context::EnsureLtWorkspace() {
 
 Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream, cudaStream_t run,
                             Clock::time_point deadline, Plan* plan) {
-  if (c.dw != nullptr) {  // local, and fails alike on every rank: first
-    JCG_RETURN_IF_ERROR(EnsureLtWorkspace());
-    JCG_RETURN_IF_ERROR(MakeWeightGradientPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes,
-                                               &plan->weight_gradient));
-  }
   if (!IsPipelined(c.algorithm)) {
     const PlanTarget target{handle_.get(), col_grid_.get(), row_grid_.get(), options_.nranks};
     return WithComm([&] { return MakePlan(target, c, plan); });
@@ -322,15 +316,7 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
                                 kLtWorkspaceBytes,
                                 options_.rank,
                                 options_.nranks};
-    JCG_RETURN_IF_ERROR(EnqueuePipelined(target, plan.pipelined, c, run));
-    // pipelined_ce gathered into the window (the handler refuses "pipelined"),
-    // which the next call overwrites only after its start on `run`.
-    if (c.dw != nullptr) {
-      JCG_RETURN_IF_ERROR(EnqueueWeightGradient(lt_.get(), plan.weight_gradient, c,
-                                                window_.data(), lt_workspace_.get(),
-                                                kLtWorkspaceBytes, run));
-    }
-    return Status();
+    return EnqueuePipelined(target, plan.pipelined, c, run);
   }
   JCG_CUBLASMP(cublasMpSetStream(handle_.get(), run));
   if (c.fp8()) JCG_RETURN_IF_ERROR(PointScales(plan.matmul, c));
@@ -345,16 +331,11 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
     JCG_CUDA(cudaMemcpyAsync(c.gathered, gathered, c.gathered_bytes, cudaMemcpyDeviceToDevice,
                              run));
   }
-  if (c.dw != nullptr) {
-    JCG_RETURN_IF_ERROR(EnqueueWeightGradient(lt_.get(), plan.weight_gradient, c, gathered,
-                                              lt_workspace_.get(), kLtWorkspaceBytes, run));
-  }
   // The barrier keeps a peer's next call off this rank's workspace until this
   // rank is done with it: cuBLASMp's AllGather+GEMM writes this rank's shard
   // into each peer's workspace, and nothing in a call keeps a peer's next call
   // from doing so while this rank still reads it (cuBLASMp's own GEMMs, the
-  // gathered copy or the weight gradient above, which cuBLASMp does not know
-  // about). Without it, results were wrong
+  // gathered copy above, which cuBLASMp does not know about). Without it, results were wrong
   // (docs/design.md#ordering-against-xla-the-fence). The pipelined algorithms
   // return above without one: they write no workspace of a peer's, and NCCL
   // orders their transfers within the call.
@@ -390,7 +371,7 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c,
   const bool pipelined = IsPipelined(c.algorithm);
   size_t gathered_offset = 0;
   if (!pipelined) {
-    if (c.gathered != nullptr || c.dw != nullptr) {  // before any collective: fails alike
+    if (c.gathered != nullptr) {  // before any collective: fails alike
       JCG_RETURN_IF_ERROR(
           GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
     }

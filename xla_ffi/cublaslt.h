@@ -1,5 +1,5 @@
 // The cuBLASLt pieces the project's own GEMMs share (pipelined.cc,
-// weight_gradient.cc): matrix layouts, descriptor attributes, and an algorithm
+// fp8_gemm.cc): matrix layouts, descriptor attributes, and an algorithm
 // picked once per plan, by cuBLASLt's heuristic or by timing its candidates.
 #ifndef JAX_COMM_GEMM_CUBLASLT_H_
 #define JAX_COMM_GEMM_CUBLASLT_H_

@@ -142,28 +142,6 @@ Status PrepareGathered(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
   return Status();
 }
 
-// The fused weight gradient's buffers (weight_gradient.h): h of y's shape,
-// dw of w's. It reads the gathered x where the algorithm gathered it.
-Status PrepareWeightGradient(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
-                             ffi::AnyBuffer h, ffi::AnyBuffer dw, MatmulCall* call) {
-  if (call->algorithm == kPipelinedAlgorithm) {
-    return Status::InvalidArgument(
-        "the pipelined algorithm gathers into an XLA buffer, so it has no weight gradient to "
-        "fuse; use pipelined_ce or a cuBLASMp algorithm");
-  }
-  if (h.element_type() != x.element_type() || dw.element_type() != x.element_type()) {
-    return Status::InvalidArgument("h and dw must have x's dtype");
-  }
-  const int64_t f = call->transpose_w ? call->w_rows : call->w_cols;
-  JCG_RETURN_IF_ERROR(Expect("h", h.dimensions(), {call->x_rows * ctx.nranks(), f}));
-  JCG_RETURN_IF_ERROR(Expect("dw", dw.dimensions(), {call->w_rows, call->w_cols}));
-  JCG_RETURN_IF_ERROR(Layout(layout, &call->layout));
-  call->h = h.untyped_data();
-  call->dw = dw.untyped_data();
-  call->gathered_bytes = x.size_bytes() * static_cast<size_t>(ctx.nranks());
-  return Status();
-}
-
 // Looks the context up, prepares the call with `prepare`, runs it. A call whose
 // buffers do not check out fails before any collective, alike on every rank of
 // an SPMD program, so its context stays usable.
@@ -188,22 +166,6 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t device, int64_t comm
       JCG_RETURN_IF_ERROR(
           Prepare(CommOp::kAllGather, ctx, algorithm, transpose_w, x, w, *y, call));
       return PrepareGathered(ctx, layout, x, rest, call);
-    });
-  });
-}
-
-ffi::Error AllGatherMatmulWeightGradientImpl(cudaStream_t stream, int32_t device,
-                                             int64_t comm_id, int64_t algorithm,
-                                             bool transpose_w, int64_t layout, ffi::AnyBuffer x,
-                                             ffi::AnyBuffer w, ffi::AnyBuffer h,
-                                             ffi::Result<ffi::AnyBuffer> y,
-                                             ffi::Result<ffi::AnyBuffer> dw) {
-  return FfiGuard(kAllGatherMatmulWeightGradientTarget, [&] {
-    return RunCall(stream, device, comm_id, [&](const Context& ctx, MatmulCall* call) {
-      JCG_RETURN_IF_ERROR(WideTypes(x, w, *y, call));
-      JCG_RETURN_IF_ERROR(
-          Prepare(CommOp::kAllGather, ctx, algorithm, transpose_w, x, w, *y, call));
-      return PrepareWeightGradient(ctx, layout, x, h, *dw, call);
     });
   });
 }
@@ -273,16 +235,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherMatmul, jax_comm_gemm::AllGatherMatmulIm
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Ret<ffi::AnyBuffer>()  // y
                                   .RemainingRets());      // optional gathered x
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kAllGatherMatmulWeightGradient,
-                              jax_comm_gemm::AllGatherMatmulWeightGradientImpl,
-                              jax_comm_gemm::CallBinding()
-                                  .Attr<int64_t>("layout")
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<ffi::AnyBuffer>()   // w
-                                  .Arg<ffi::AnyBuffer>()   // h
-                                  .Ret<ffi::AnyBuffer>()   // y
-                                  .Ret<ffi::AnyBuffer>());  // dw
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kMatmulReduceScatter, jax_comm_gemm::MatmulReduceScatterImpl,
                               jax_comm_gemm::CallBinding()

@@ -1,6 +1,6 @@
 // The XLA FFI handlers, registered by Python under kAllGatherMatmulTarget,
-// kAllGatherMatmulWeightGradientTarget, kMatmulReduceScatterTarget, their FP8
-// twins kFp8AllGatherMatmulTarget and kFp8MatmulReduceScatterTarget, and
+// kMatmulReduceScatterTarget, their FP8 twins kFp8AllGatherMatmulTarget and
+// kFp8MatmulReduceScatterTarget, and
 // kFp8GemmTarget (constants.h) for platform "CUDA". The FP8 GEMM has two
 // stages (instantiate, execute) and a state type (fp8_gemm.h).
 #ifndef JAX_COMM_GEMM_HANDLERS_H_
@@ -9,7 +9,6 @@
 #include "xla/ffi/api/ffi.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kAllGatherMatmul);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kAllGatherMatmulWeightGradient);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kMatmulReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8AllGatherMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kFp8MatmulReduceScatter);

@@ -94,8 +94,6 @@ NB_MODULE(_comm_gemm, m) {
     nb::dict d;
     d[jcg::kAllGatherMatmulTarget] = nb::capsule(reinterpret_cast<void*>(kAllGatherMatmul));
     d[jcg::kMatmulReduceScatterTarget] = nb::capsule(reinterpret_cast<void*>(kMatmulReduceScatter));
-    d[jcg::kAllGatherMatmulWeightGradientTarget] =
-        nb::capsule(reinterpret_cast<void*>(kAllGatherMatmulWeightGradient));
     d[jcg::kFp8AllGatherMatmulTarget] =
         nb::capsule(reinterpret_cast<void*>(kFp8AllGatherMatmul));
     d[jcg::kFp8MatmulReduceScatterTarget] =

@@ -15,15 +15,12 @@
 #include "pipelined.h"
 #include "plan_key.h"
 #include "status.h"
-#include "weight_gradient.h"
 
 namespace jax_comm_gemm {
 
 // One comm+GEMM call, in the row-major (JAX) terms of one shard:
 //   AllGather:      y[n, m/P] = AG(x[n/P, k]) @ w[k, m/P]   (w[m/P, k] if transpose_w)
 //   ReduceScatter:  y[n/P, m] = RS(x[n, k/P] @ w[k/P, m])   (w[m, k/P] if transpose_w)
-// An AllGather may also compute the weight gradient from the gathered x in
-// place (weight_gradient.h): dw (w's shape) from h (y's shape).
 // FP8: x and w are E4M3/E5M2, w is [m/P | m, k] (transpose_w: the TN form,
 // the only one Hopper's FP8 GEMMs take), y is wider, and
 //   y = (x8 . w8^T) * x_scale * w_scale
@@ -43,13 +40,10 @@ struct MatmulCall {
   int64_t w_rows = 0, w_cols = 0;
   void* y = nullptr;
   // AllGather only: where to copy the gathered x ([n, k]), or null; its size
-  // and where cuBLASMp leaves it, also set for the weight gradient.
+  // and where cuBLASMp leaves it.
   void* gathered = nullptr;
   size_t gathered_bytes = 0;
   GatheredLayout layout = GatheredLayout::kFront;
-  // AllGather only, the fused weight gradient: its input h and result dw, or null.
-  const void* h = nullptr;
-  void* dw = nullptr;
 
   bool fp8() const { return x_scale != nullptr; }
 
@@ -60,7 +54,6 @@ struct MatmulCall {
     k.transpose_w = transpose_w;
     k.algorithm = algorithm;
     k.x_rows = x_rows, k.x_cols = x_cols, k.w_rows = w_rows, k.w_cols = w_cols;
-    k.weight_gradient = dw != nullptr;
     k.fast_accum = fast_accum;
     return k;
   }
@@ -68,7 +61,6 @@ struct MatmulCall {
 
 struct Plan {
   PipelinedPlan pipelined;      // the pipelined algorithm's; empty for cuBLASMp's
-  WeightGradientPlan weight_gradient;  // empty unless the call computes dw
   int64_t m = 0, n = 0, k = 0;  // cuBLASMp's global problem
   MatrixDescriptor a, b, d;
   MatmulDescriptor matmul;

@@ -13,26 +13,25 @@ namespace {
 
 // "JCGPKEY" and a format version: a rank running another build (or garbage)
 // is reported as such rather than as a shape mismatch.
-constexpr uint64_t kFormatWord = 0x4A4347504B455903ull;
+constexpr uint64_t kFormatWord = 0x4A4347504B455904ull;
 
 // The fields in wire order; the flags are the 0/1 ones.
 enum Field : size_t {
   kOp, kXType, kWType, kYType, kTransposeW, kAlgorithm, kXRows, kXCols, kWRows, kWCols,
-  kWeightGradient, kFastAccum,
+  kFastAccum,
 };
 const char* const kFieldNames[kPlanKeyFields] = {
     "operation", "x dtype", "w dtype", "result dtype", "transpose_w", "algorithm",
-    "x rows",    "x cols",  "w rows",  "w cols",       "weight gradient", "fast accumulation",
+    "x rows",    "x cols",  "w rows",  "w cols",       "fast accumulation",
 };
 
 bool IsFlag(size_t field) {
-  return field == kTransposeW || field == kWeightGradient || field == kFastAccum;
+  return field == kTransposeW || field == kFastAccum;
 }
 
 std::array<int64_t, kPlanKeyFields> Fields(const PlanKey& k) {
   return {static_cast<int64_t>(k.op), k.x_type, k.w_type, k.y_type, k.transpose_w ? 1 : 0,
-          k.algorithm, k.x_rows, k.x_cols, k.w_rows, k.w_cols, k.weight_gradient ? 1 : 0,
-          k.fast_accum ? 1 : 0};
+          k.algorithm, k.x_rows, k.x_cols, k.w_rows, k.w_cols, k.fast_accum ? 1 : 0};
 }
 
 std::string DtypeName(int64_t dtype) {
@@ -144,7 +143,6 @@ Status ParsePlanKey(const unsigned char* bytes, int rank, PlanKey* out) {
   out->algorithm = f[kAlgorithm];
   out->x_rows = f[kXRows], out->x_cols = f[kXCols], out->w_rows = f[kWRows];
   out->w_cols = f[kWCols];
-  out->weight_gradient = f[kWeightGradient] != 0;
   out->fast_accum = f[kFastAccum] != 0;
   return Status();
 }

@@ -25,21 +25,20 @@ struct PlanKey {
   bool transpose_w = false;
   int64_t algorithm = 0;  // a cublasMpMatmulAlgoType_t
   int64_t x_rows = 0, x_cols = 0, w_rows = 0, w_cols = 0;
-  bool weight_gradient = false;  // AllGather only: also dw (weight_gradient.h)
-  bool fast_accum = false;       // FP8 only: Hopper's fast accumulation
+  bool fast_accum = false;  // FP8 only: Hopper's fast accumulation
 
   auto tie() const {
     return std::tie(op, x_type, w_type, y_type, transpose_w, algorithm, x_rows, x_cols, w_rows,
-                    w_cols, weight_gradient, fast_accum);
+                    w_cols, fast_accum);
   }
   bool operator==(const PlanKey& o) const { return tie() == o.tie(); }
   bool operator!=(const PlanKey& o) const { return tie() != o.tie(); }
   bool operator<(const PlanKey& o) const { return tie() < o.tie(); }
 };
 
-// The wire form: a format word, then the 12 fields, each as 8 little-endian
+// The wire form: a format word, then the 11 fields, each as 8 little-endian
 // bytes. Fixed size, so one ncclAllGather of kPlanKeyBytes per rank carries it.
-inline constexpr size_t kPlanKeyFields = 12;
+inline constexpr size_t kPlanKeyFields = 11;
 inline constexpr size_t kPlanKeyBytes = 8 * (1 + kPlanKeyFields);
 using PlanKeyBytes = std::array<unsigned char, kPlanKeyBytes>;
 

@@ -221,17 +221,6 @@ class AutoBackend(Backend):
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
         precision=precision)
 
-  # The fused weight gradient consumes the gathered operand: its problem is
-  # the one with the gathered operand, in both calls, so that they agree.
-  def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
-                                        precision=None):
-    return self._all_gather(x, w, transpose_w, axis_name, True).all_gather_matmul_weight_gradient(
-        x, w, h, axis_name, transpose_w=transpose_w, precision=precision)
-
-  def weight_gradient_fusion(self, x, w, axis_name, transpose_w):
-    return self._all_gather(x, w, transpose_w, axis_name, True).weight_gradient_fusion(
-        x, w, axis_name, transpose_w)
-
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
     configured = self.fused.reduce_scatter
     default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS

@@ -22,10 +22,6 @@ class Backend:
   gathered_reuse: whether return_gathered hands out the operand the op
     gathered anyway (no extra all-gather), for this group size, dtype and
     transpose. Only then may a caller ask for it.
-  weight_gradient_fusion: whether ``all_gather_matmul_weight_gradient`` runs
-    for these operands (x, w as all_gather_matmul, h of y's shape [n, f] ->
-    (y, dw), dw from the gathered x where the op gathered it: the row-parallel
-    layer's backward in one call). Only a backend that can say yes defines it.
   fp8_fused_ops: whether the backend has the extension's fused FP8 ops,
     ``fp8_all_gather_matmul`` and ``fp8_matmul_reduce_scatter`` (as
     ``CublasMpBackend`` defines them), which ``fp8/steps.py`` runs for
@@ -57,5 +53,3 @@ class Backend:
   def gathered_reuse(self, axis_size: int, dtype, transpose_w: bool) -> Capability:
     raise NotImplementedError
 
-  def weight_gradient_fusion(self, x, w, axis_name, transpose_w: bool) -> Capability:
-    return Capability(False, f"the {self.name} backend leaves the weight gradient to XLA")

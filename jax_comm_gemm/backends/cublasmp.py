@@ -11,7 +11,7 @@ from jax import lax
 import jax_comm_gemm.backends.primitives as primitives
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.xla import XlaBackend, ring_matmul_reduce_scatter
-from jax_comm_gemm.runtime.capability import Capability, VerdictKey
+from jax_comm_gemm.runtime.capability import VerdictKey
 from jax_comm_gemm.runtime.constants import ALGORITHMS
 from jax_comm_gemm.runtime.registry import current_plan
 
@@ -57,25 +57,6 @@ class CublasMpBackend(Backend):
         return_gathered=return_gathered or needs_gathered,
         algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout())
     return tuple(outs) if return_gathered else outs[0]
-
-  def all_gather_matmul_weight_gradient(self, x, w, h, axis_name, *, transpose_w,
-                                        precision=None):
-    verdict = self.weight_gradient_fusion(x, w, axis_name, transpose_w)
-    if not verdict.ok:  # a caller that skipped routes.weight_gradient_route
-      raise RuntimeError(f"the fused weight gradient was asked for where it cannot run: "
-                         f"{verdict.reason}")
-    return primitives.all_gather_matmul_weight_gradient(
-        x, w, h, axis_name, transpose_w=transpose_w,
-        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout())
-
-  def weight_gradient_fusion(self, x, w, axis_name, transpose_w):
-    if lax.axis_size(axis_name) == 1:
-      return Capability(False, "a group of one gathers nothing")
-    if self.all_gather_algorithm == "pipelined":
-      return Capability(False, "the pipelined algorithm gathers into an XLA buffer: "
-                               "XLA's GEMM reads it there without a copy")
-    # The GEMM reads the operand where the verdict says the op leaves it.
-    return self.gathered_reuse(lax.axis_size(axis_name), x.dtype, transpose_w)
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
     if self.reduce_scatter == "xla" or lax.axis_size(axis_name) == 1:

@@ -22,7 +22,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.backends.xla import XlaBackend, weight_gradient
+from jax_comm_gemm.backends.xla import XlaBackend
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS, TARGETS
@@ -35,19 +35,6 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool, return_gathere
   return tuple(_ag_p.bind(x, w, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
                           transpose_w=bool(transpose_w), return_gathered=bool(return_gathered),
                           algorithm=int(algorithm), layout=GATHERED_LAYOUTS[layout]))
-
-
-def all_gather_matmul_weight_gradient(x, w, h, axis_name: str, *, transpose_w: bool,
-                                      algorithm: int, layout: str):
-  """(y, dw): the AllGather+GEMM, and the weight gradient that reads its
-  gathered x in place (xla_ffi/weight_gradient.h), h having y's shape and dw
-  w's: ``h.T @ AG(x)`` for w [f, k] (transpose_w), ``AG(x).T @ h`` for w [k, f].
-  Checked by the caller."""
-  x, w, h = vma.match(x, w, h)
-  return tuple(_agw_p.bind(x, w, h, axis_name=axis_name,
-                           axis_size=int(lax.axis_size(axis_name)),
-                           transpose_w=bool(transpose_w), algorithm=int(algorithm),
-                           layout=GATHERED_LAYOUTS[layout]))
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool, algorithm: int):
@@ -92,11 +79,6 @@ def _ag_abstract_eval(x, w, *, axis_size, transpose_w, return_gathered, **_):
   return outs
 
 
-def _agw_abstract_eval(x, w, h, *, axis_size, transpose_w, **_):
-  n = x.shape[0] * axis_size
-  return [x.update(shape=(n, _out_features(w, transpose_w))), x.update(shape=w.shape)]
-
-
 def _rs_abstract_eval(x, w, *, axis_size, transpose_w, **_):
   return x.update(shape=(x.shape[0] // axis_size, _out_features(w, transpose_w)))
 
@@ -129,13 +111,6 @@ def _ag_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, return_gathere
   del axis_size, return_gathered  # visible in the result types
   return jax.ffi.ffi_lowering(TARGETS["all_gather_matmul"])(
       ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
-      transpose_w=bool(transpose_w), layout=np.int64(layout))
-
-
-def _agw_lowering(ctx, x, w, h, *, axis_name, axis_size, transpose_w, algorithm, layout):
-  del axis_size
-  return jax.ffi.ffi_lowering(TARGETS["all_gather_matmul_weight_gradient"])(
-      ctx, x, w, h, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
       transpose_w=bool(transpose_w), layout=np.int64(layout))
 
 
@@ -182,13 +157,6 @@ def _ag_elsewhere(x, w, *, axis_name, transpose_w, return_gathered, **_):
   return list(out) if return_gathered else [out]
 
 
-def _agw_elsewhere(x, w, h, *, axis_name, transpose_w, **_):
-  # The dgrad's w is the layer's, transposed the other way; h is the layer's input.
-  y, g = XlaBackend().all_gather_matmul(x, w, axis_name, transpose_w=transpose_w,
-                                        return_gathered=True)
-  return [y, weight_gradient(h, g, not transpose_w)]
-
-
 def _rs_elsewhere(x, w, *, axis_name, transpose_w, **_):
   return XlaBackend().matmul_reduce_scatter(x, w, axis_name, transpose_w=transpose_w)
 
@@ -233,8 +201,6 @@ def _primitive(target: str, abstract_eval, lowering, elsewhere, multiple_results
 
 
 _ag_p = _primitive("all_gather_matmul", _ag_abstract_eval, _ag_lowering, _ag_elsewhere, True)
-_agw_p = _primitive("all_gather_matmul_weight_gradient", _agw_abstract_eval, _agw_lowering,
-                    _agw_elsewhere, True)
 _rs_p = _primitive("matmul_reduce_scatter", _rs_abstract_eval, _rs_lowering, _rs_elsewhere,
                    False)
 _fp8_ag_p = _primitive("fp8_all_gather_matmul", _fp8_ag_abstract_eval, _fp8_ag_lowering,

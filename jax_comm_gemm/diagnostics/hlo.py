@@ -45,9 +45,8 @@ class CollectiveCounts:
   all_gather: int
   reduce_scatter: int
   all_reduce: int
-  fused_all_gather_matmul: int  # those computing the weight gradient too included
+  fused_all_gather_matmul: int
   fused_matmul_reduce_scatter: int
-  fused_weight_gradient: int = 0  # AllGather+GEMMs that compute the weight gradient
   mosaic_gpu_kernels: int = 0  # Pallas Mosaic GPU kernels, the AllGather+GEMM's among them
   single_device: int = 0  # collectives over groups of one device: in none of the above
 
@@ -87,11 +86,9 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
       reduce_scatter=n("reduce-scatter", "reduce-scatter-start"),
       all_reduce=n("all-reduce", "all-reduce-start"),
       fused_all_gather_matmul=(calls(TARGETS["all_gather_matmul"])
-                               + calls(TARGETS["all_gather_matmul_weight_gradient"])
                                + calls(TARGETS["fp8_all_gather_matmul"])),
       fused_matmul_reduce_scatter=(calls(TARGETS["matmul_reduce_scatter"])
                                    + calls(TARGETS["fp8_matmul_reduce_scatter"])),
-      fused_weight_gradient=calls(TARGETS["all_gather_matmul_weight_gradient"]),
       mosaic_gpu_kernels=calls(MOSAIC_GPU_TARGET, prefix=True),
       single_device=sum(_operand_count(line, op) for op, line in single))
 

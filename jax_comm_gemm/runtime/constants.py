@@ -14,8 +14,6 @@ from types import MappingProxyType
 TARGETS: Mapping[str, str] = MappingProxyType({
     "all_gather_matmul": "jax_comm_gemm_all_gather_matmul",
     "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
-    # the AllGather+GEMM that also computes the weight gradient in place
-    "all_gather_matmul_weight_gradient": "jax_comm_gemm_all_gather_matmul_weight_gradient",
     # their FP8 twins: FP8 x and w with their scales (xla_ffi/plan.h)
     "fp8_all_gather_matmul": "jax_comm_gemm_fp8_all_gather_matmul",
     "fp8_matmul_reduce_scatter": "jax_comm_gemm_fp8_matmul_reduce_scatter",

@@ -90,14 +90,6 @@ TEST(AnAlgorithmNotOfferedIsNamedByNumber) {
                kAdvice);
 }
 
-TEST(AFusedWeightGradientOnOneRankIsNamed) {
-  PlanKey other = Sample();
-  other.weight_gradient = true;
-  const Status s = CheckPlanAgreement({Sample(), other});
-  CHECK_EQ(s.message(), "plan mismatch in the group: weight gradient: rank 0 has false, "
-                        "rank 1 has true" + kAdvice);
-}
-
 TEST(OperationsAreNamedByTarget) {
   PlanKey other = Sample();
   other.op = CommOp::kReduceScatter;

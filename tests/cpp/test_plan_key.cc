@@ -28,7 +28,7 @@ PlanKey Sample() {
 
 // Each way of changing one field of Sample().
 std::vector<PlanKey> OneFieldChanged() {
-  std::vector<PlanKey> out(12, Sample());
+  std::vector<PlanKey> out(11, Sample());
   out[0].op = CommOp::kReduceScatter;
   out[1].x_type = 28;  // CUDA_R_8F_E4M3
   out[2].w_type = 29;  // CUDA_R_8F_E5M2
@@ -39,8 +39,7 @@ std::vector<PlanKey> OneFieldChanged() {
   out[7].x_cols = 1023;
   out[8].w_rows = 1;
   out[9].w_cols = 4096;
-  out[10].weight_gradient = true;
-  out[11].fast_accum = true;
+  out[10].fast_accum = true;
   return out;
 }
 
@@ -71,7 +70,7 @@ TEST(KeysPlanCacheApart) {
   std::map<PlanKey, int> cache;
   cache[Sample()] = 1;
   for (const PlanKey& other : OneFieldChanged()) cache[other] = 2;
-  CHECK_EQ(cache.size(), size_t{13});
+  CHECK_EQ(cache.size(), size_t{12});
   CHECK_EQ(cache[Sample()], 1);
 }
 
@@ -90,7 +89,7 @@ TEST(RoundTripKeepsExtremeValues) {
 }
 
 TEST(WireFormIsFixedSizeLittleEndian) {
-  CHECK_EQ(kPlanKeyBytes, size_t{104});
+  CHECK_EQ(kPlanKeyBytes, size_t{96});
   PlanKey k = Sample();
   k.x_rows = 0x0102;
   const PlanKeyBytes bytes = SerializePlanKey(k);
@@ -116,11 +115,7 @@ TEST(ParseRejectsWhatIsNotAKey) {
   bad_flag[8 * 5] = 2;  // transpose_w
   CHECK(!ParsePlanKey(bad_flag.data(), 0, &out).ok());
 
-  PlanKeyBytes bad_weight_gradient = SerializePlanKey(Sample());
-  bad_weight_gradient[8 * 11] = 2;  // weight_gradient
-  CHECK(!ParsePlanKey(bad_weight_gradient.data(), 0, &out).ok());
-
   PlanKeyBytes bad_fast_accum = SerializePlanKey(Sample());
-  bad_fast_accum[8 * 12] = 2;  // fast_accum
+  bad_fast_accum[8 * 11] = 2;  // fast_accum
   CHECK(!ParsePlanKey(bad_fast_accum.data(), 0, &out).ok());
 }

@@ -327,13 +327,12 @@ MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
 def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
              backend: str | backends.Backend = "cublasmp",
              all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None,
-             fuse_weight_gradient: bool = False, fp8: Fp8Recipe | None = None):
+             fp8: Fp8Recipe | None = None):
   """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
   (check_mlp and the stress runner time and check the same step)."""
   config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter,
                               all_gather_algorithm=all_gather_algorithm,
-                              reuse_gathered=reuse_gathered,
-                              fuse_weight_gradient=fuse_weight_gradient, fp8=fp8)
+                              reuse_gathered=reuse_gathered, fp8=fp8)
   if backend == "cublasmp":
     require(mesh, all_gather_algorithm, reduce_scatter)
 
@@ -350,8 +349,7 @@ def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
 
 def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
               backend: str | backends.Backend = "cublasmp",
-              all_gather_algorithm: str = "split_p2p",
-              fuse_weight_gradient: bool = False):
+              all_gather_algorithm: str = "split_p2p"):
   """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
   n, d, f = 1024, 512, 1024
   dt = DTYPES[dtype]
@@ -359,8 +357,7 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
            random(8, n, d)]
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
   x, w1, w2, g = (put(mesh, a, s, dt) for a, s in zip(hosts, MLP_IN_SPECS))
-  outs = mlp_step(mesh, keep, reduce_scatter, backend, all_gather_algorithm,
-                  fuse_weight_gradient=fuse_weight_gradient)(x, w1, w2, g)
+  outs = mlp_step(mesh, keep, reduce_scatter, backend, all_gather_algorithm)(x, w1, w2, g)
   refs = mlp_reference(x64, w1_64, w2_64, g64)
   errs = {name: rel_err(o, r) for name, o, r in zip(("y", "dx", "dw1", "dw2"), outs, refs)}
   for name, err in errs.items():
@@ -566,10 +563,7 @@ def check_mlp_repeated(mesh, rounds: int = 4):
               "rs_split_p2p": {"reduce_scatter": "split_p2p"},
               "pipelined": {"all_gather_algorithm": "pipelined"},
               "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
-              "rs_pipelined_ce": {"reduce_scatter": "pipelined_ce"},
-              "fused_weight_gradient": {"fuse_weight_gradient": True},
-              "pipelined_ce_fused_weight_gradient": {"all_gather_algorithm": "pipelined_ce",
-                                                     "fuse_weight_gradient": True}}
+              "rs_pipelined_ce": {"reduce_scatter": "pipelined_ce"}}
   failures = []
   for i in range(rounds):
     for name, kwargs in variants.items():
@@ -579,53 +573,6 @@ def check_mlp_repeated(mesh, rounds: int = 4):
         failures.append(f"round {i} {name}: {e}")
   assert not failures, f"{len(failures)} of {rounds * len(variants)} failed: {failures}"
   return {"runs": rounds * len(variants)}
-
-
-# --- the fused weight gradient -------------------------------------------------
-
-# The AllGather+GEMM algorithms whose weight gradient can be fused: they gather
-# into a buffer of their own (cuBLASMp's workspace, pipelined_ce's window).
-FUSING_ALGORITHMS = ("split_p2p", "default", "pipelined_ce")
-
-
-def check_weight_gradient(mesh, dtype: str, transpose_w: bool):
-  """The row-parallel backward with the weight gradient computed inside the
-  AllGather+GEMM from the gathered grad_output in place, per algorithm that
-  fuses, beside the copy path: dh and dw per row against float64; the program
-  holds the weight-gradient call (or not) and no all-gather. Each program runs
-  on two sets of data: a stale gathered operand would show."""
-  n, f, d = 1024, 768, 512  # h [n, f] sharded along f; w [f, d] (or [d, f]); y [n, d]
-  dt = DTYPES[dtype]
-  w_spec = P(None, "tp") if transpose_w else P("tp")
-  specs = ((P(None, "tp"), w_spec, P("tp")), (P(), (P(None, "tp"), w_spec)))
-  data = []
-  for seed in (30, 40):
-    hosts = [random(seed, n, f), random(seed + 1, f, d, scale=f**-0.5), random(seed + 2, n, d)]
-    h64, w64, g64 = (np.asarray(a.astype(dt), np.float64) for a in hosts)
-    args = (put(mesh, hosts[0], P(None, "tp"), dt),
-            put(mesh, hosts[1].T if transpose_w else hosts[1], w_spec, dt),
-            put(mesh, hosts[2], P("tp"), dt))
-    data.append((seed, args, (g64 @ w64.T, (g64.T @ h64) if transpose_w else (h64.T @ g64))))
-  out = {}
-  for algorithm in FUSING_ALGORITHMS:
-    for fuse in (True, False):
-      config = cublasmp(mesh, all_gather_algorithm=algorithm, fuse_weight_gradient=fuse)
-
-      def loss(h, w, g, config=config):
-        y = jcg.matmul_reduce_scatter(h, w, "tp", transpose_w=transpose_w, config=config)
-        return lax.psum(jnp.sum((y * g).astype(jnp.float32)), "tp")
-
-      step = smap(mesh, jax.value_and_grad(loss, argnums=(0, 1)), *specs)
-      counts = hlo.compiled_collectives(step, *data[0][1])
-      assert counts.fused_weight_gradient == int(fuse) and counts.all_gather == 0, counts
-      for seed, args, refs in data:
-        _, grads = step(*args)
-        errs = {name: rel_err(a, r) for name, a, r in zip(("dh", "dw"), grads, refs)}
-        for name, err in errs.items():
-          assert err < TOLERANCE[dtype], f"{algorithm} fuse={fuse} seed {seed}: {name} {errs}"
-        out[f"{algorithm}_{'fused' if fuse else 'copy'}_{seed}"] = (
-            f"dh {errs['dh']:.2e} dw {errs['dw']:.2e}")
-  return out
 
 
 # --- routing -------------------------------------------------------------------
@@ -781,18 +728,8 @@ def check_ffi_errors(mesh):
             jnp.tile(x, (size, 1)), w, comm_id=np.int64(comm_id),
             algorithm=np.int64(jcg.ALGORITHMS["pipelined"]), transpose_w=False)
 
-  def fused_on_pipelined(x, w):  # w [k, m] as dw's and h's feature count
-    return jax.ffi.ffi_call(
-        TARGETS["all_gather_matmul_weight_gradient"],
-        (jax.ShapeDtypeStruct((x.shape[0] * size, w.shape[1]), x.dtype),
-         jax.ShapeDtypeStruct(w.shape, x.dtype)))(
-            x, w, jnp.zeros((x.shape[0] * size, w.shape[1]), x.dtype), comm_id=np.int64(comm_id),
-            algorithm=np.int64(jcg.ALGORITHMS["pipelined"]), transpose_w=False,
-            layout=np.int64(0))[1]
-
   cases = {
       "no communicator": (lambda x, w: call(x, w, 12345, x.shape[0] * size), jnp.bfloat16),
-      "has no weight gradient to fuse": (fused_on_pipelined, jnp.bfloat16),
       "algorithm 'pipelined' does not run jax_comm_gemm_matmul_reduce_scatter: it takes "
       "default, split_p2p, pipelined_ce": (rs_pipelined, jnp.bfloat16),
       "unsupported dtype": (lambda x, w: call(x, w, comm_id, x.shape[0] * size), jnp.int32),
@@ -1035,14 +972,6 @@ for _dt in DTYPES:
   CHECKS[f"mlp_{_dt}_all_pipelined_ce"] = lambda mesh, dt=_dt: check_mlp(
       mesh, dt, "pipelined_ce", all_gather_algorithm="pipelined_ce")
 CHECKS["rs_pipelined_chunks"] = check_rs_pipelined_chunks
-for _dt, _algo in [("bf16", a) for a in FUSING_ALGORITHMS] + [("f32", "split_p2p")]:
-  CHECKS[f"mlp_{_dt}_{_algo}_fused_weight_gradient"] = (
-      lambda mesh, dt=_dt, a=_algo: check_mlp(mesh, dt, all_gather_algorithm=a,
-                                              fuse_weight_gradient=True))
-for _dt in ("bf16", "f32"):
-  for _t in (False, True):
-    CHECKS[f"weight_gradient_{_dt}_{'tn' if _t else 'nn'}"] = (
-        lambda mesh, dt=_dt, t=_t: check_weight_gradient(mesh, dt, t))
 CHECKS["mlp_repeated"] = check_mlp_repeated
 CHECKS["routing"] = check_routing
 CHECKS["layout_self_test"] = check_layout_self_test
@@ -1077,7 +1006,7 @@ SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_s
                          "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_bf16_pipelined",
                          "mlp_bf16_pipelined_ce", "mlp_bf16_rs_split_p2p",
                          "mlp_bf16_rs_pipelined_ce", "rs_pipelined_chunks",
-                         "weight_gradient_bf16_nn", "weight_gradient_f32_tn", "mlp_repeated",
+                         "mlp_repeated",
                          "routing", "layout_self_test", "autotune", "vmap", "mesh_2d",
                          "pallas_bf16", "fp8_tensor", "fp8_row", "fp8_tensor_ring",
                          "fp8_tensor_fused_pipelined_ce", "fp8_fused_gemm", "autotune_fp8")
