@@ -128,17 +128,16 @@ MLP_SHAPES = ((8192, 8192, 28672), (16384, 4096, 16384), (8192, 8192, 7168),
 ROW_SHAPES = tuple((n, f, d) for n, d, f in MLP_SHAPES)
 
 AG_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
-    "pipelined", "pipelined_ce", "ring", "xla", "pure_jax", "floor")
+    "pipelined_ce", "ring", "xla", "pure_jax", "floor")
 RS_VARIANTS = ("auto",) + tuple(f"cublasmp_{a}" for a in AG_ALGOS) + (
     "pipelined_ce", "ring", "xla", "pure_jax", "floor")
-ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "pipelined", "pipelined_ce",
+ROW_VARIANTS = ("auto", "auto_no_reuse", "cublasmp_split_p2p", "pipelined_ce",
                 "ring", "cublasmp_rs_ring", "cublasmp_rs_default", "cublasmp_rs_pipelined_ce",
                 "pipelined_ce_all", "xla", "pure_jax", "auto_step", "floor")
 # auto_step, here and in ROW_VARIANTS (last: its step-level decision is recorded
 # for the problems it meets): backend="auto" tuned with jcg.autotune_step, as the
 # example does.
-MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "pipelined",
-                "pipelined_ce", "ring", "cublasmp_rs_ring", "cublasmp_rs_default",
+MLP_VARIANTS = ("auto", "auto_no_reuse", "auto_keep", "cublasmp_split_p2p", "pipelined_ce", "ring", "cublasmp_rs_ring", "cublasmp_rs_default",
                 "cublasmp_rs_pipelined_ce", "pipelined_ce_all", "xla", "pure_jax", "auto_step",
                 "floor")
 SMOKE_VARIANTS = ("ring", "xla", "pure_jax", "floor")
@@ -191,7 +190,7 @@ class Ctx:
       return C(backend="ring"), False
     if variant == "pipelined_ce" and role == "rs":  # the own GEMM+ReduceScatter
       return C(backend="cublasmp", reduce_scatter=variant), False
-    if variant in ("pipelined", "pipelined_ce"):  # the project's own AllGather+GEMMs
+    if variant == "pipelined_ce":  # the project's own AllGather+GEMM
       return C(backend="cublasmp", all_gather_algorithm=variant), False
     if variant == "pipelined_ce_all":  # the project's own, both ops
       return C(backend="cublasmp", all_gather_algorithm="pipelined_ce",

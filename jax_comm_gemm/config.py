@@ -40,10 +40,10 @@ class CommGemmConfig:
       variable ``JAX_COMM_GEMM_BACKEND`` overrides it, for A/B runs.
     all_gather_algorithm: the fused AllGather+GEMM where ``auto`` has no
       measurement and for ``"cublasmp"``: cuBLASMp's ``"split_p2p"`` or
-      ``"default"``, or the project's own ``"pipelined"`` / ``"pipelined_ce"``
-      (a cuBLASLt GEMM per shard beside NCCL transfers, by NCCL's kernels or
-      on its copy engines), which spend a fraction of cuBLASMp's host time per
-      call: docs/design.md#the-projects-own-algorithms.
+      ``"default"``, or the project's own ``"pipelined_ce"`` (a cuBLASLt GEMM
+      per shard beside NCCL transfers on its copy engines), which spends a
+      fraction of cuBLASMp's host time per call:
+      docs/design.md#the-projects-own-algorithms.
     reduce_scatter: how the fused backends run GEMM+ReduceScatter: ``"xla"``
       (dot, then ``lax.psum_scatter``; the default, because inside a training
       step XLA overlaps it with other GEMMs), ``"ring"``, cuBLASMp's
@@ -107,8 +107,8 @@ class CommGemmConfig:
   def fused(self) -> CublasMpBackend:
     """The fused ops with this config's algorithms.
 
-    >>> CommGemmConfig(all_gather_algorithm="pipelined").fused.all_gather_algorithm
-    'pipelined'
+    >>> CommGemmConfig(all_gather_algorithm="pipelined_ce").fused.all_gather_algorithm
+    'pipelined_ce'
     """
     return CublasMpBackend(self.all_gather_algorithm, self.reduce_scatter)
 

@@ -390,7 +390,7 @@ def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: 
 
 
 @pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_split_p2p", 1),
-                                                 ("pipelined", 1), ("pipelined_ce", 1)])
+                                                 ("pipelined_ce", 1)])
 def test_auto_backend_runs_the_chosen_implementation(empty_decisions, chosen, fused_calls):
   mesh = cpu_mesh(2)
   x = jax.random.normal(jax.random.key(0), (16, 8), jnp.float32)
@@ -407,7 +407,7 @@ def test_auto_backend_runs_the_chosen_implementation(empty_decisions, chosen, fu
 
 
 @pytest.mark.parametrize("chosen, fused_calls", [("xla", 0), ("cublasmp_default", 1),
-                                                 ("pipelined", 1), ("pipelined_ce", 1)])
+                                                 ("pipelined_ce", 1)])
 def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fused_calls):
   mesh = cpu_mesh(2)
   x = jax.random.normal(jax.random.key(2), (16, 8), jnp.float32)

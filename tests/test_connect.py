@@ -247,9 +247,9 @@ def test_connect_adopts_the_settings(fake, monkeypatch):
   tests/test_explicit_plan.py)."""
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   x, w = jnp.ones((16, 8)), jnp.ones((8, 16))
-  monkeypatch.setenv(settings.AUTOTUNE, "pipelined")
+  monkeypatch.setenv(settings.AUTOTUNE, "pipelined_ce")
   jcg.connect(mesh, "tp")
-  assert REGISTRY.plan().settings.autotune == "pipelined"
+  assert REGISTRY.plan().settings.autotune == "pipelined_ce"
   program = _layer_program(mesh, "auto")
   assert TARGETS["all_gather_matmul"] in str(program.trace(x, w).jaxpr)
   np.testing.assert_allclose(program(x, w), np.full((16, 16), 8.0))  # sums of ones: exact
@@ -339,8 +339,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     taken = {tuned.routes.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
   assert len(asked) == 4 and len(measured) == 1  # every round asked, for the same ops
-  # Every plan was timed: the AG-only "pipelined" and "pallas_mgpu" cannot run
-  # the step's RS.
+  # Every plan was timed: the AG-only "pallas_mgpu" cannot run the step's RS.
   assert timed[0] == sorted(["tuned", "xla", "ring", "cublasmp_default", "cublasmp_split_p2p",
                              "pipelined_ce"])
   # XLA's step first, and the others' results checked against its.
@@ -435,13 +434,13 @@ def test_a_step_traced_before_tuning_runs_the_tuned_route_and_nothing_else_recom
 def test_step_plans_time_a_uniform_per_op_choice_once():
   ag = Problem(AG, 8, 8, 16, "bfloat16", False, 2)
   rs = Problem(RS, 8, 16, 8, "bfloat16", False, 2)
-  mixed = step_tuning.step_plans([ag, rs], {ag: ("pipelined", "m"), rs: ("xla", "m")})
-  assert list(mixed)[0] == "tuned" and mixed["tuned"][ag] == ("pipelined", "m")
-  assert "pipelined" not in mixed  # it has no ReduceScatter
+  mixed = step_tuning.step_plans([ag, rs], {ag: ("pallas_mgpu", "m"), rs: ("xla", "m")})
+  assert list(mixed)[0] == "tuned" and mixed["tuned"][ag] == ("pallas_mgpu", "m")
+  assert "pallas_mgpu" not in mixed  # it has no ReduceScatter
   uniform = step_tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")})
   assert "tuned" not in uniform and uniform["ring"][rs][0] == "ring"
-  only_ag = step_tuning.step_plans([ag], {ag: ("pipelined", "m")})
-  assert "tuned" not in only_ag and "pipelined" in only_ag
+  only_ag = step_tuning.step_plans([ag], {ag: ("pallas_mgpu", "m")})
+  assert "tuned" not in only_ag and "pallas_mgpu" in only_ag
   # implementations= limits the plans of one implementation; XLA stays.
   few = step_tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("xla", "m")},
                                implementations=("pipelined_ce",))

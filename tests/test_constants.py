@@ -20,8 +20,7 @@ from jax_comm_gemm.runtime import constants, native
 
 REQUIRED = os.environ.get("JCG_REQUIRE_EXTENSION") == "1"
 # Every table the extension exports; a new one needs a Python counterpart here.
-EXPORTED = {"targets", "algorithms", "reduce_scatter_algorithms", "cublasmp_algorithm_types",
-            "layouts"}
+EXPORTED = {"targets", "algorithms", "cublasmp_algorithm_types", "layouts"}
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +61,14 @@ def test_layouts_agree(extension):
   assert dict(extension["layouts"]) == constants.GATHERED_LAYOUTS
 
 
-def test_reduce_scatter_algorithms_agree(extension):
-  """The algorithms the GEMM+ReduceScatter handler accepts are those Python
-  offers for it (CommGemmConfig's: the next test)."""
-  assert tuple(extension["reduce_scatter_algorithms"]) == constants.REDUCE_SCATTER_ALGORITHMS
-
-
-def test_the_config_offers_the_reduce_scatter_algorithms_and_no_other():
+def test_the_config_offers_every_algorithm_for_both_ops():
+  """Every algorithm runs both ops (the C++ tests check the handlers take
+  them: test_constants.cc); the config takes each for either."""
   for name in constants.ALGORITHMS:
-    if name in constants.REDUCE_SCATTER_ALGORITHMS:
-      assert CommGemmConfig(reduce_scatter=name).reduce_scatter == name
-    else:
-      with pytest.raises(ValueError, match=r"CommGemmConfig.reduce_scatter must be one of"):
-        CommGemmConfig(reduce_scatter=name)
+    assert CommGemmConfig(reduce_scatter=name).reduce_scatter == name
+    assert CommGemmConfig(all_gather_algorithm=name).all_gather_algorithm == name
+  with pytest.raises(ValueError, match=r"CommGemmConfig.all_gather_algorithm must be one of"):
+    CommGemmConfig(all_gather_algorithm="pipelined")  # removed
 
 
 def test_cublasmp_algorithms_are_cublasmps_enum_values(extension):

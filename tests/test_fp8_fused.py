@@ -45,7 +45,7 @@ def _calls(text, target):
 
 @pytest.mark.parametrize("all_gather, reduce_scatter",
                          [("split_p2p", "split_p2p"), ("pipelined_ce", "xla"),
-                          ("pipelined", "ring")])
+                          ("default", "ring")])
 @pytest.mark.parametrize("keep", [False, True])
 def test_fused_fp8_computes_what_xla_computes(monkeypatch, all_gather, reduce_scatter, keep):
   """Lowered for the CPU the fused ops are XLA's collectives and the same FP8
@@ -108,7 +108,7 @@ def test_the_config_routes_fp8_to_the_fused_ops(monkeypatch):
   _connected(monkeypatch, mesh)
   x, w1, _ = fp8_mlp.inputs()
   for reduce_scatter, rs_calls in (("pipelined_ce", 1), ("xla", 0)):
-    config = jcg.CommGemmConfig(backend="cublasmp", all_gather_algorithm="pipelined",
+    config = jcg.CommGemmConfig(backend="cublasmp", all_gather_algorithm="default",
                                 reduce_scatter=reduce_scatter, fp8=Fp8Recipe())
     f = jax.shard_map(lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
                       mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
@@ -116,7 +116,7 @@ def test_the_config_routes_fp8_to_the_fused_ops(monkeypatch):
     text = jax.jit(jax.grad(loss, argnums=(0, 1))).trace(x, w1).lower(
         lowering_platforms=("cuda",)).as_text()
     assert (_calls(text, AG), _calls(text, RS)) == (1, rs_calls)
-    assert "algorithm = 100" in text  # "pipelined"
+    assert "algorithm = 0" in text  # "default"
 
 
 def test_what_the_fused_fp8_ops_cannot_run_is_refused():

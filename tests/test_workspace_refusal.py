@@ -51,7 +51,7 @@ def refused(monkeypatch):
 def test_connect_learns_the_refusal_once_and_the_self_test_runs_what_can_run(refused):
   status = jcg.connect(mesh2(), "tp")
   assert status.ok and REFUSAL in status.reason  # the own algorithms still run
-  assert refused.ran == ["pipelined", "pipelined_ce"]
+  assert refused.ran == ["pipelined_ce"]
   plan = REGISTRY.plan()
   assert not plan.verdict(WorkspaceKey(2)).ok and REFUSAL in plan.verdict(WorkspaceKey(2)).reason
   for algorithm in ("default", "split_p2p"):
@@ -93,7 +93,7 @@ def test_one_refusing_context_of_the_axis_refuses_the_axis(monkeypatch):
 def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatch):
   jcg.connect(mesh2(), "tp")
   runs = [name for name in auto.candidates(BIG) if auto.runnable(name, BIG).ok]
-  assert runs == ["xla", "ring", "pipelined", "pipelined_ce"]  # what autotune measures
+  assert runs == ["xla", "ring", "pipelined_ce"]  # what autotune measures
   assert REFUSAL in auto.runnable("cublasmp_split_p2p", BIG).reason
   assert "Pallas kernel needs NCCL symmetric memory" in auto.runnable("pallas_mgpu", BIG).reason
   # The rule of thumb's fused default, and a choice cached from elsewhere.

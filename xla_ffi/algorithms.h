@@ -22,16 +22,14 @@ struct AlgorithmName {
 };
 
 // The project's own (pipelined.h): a cuBLASLt GEMM per block of rows beside
-// NCCL transfers, by NCCL's kernels (kPipelined: send/recv; AllGather+GEMM
-// only) or on its copy engines (kPipelinedCe, both ops: an AllGather or
-// AlltoAll on a symmetric window of a zero-CTA communicator).
-inline constexpr int64_t kPipelinedAlgorithm = 100;
+// NCCL transfers on its copy engines (both ops: an AllGather or AlltoAll on a
+// symmetric window of a zero-CTA communicator). Numbered clear of cuBLASMp's
+// enum.
 inline constexpr int64_t kPipelinedCeAlgorithm = 101;
 
 inline constexpr AlgorithmName kAlgorithms[] = {
     {"default", CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT},
     {"split_p2p", CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P},
-    {"pipelined", kPipelinedAlgorithm},
     {"pipelined_ce", kPipelinedCeAlgorithm},
 };
 
@@ -44,15 +42,7 @@ inline const char* AlgorithmNameOf(int64_t number) {
 }
 
 // Whether algorithm `number` is the project's own rather than cuBLASMp's.
-inline bool IsPipelined(int64_t number) {
-  return number == kPipelinedAlgorithm || number == kPipelinedCeAlgorithm;
-}
-
-// Whether a GEMM+ReduceScatter may run algorithm `number` (one of
-// kAlgorithms): all but kPipelined, whose ncclReduce per block was slower
-// than XLA's psum_scatter and than pipelined_ce at every measured shape
-// (docs/design.md#gemmreducescatter).
-inline bool RunsReduceScatter(int64_t number) { return number != kPipelinedAlgorithm; }
+inline bool IsPipelined(int64_t number) { return number == kPipelinedCeAlgorithm; }
 
 }  // namespace jax_comm_gemm
 

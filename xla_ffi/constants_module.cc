@@ -23,10 +23,6 @@ NB_MODULE(_constants, m) {
     for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
       algorithms[a.name] = static_cast<int>(a.algorithm);
     }
-    nb::list reduce_scatter;  // the algorithms a GEMM+ReduceScatter takes
-    for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
-      if (jcg::RunsReduceScatter(a.algorithm)) reduce_scatter.append(a.name);
-    }
     // cublasmp.h's whole enum, as the build saw it: a test checks that each of
     // cuBLASMp's algorithms above has its enum value, and that the project's
     // own numbers are clear of the enum.
@@ -44,11 +40,10 @@ NB_MODULE(_constants, m) {
     nb::dict out;
     out["targets"] = targets;
     out["algorithms"] = algorithms;
-    out["reduce_scatter_algorithms"] = reduce_scatter;
     out["cublasmp_algorithm_types"] = cublasmp_enum;
     out["layouts"] = layouts;
     return out;
-  }, "{'targets': {...}, 'algorithms': {...}, 'reduce_scatter_algorithms': [...],\n"
+  }, "{'targets': {...}, 'algorithms': {...},\n"
      " 'cublasmp_algorithm_types': {...} (cublasMpMatmulAlgoType_t without its prefix),\n"
      " 'layouts': {...}}");
 }

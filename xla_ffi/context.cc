@@ -47,8 +47,8 @@ Status Context::Init(const ncclUniqueId& id) {
   ncclResult_t r = ncclCommInitRank(&comm, options_.nranks, id, options_.rank);
   if (r != ncclSuccess) return NcclError("ncclCommInitRank", r, comm);
   comm_.reset(comm);
-  // The project's own collectives (barrier, plan agreement, the pipelined
-  // algorithm's transfers) on a communicator of their own: comm_ is
+  // The project's own collectives (barrier, plan agreement) on a
+  // communicator of their own: comm_ is
   // cuBLASMp's, and two operations of one communicator must never run at once
   // on different streams, which cuBLASMp's internal streams would not rule out.
   ncclComm_t own = nullptr;
@@ -245,26 +245,6 @@ void Context::CountOwnBuffers() {
   own_buffer_bytes_ = (lt_workspace_ ? kLtWorkspaceBytes : 0) + window_.size();
 }
 
-// NCCL connects a pair of ranks at their first send/recv, blocking the host
-// until the peer answers: do that once, under the call's deadline, with
-// one-byte transfers between every pair the pipelined steps use.
-Status Context::ConnectPeers(Clock::time_point deadline) {
-  if (peers_connected_) return Status();
-  const int P = options_.nranks, rank = options_.rank;
-  auto* word = static_cast<char*>(barrier_word_.get());  // zero; stays zero
-  JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
-    for (int s = 1; s < P; ++s) {
-      JCG_RETURN_IF_ERROR(SendReceive(word, word + 1, 1, (rank + s) % P, (rank - s + P) % P,
-                                      own_comm_.get(), comm_stream_.get()));
-    }
-    return Status();
-  }));
-  JCG_RETURN_IF_ERROR(WaitForStream(comm_stream_.get(), deadline,
-                                    "the peers connected for the pipelined algorithm"));
-  peers_connected_ = true;
-  return Status();
-}
-
 Status Context::EnsureLtWorkspace() {
   if (lt_workspace_) return Status();
   void* ptr = nullptr;
@@ -295,17 +275,13 @@ Status Context::MakePlanFor(const MatmulCall& c, cudaStream_t stream, cudaStream
   JCG_RETURN_IF_ERROR(MakePipelinedPlan(lt_.get(), c, options_.nranks, kLtWorkspaceBytes,
                                         options_.time_gemms ? &trial : nullptr,
                                         &plan->pipelined));
-  if (c.algorithm == kPipelinedCeAlgorithm) {
-    return EnsureWindow(WindowBytes(plan->pipelined, options_.nranks), stream, deadline);
-  }
-  return ConnectPeers(deadline);  // "pipelined": an AllGather+GEMM (MakePipelinedPlan)
+  return EnsureWindow(WindowBytes(plan->pipelined, options_.nranks), stream, deadline);
 }
 
 Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_offset,
                         cudaStream_t run) {
   if (IsPipelined(c.algorithm)) {
     const PipelineTarget target{lt_.get(),
-                                own_comm_.get(),
                                 comm_stream_.get(),
                                 started_.get(),
                                 arrived_.data(),
@@ -335,10 +311,10 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
   // rank is done with it: cuBLASMp's AllGather+GEMM writes this rank's shard
   // into each peer's workspace, and nothing in a call keeps a peer's next call
   // from doing so while this rank still reads it (cuBLASMp's own GEMMs, the
-  // gathered copy above, which cuBLASMp does not know about). Without it, results were wrong
-  // (docs/design.md#ordering-against-xla-the-fence). The pipelined algorithms
-  // return above without one: they write no workspace of a peer's, and NCCL
-  // orders their transfers within the call.
+  // gathered copy above, which cuBLASMp does not know about). Without it,
+  // results were wrong (docs/design.md#ordering-against-xla-the-fence).
+  // pipelined_ce returns above without one: it writes no workspace of a
+  // peer's, and NCCL orders its transfers within the call.
   return Barrier(run);
 }
 

@@ -110,7 +110,6 @@ class Context {
   // `stream` is XLA's, `run` the one the call's work goes on (RunLocked).
   Status MakePlanFor(const MatmulCall& call, cudaStream_t stream, cudaStream_t run,
                      Clock::time_point deadline, Plan* plan);
-  Status ConnectPeers(Clock::time_point deadline);  // pipelined: NCCL send/recv pairs
   Status EnsureWindow(size_t bytes, cudaStream_t stream,
                       Clock::time_point deadline);  // pipelined_ce
   void CountOwnBuffers();  // own_buffer_bytes_, after one of them changed
@@ -162,7 +161,7 @@ class Context {
   // workspace goes before the descriptors, the grids, the handle and the comm.
   // comm_ never changes after Init, so threads may read it without a lock.
   NcclComm comm_;      // cuBLASMp's (its grids)
-  NcclComm own_comm_;  // split from comm_: the project's barrier, plan agreement, p2p
+  NcclComm own_comm_;  // split from comm_: the project's barrier and plan agreement
   NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
   CudaStream stream_;  // the handle's stream; every call runs on it (RunLocked)
   CublasMpHandle handle_;
@@ -180,7 +179,6 @@ class Context {
   std::vector<CudaEvent> arrived_;  // max(nranks, kMaxChunks + 1): see PipelineTarget
   std::vector<CudaEvent> computed_;  // kMaxChunks: see PipelineTarget
   DeviceBuffer lt_workspace_;       // allocated with the first plan of a cuBLASLt GEMM
-  bool peers_connected_ = false;    // for NCCL send/recv (ConnectPeers)
   SymmetricWindow window_;          // pipelined_ce's, on ce_comm_
   std::map<PlanKey, Plan> plans_;
   Workspace workspace_;

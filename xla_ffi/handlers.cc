@@ -88,7 +88,7 @@ Status Layout(int64_t number, GatheredLayout* out) {
 // size; the element types are filled and checked before (WideTypes, Fp8Types).
 Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_w,
                ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, MatmulCall* call) {
-  // Unknown numbers, and "pipelined" for a GEMM+ReduceScatter, are refused here.
+  // Unknown numbers are refused here.
   JCG_RETURN_IF_ERROR(CheckAlgorithm(op, algorithm));
   call->algorithm = algorithm;
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -119,13 +119,9 @@ Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_
   return Status();
 }
 
-// The optional second result of an AllGather+GEMM: the gathered x. The
-// pipelined algorithm receives the shards into it, so it needs one.
+// The optional second result of an AllGather+GEMM: the gathered x.
 Status PrepareGathered(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
                        ffi::RemainingRets rest, MatmulCall* call) {
-  if (rest.size() == 0 && call->algorithm == kPipelinedAlgorithm) {
-    return Status::InvalidArgument("the pipelined algorithm needs the gathered result");
-  }
   if (rest.size() == 0) return Status();
   if (rest.size() > 1) return Status::InvalidArgument("at most one extra result (gathered x)");
   auto gathered = rest.get<ffi::AnyBuffer>(0);

@@ -47,36 +47,6 @@ Status Gemm(const PipelineTarget& g, const PipelinedPlan& plan, const MatmulCall
   return BlockGemm(g, plan, c, x_shard, y_shard, run);
 }
 
-// "pipelined": point-to-point straight into the gathered output.
-Status EnqueuePointToPoint(const PipelineTarget& g, const PipelinedPlan& plan,
-                           const MatmulCall& c, cudaStream_t run) {
-  // Row block `rank` of the gathered output.
-  auto rows_of = [&](int rank) {
-    return static_cast<char*>(c.gathered) + plan.x_shard_bytes * static_cast<size_t>(rank);
-  };
-  // Step s sends this rank's shard s ranks ahead and receives the shard of the
-  // rank s behind: over NVSwitch each step has the whole NVLink bandwidth.
-  for (int s = 1; s < g.nranks; ++s) {
-    const int to = (g.rank + s) % g.nranks, from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_RETURN_IF_ERROR(SendReceive(c.x, rows_of(from), plan.x_shard_bytes, to, from, g.comm,
-                                    g.comm_stream));
-    JCG_CUDA(cudaEventRecord(g.arrived[s].get(), g.comm_stream));
-  }
-  // This rank's own rows of the gathered output, off the critical path.
-  JCG_RETURN_IF_ERROR(
-      CopyWithinDevice(rows_of(g.rank), c.x, plan.x_shard_bytes, g.comm_stream));
-  JCG_CUDA(cudaEventRecord(g.arrived[0].get(), g.comm_stream));
-  // Each other shard's GEMM waits for its own arrival only.
-  for (int s = 1; s < g.nranks; ++s) {
-    const int from = (g.rank - s + g.nranks) % g.nranks;
-    JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[s].get(), 0));
-    JCG_RETURN_IF_ERROR(Gemm(g, plan, c, rows_of(from), from, run));
-  }
-  // x may be freed and the gathered output read only after comm_stream is done.
-  JCG_CUDA(cudaStreamWaitEvent(run, g.arrived[0].get(), 0));
-  return Status();
-}
-
 // Rank `rank`'s shard of the window (AllGather+GEMM on copy engines).
 char* WindowShard(const PipelineTarget& g, const PipelinedPlan& plan, int rank) {
   return g.window + plan.x_shard_bytes * static_cast<size_t>(rank);
@@ -204,18 +174,6 @@ size_t WindowBytes(const PipelinedPlan& plan, int nranks) {
   return plan.x_shard_bytes * static_cast<size_t>(nranks);
 }
 
-Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
-                   ncclComm_t comm, cudaStream_t stream) {
-  JCG_NCCL(ncclGroupStart());
-  const ncclResult_t sent = ncclSend(send, bytes, ncclUint8, to, comm, stream);
-  const ncclResult_t received = ncclRecv(receive, bytes, ncclUint8, from, comm, stream);
-  const ncclResult_t ended = ncclGroupEnd();  // always, so that the group is closed
-  if (sent != ncclSuccess) return NcclError("ncclSend", sent, comm);
-  if (received != ncclSuccess) return NcclError("ncclRecv", received, comm);
-  if (ended != ncclSuccess) return NcclError("ncclGroupEnd", ended, comm);
-  return Status();
-}
-
 // cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the block's
 // y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.
 // FP8 (plan.h): A = w8 transposed, B = x8, the TN form; the scale pointers are
@@ -226,8 +184,6 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
   const int64_t m = c.transpose_w ? c.w_rows : c.w_cols;
   int64_t r = c.x_rows;  // AllGather: one shard
   if (c.op == CommOp::kReduceScatter) {
-    // Only pipelined_ce runs it; the handlers refuse "pipelined" before this.
-    JCG_RETURN_IF_ERROR(CheckAlgorithm(c.op, c.algorithm));
     plan->chunks = ChunksFor(c.x_rows / nranks, k, m);
     r = c.x_rows / nranks / plan->chunks;
     plan->partial_bytes = static_cast<size_t>(c.x_rows * m) * ElementBytes(c.y_type);
@@ -274,32 +230,28 @@ Status EnqueuePipelined(const PipelineTarget& g, const PipelinedPlan& plan,
   if (c.fp8()) JCG_RETURN_IF_ERROR(PointFp8Scales(plan.matmul, c.w_scale, c.x_scale));
   // Each transfer follows its own GEMM on `run`, which follows XLA's work.
   if (c.op == CommOp::kReduceScatter) {
-    return EnqueueReduceScatterCe(g, plan, c, run);  // MakePipelinedPlan refused "pipelined"
+    return EnqueueReduceScatterCe(g, plan, c, run);
   }
   // The transfers start once x is ready, that is after the work XLA enqueued
   // before the call.
   JCG_CUDA(cudaEventRecord(g.started, run));
   JCG_CUDA(cudaStreamWaitEvent(g.comm_stream, g.started, 0));
-  const bool ce = c.algorithm == kPipelinedCeAlgorithm;
-  if (ce) {
-    // x goes into the window first, and the local GEMM waits for it. The copy
-    // runs as a kernel (CopyWithinDevice), so it and the GEMM take turns
-    // whatever the order: enqueued beside the GEMM, the copy started at the
-    // GEMM's last tiles and the gather and the peer's GEMM waited behind it, a
-    // serial call (seen in a profiled timeline of back-to-back calls).
-    // Copied first, only the copy is exposed (63 us per 128 MiB); the
-    // gather's copy-engine transfers then run beside the local GEMM, as
-    // cuBLASMp's and PyTorch's do (docs/design.md#the-projects-own-algorithms).
-    JCG_RETURN_IF_ERROR(CopyShardIntoWindow(g, plan, c));
-    JCG_CUDA(cudaEventRecord(g.computed[0].get(), g.comm_stream));
-    JCG_CUDA(cudaStreamWaitEvent(run, g.computed[0].get(), 0));
-  }
+  // x goes into the window first, and the local GEMM waits for it. The copy
+  // runs as a kernel (CopyWithinDevice), so it and the GEMM take turns
+  // whatever the order: enqueued beside the GEMM, the copy started at the
+  // GEMM's last tiles and the gather and the peer's GEMM waited behind it, a
+  // serial call. Copied first, only the copy is exposed; the gather's
+  // copy-engine transfers then run beside the local GEMM, as cuBLASMp's and
+  // PyTorch's do (docs/design.md#the-projects-own-algorithms).
+  JCG_RETURN_IF_ERROR(CopyShardIntoWindow(g, plan, c));
+  JCG_CUDA(cudaEventRecord(g.computed[0].get(), g.comm_stream));
+  JCG_CUDA(cudaStreamWaitEvent(run, g.computed[0].get(), 0));
   // The local shard's GEMM hides the peer transfers, and is enqueued before
   // the NCCL calls: it needs nothing from the peers, and enqueued after them
-  // (a trace of pipelined_ce) it started 90-120 us after the copy-in, the
-  // host's time in ncclAllGather, while the GPU had nothing queued.
+  // it started only once the host had returned from ncclAllGather, while the
+  // GPU had nothing queued.
   JCG_RETURN_IF_ERROR(Gemm(g, plan, c, c.x, g.rank, run));
-  return ce ? EnqueueCopyEngine(g, plan, c, run) : EnqueuePointToPoint(g, plan, c, run);
+  return EnqueueCopyEngine(g, plan, c, run);
 }
 
 }  // namespace jax_comm_gemm

@@ -1,37 +1,25 @@
-// The project's own comm-GEMMs: a cuBLASLt GEMM per block of rows on the call's
-// stream while NCCL moves the blocks on a side stream, which hides the
-// transfers. AllGather+GEMM, the local shard's GEMM first, two ways to move
-// the shards:
-//   "pipelined"     NCCL point-to-point straight into the gathered output, a
-//                   step per peer, each shard's GEMM as soon as it is in;
-//                   NCCL's kernels take SMs from the GEMM beside them.
-//   "pipelined_ce"  x is copied into a symmetric window, before the local
-//                   GEMM, and NCCL gathers it in place on a zero-CTA
-//                   communicator (copy engines, no SMs) beside that GEMM;
-//                   the window is then copied into the gathered output, when
-//                   one is asked for.
-// GEMM+ReduceScatter, "pipelined_ce" only: x's rows are cut into blocks, a
+// The project's own comm-GEMMs ("pipelined_ce"): a cuBLASLt GEMM per block of
+// rows on the call's stream while NCCL moves the blocks on a side stream, on
+// copy engines, which hides the transfers and leaves the GEMMs every SM.
+// AllGather+GEMM: x is copied into a symmetric window, before the local
+// shard's GEMM, and NCCL gathers it in place on a zero-CTA communicator beside
+// that GEMM; the window is then copied into the gathered output, when one is
+// asked for.
+// GEMM+ReduceScatter: x's rows are cut into blocks, a
 // chunk of every destination rank's rows at a time, in one order on every rank
 // (chunks.h); XLA's psum_scatter instead waits for the whole GEMM, then moves
 // everything. The peers' blocks of a chunk are computed first into a symmetric
 // window and swapped on the zero-CTA communicator (copy engines): an
 // ncclAlltoAll, or for two ranks an in-place ncclAllGather, which copies
 // nothing to itself; then each own block's GEMM adds what arrived (beta = 1,
-// C = the received block). "pipelined" has no GEMM+ReduceScatter: its
-// ncclReduce per block lost to XLA and to pipelined_ce at every measured shape
-// (docs/design.md#gemmreducescatter), and the handlers refuse it
-// (CheckAlgorithm, plan_key.h).
+// C = the received block).
 //
-// Why beside cuBLASMp's: at 4096^3 on 2xH200 cuBLASMp's call spends 118-277 us
-// of host time per call (GPU path ~113 us), so the fused op lost to XLA there.
-// This path enqueues P GEMMs, P-1 NCCL groups and a few events
-// (docs/design.md#the-projects-own-algorithms). The gathered operand is the
-// receive buffer itself: no workspace in between, so no copy out ("pipelined";
-// "pipelined_ce" copies its window out when asked for it). No barrier after
-// the call either: a send waits for its receive, and NCCL's copy-engine
-// collectives start with a ready handshake of every rank (its ce_coll.cc), so
-// no peer's next call writes into this rank's buffers early
-// (docs/design.md#ordering-against-xla-the-fence).
+// Why beside cuBLASMp's: this path enqueues P GEMMs, one NCCL call per chunk
+// and a few events, a fraction of cuBLASMp's host time per call
+// (docs/design.md#the-projects-own-algorithms). No barrier after the call:
+// NCCL's copy-engine collectives start with a ready handshake of every rank
+// (its ce_coll.cc), so no peer's next call writes into this rank's window
+// early (docs/design.md#ordering-against-xla-the-fence).
 #ifndef JAX_COMM_GEMM_PIPELINED_H_
 #define JAX_COMM_GEMM_PIPELINED_H_
 
@@ -73,7 +61,6 @@ struct PipelinedPlan {
 // What a pipelined call runs on: the context's.
 struct PipelineTarget {
   cublasLtHandle_t lt;
-  ncclComm_t comm;           // the project's own (split off cuBLASMp's): send/recv
   cudaStream_t comm_stream;
   // started: the call's stream -> comm_stream; arrived[s] (s = 1..P-1): the
   // shard of step s is in (ReduceScatter: chunk s-1 is); arrived[0]:
@@ -84,17 +71,12 @@ struct PipelineTarget {
   // kMaxChunks of them. pipelined_ce AllGather: computed[0], x is in the
   // window.
   const CudaEvent* computed;
-  ncclComm_t ce_comm;        // zero-CTA policy; pipelined_ce only
-  char* window;              // symmetric on ce_comm; pipelined_ce only
+  ncclComm_t ce_comm;        // zero-CTA policy
+  char* window;              // symmetric on ce_comm
   void* workspace;
   size_t workspace_bytes;
   int rank, nranks;
 };
-
-// One step of the point-to-point exchange: `bytes` of `send` to rank `to`,
-// the same from rank `from` into `receive`, as one NCCL group on `stream`.
-Status SendReceive(const void* send, void* receive, size_t bytes, int to, int from,
-                   ncclComm_t comm, cudaStream_t stream);
 
 // The window bytes pipelined_ce needs for `plan`.
 size_t WindowBytes(const PipelinedPlan& plan, int nranks);
@@ -107,8 +89,7 @@ Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& call, int nranks
                          size_t workspace_bytes, const GemmTrial* trial, PipelinedPlan* plan);
 
 // Enqueues `call` on `run` (and target.comm_stream, joined back to `run`).
-// Collective: every rank of the group enqueues the same call. A
-// GEMM+ReduceScatter must be pipelined_ce's (InvalidArgument otherwise).
+// Collective: every rank of the group enqueues the same call.
 Status EnqueuePipelined(const PipelineTarget& target, const PipelinedPlan& plan,
                         const MatmulCall& call, cudaStream_t run);
 

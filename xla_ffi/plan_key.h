@@ -56,8 +56,8 @@ Status CheckPlanAgreement(const std::vector<PlanKey>& keys);
 Status CheckGatheredPlanKeys(const unsigned char* gathered, int nranks);
 
 // Whether `op` runs algorithm `algorithm` (algorithms.h): InvalidArgument,
-// naming the algorithm and the ones `op` takes, for a number that is no
-// algorithm of the project's or for "pipelined" in a GEMM+ReduceScatter.
+// naming the number and the algorithms `op` takes, for a number that is no
+// algorithm of the project's.
 Status CheckAlgorithm(CommOp op, int64_t algorithm);
 
 }  // namespace jax_comm_gemm

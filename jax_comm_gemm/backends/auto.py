@@ -47,8 +47,7 @@ AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
 # can run (runnable()). XLA comes first: autotune checks the others' results
 # against its (verify.against_xla).
 CANDIDATES = {
-    AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined",
-         "pipelined_ce", pallas.NAME),
+    AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce", pallas.NAME),
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
 }
 # What an FP8 problem may run on: its fused steps on XLA's collectives, the

@@ -1,5 +1,5 @@
 """The fused AllGather+GEMM and GEMM+ReduceScatter of the project's extension,
-via XLA FFI: cuBLASMp's algorithms, and the project's own pipelined ones."""
+via XLA FFI: cuBLASMp's algorithms, and the project's own pipelined_ce."""
 
 from __future__ import annotations
 
@@ -50,11 +50,8 @@ class CublasMpBackend(Backend):
       if not verdict.ok:  # a caller that skipped routes.gathered_route
         raise RuntimeError(f"the gathered operand was asked for without a passing "
                            f"verdict: {verdict.reason}")
-    # The pipelined algorithm receives the shards into the gathered output.
-    needs_gathered = self.all_gather_algorithm == "pipelined"
     outs = primitives.all_gather_matmul(
-        x, w, axis_name, transpose_w=transpose_w,
-        return_gathered=return_gathered or needs_gathered,
+        x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
         algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout())
     return tuple(outs) if return_gathered else outs[0]
 
@@ -79,9 +76,7 @@ class CublasMpBackend(Backend):
     reuse = return_gathered and self.gathered_reuse(lax.axis_size(axis_name), x8.dtype,
                                                     True).ok
     outs = primitives.fp8_all_gather_matmul(
-        x8, w8, x_inv, w_inv, axis_name, out_dtype=out_dtype,
-        # The pipelined algorithm receives the shards into the gathered output.
-        return_gathered=reuse or self.all_gather_algorithm == "pipelined",
+        x8, w8, x_inv, w_inv, axis_name, out_dtype=out_dtype, return_gathered=reuse,
         algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout(),
         fast_accum=fast_accum)
     return outs[0], (outs[1] if reuse else None)

@@ -82,7 +82,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
       reduce-scatter), ``"ring"`` (per-shard FP8 GEMMs overlapped with
       ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.fp8.ring`), or a
       :class:`~jax_comm_gemm.backends.CublasMpBackend`: the extension's fused
-      FP8 ops on its algorithms (cuBLASMp's, or the project's pipelined ones;
+      FP8 ops on its algorithms (cuBLASMp's, or the project's pipelined_ce;
       its ``reduce_scatter`` may be "xla" or "ring" too), on a connected axis,
       one scale per tensor, w's dims multiples of 16.
     history: the :class:`AmaxHistory` a ``"delayed"`` recipe scales with (its

@@ -4,7 +4,7 @@ the reduce-scatter, the wgrad's transposed operand, the GEMM call, and the two
 fused steps (AllGather+GEMM, GEMM+ReduceScatter) on XLA's collectives, the
 ring (:mod:`jax_comm_gemm.fp8.ring`), or the extension's fused FP8 ops (a
 :class:`~jax_comm_gemm.backends.CublasMpBackend` passed as `collectives`:
-cuBLASMp's algorithms or the project's pipelined ones; it is handed in, not
+cuBLASMp's algorithms or the project's pipelined_ce; it is handed in, not
 imported, so that this package stays below the backends)."""
 
 from __future__ import annotations

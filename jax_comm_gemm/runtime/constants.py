@@ -22,21 +22,18 @@ TARGETS: Mapping[str, str] = MappingProxyType({
 })
 
 # The fused ops' algorithms, by name: two of cuBLASMp's (their
-# cublasMpMatmulAlgoType_t values), and the project's own pipelined comm-GEMMs
+# cublasMpMatmulAlgoType_t values), and the project's own pipelined comm-GEMM
 # (xla_ffi/pipelined.h), numbered clear of cuBLASMp's enum. cuBLASMp's others
 # are not offered (docs/design.md#options-removed-and-why).
 ALGORITHMS: Mapping[str, int] = MappingProxyType({
     "default": 0,
     "split_p2p": 1,
-    "pipelined": 100,
     "pipelined_ce": 101,
 })
 # The project's own algorithms (xla_ffi/pipelined.h).
-OWN_ALGORITHMS = frozenset({"pipelined", "pipelined_ce"})
-# The algorithms a fused GEMM+ReduceScatter takes: all but "pipelined", whose
-# GEMM+ReduceScatter was slower than XLA's and than pipelined_ce at every
-# measured shape (docs/design.md#gemmreducescatter); the extension refuses it.
-REDUCE_SCATTER_ALGORITHMS: tuple[str, ...] = ("default", "split_p2p", "pipelined_ce")
+OWN_ALGORITHMS = frozenset({"pipelined_ce"})
+# The algorithms a fused GEMM+ReduceScatter takes: every one.
+REDUCE_SCATTER_ALGORITHMS: tuple[str, ...] = tuple(ALGORITHMS)
 
 # Where cuBLASMp leaves the gathered operand in its workspace (capability.py).
 GATHERED_LAYOUTS: Mapping[str, int] = MappingProxyType({"front": 0, "tail": 1})

@@ -45,8 +45,8 @@ BACKENDS = ("auto", "cublasmp", "xla", "ring")
 # What backend="auto" may choose from, by name (backends/auto.py's CANDIDATES
 # holds the same names per op; a test compares them). Here so that
 # JAX_COMM_GEMM_AUTOTUNE can be checked without importing the backends.
-IMPLEMENTATIONS = ("cublasmp_default", "cublasmp_split_p2p", "pallas_mgpu", "pipelined",
-                   "pipelined_ce", "ring", "xla")
+IMPLEMENTATIONS = ("cublasmp_default", "cublasmp_split_p2p", "pallas_mgpu", "pipelined_ce",
+                   "ring", "xla")
 
 
 def _default_cache() -> str:

@@ -30,12 +30,11 @@ TEST(AlgorithmsAreCublasMpsEnumAndTheOwnTwo) {
     const char* n = jcg::AlgorithmNameOf(number);
     return std::string(n != nullptr ? n : "<none>");
   };
-  CHECK_EQ(std::size(jcg::kAlgorithms), size_t{4});
+  CHECK_EQ(std::size(jcg::kAlgorithms), size_t{3});
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT), std::string("default"));
   CHECK_EQ(name(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P), std::string("split_p2p"));
-  CHECK_EQ(name(jcg::kPipelinedAlgorithm), std::string("pipelined"));
   CHECK_EQ(name(jcg::kPipelinedCeAlgorithm), std::string("pipelined_ce"));
-  CHECK(jcg::IsPipelined(jcg::kPipelinedAlgorithm) && jcg::IsPipelined(jcg::kPipelinedCeAlgorithm));
+  CHECK(jcg::IsPipelined(jcg::kPipelinedCeAlgorithm));
   CHECK(!jcg::IsPipelined(CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P));
   CHECK(!jcg::IsPipelined(CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT));
   // Not offered: the options no one should choose, and GEMM+AllReduce's FUSED.
@@ -47,9 +46,7 @@ TEST(AlgorithmsAreCublasMpsEnumAndTheOwnTwo) {
     CHECK(jcg::AlgorithmNameOf(removed) == nullptr);
   }
   // The own numbers are clear of cuBLASMp's enum.
-  for (int64_t own : {jcg::kPipelinedAlgorithm, jcg::kPipelinedCeAlgorithm}) {
-    CHECK(own > CUBLASMP_MATMUL_ALGO_TYPE_FUSED);
-  }
+  CHECK(jcg::kPipelinedCeAlgorithm > CUBLASMP_MATMUL_ALGO_TYPE_FUSED);
   std::set<std::string> names;
   std::set<int64_t> numbers;
   for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
@@ -60,34 +57,21 @@ TEST(AlgorithmsAreCublasMpsEnumAndTheOwnTwo) {
   CHECK_EQ(numbers.size(), std::size(jcg::kAlgorithms));
 }
 
-TEST(EveryAlgorithmRunsTheAllGather) {
+TEST(EveryAlgorithmRunsBothOps) {
   for (const jcg::AlgorithmName& a : jcg::kAlgorithms) {
     CHECK(jcg::CheckAlgorithm(CommOp::kAllGather, a.algorithm).ok());
+    CHECK(jcg::CheckAlgorithm(CommOp::kReduceScatter, a.algorithm).ok());
   }
-}
-
-TEST(TheReduceScatterRefusesPipelinedByName) {
-  CHECK(!jcg::RunsReduceScatter(jcg::kPipelinedAlgorithm));
-  for (int64_t ok : {int64_t{CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT},
-                     int64_t{CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P}, jcg::kPipelinedCeAlgorithm}) {
-    CHECK(jcg::RunsReduceScatter(ok));
-    CHECK(jcg::CheckAlgorithm(CommOp::kReduceScatter, ok).ok());
-  }
-  const Status s = jcg::CheckAlgorithm(CommOp::kReduceScatter, jcg::kPipelinedAlgorithm);
-  CHECK(s.code() == Status::Code::kInvalidArgument);
-  CHECK_EQ(s.message(),
-           std::string("algorithm 'pipelined' does not run jax_comm_gemm_matmul_reduce_scatter: "
-                       "it takes default, split_p2p, pipelined_ce"));
 }
 
 TEST(UnknownAlgorithmsAreRefusedWithWhatIsOffered) {
   const Status ag = jcg::CheckAlgorithm(CommOp::kAllGather, CUBLASMP_MATMUL_ALGO_TYPE_NO_OVERLAP);
   CHECK(ag.code() == Status::Code::kInvalidArgument);
   CHECK_EQ(ag.message(), std::string("unknown algorithm 5: jax_comm_gemm_all_gather_matmul takes "
-                                     "default, split_p2p, pipelined, pipelined_ce"));
-  const Status rs = jcg::CheckAlgorithm(CommOp::kReduceScatter, 102);
+                                     "default, split_p2p, pipelined_ce"));
+  const Status rs = jcg::CheckAlgorithm(CommOp::kReduceScatter, 100);  // the removed "pipelined"
   CHECK(rs.code() == Status::Code::kInvalidArgument);
-  CHECK_EQ(rs.message(), std::string("unknown algorithm 102: jax_comm_gemm_matmul_reduce_scatter "
+  CHECK_EQ(rs.message(), std::string("unknown algorithm 100: jax_comm_gemm_matmul_reduce_scatter "
                                      "takes default, split_p2p, pipelined_ce"));
 }
 

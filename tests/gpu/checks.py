@@ -271,8 +271,8 @@ def check_inputs_intact(mesh):
   for op, transpose_w, algorithm in (("ag", False, "split_p2p"), ("ag", True, "split_p2p"),
                                      ("rs", False, "split_p2p"), ("rs", True, "split_p2p"),
                                      ("rs", False, "default"), ("rs", False, "pipelined_ce"),
-                                     ("rs", True, "pipelined_ce"), ("ag", False, "pipelined"),
-                                     ("ag", True, "pipelined"), ("ag", False, "pipelined_ce")):
+                                     ("rs", True, "pipelined_ce"), ("ag", False, "pipelined_ce"),
+                                     ("ag", True, "pipelined_ce")):
     if refusal_here(mesh, algorithm):
       continue
     x64 = random(30, 1024, 512)
@@ -290,7 +290,7 @@ def check_inputs_intact(mesh):
     def f(x, w, op=op, transpose_w=transpose_w, algorithm=algorithm):
       if op == "ag":
         y = primitives.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
-                                         return_gathered=algorithm == "pipelined",
+                                         return_gathered=False,
                                          algorithm=jcg.ALGORITHMS[algorithm],
                                          layout=REGISTRY.plan().layout)[0]
       else:
@@ -461,8 +461,7 @@ def check_fp8_fused_gemm(mesh):
         continue
       reuse = backends.CublasMpBackend(algorithm).gathered_reuse(
           size, jnp.dtype(dtype).name, True).ok
-      hand_out = reuse or algorithm == "pipelined"  # "pipelined" gathers into it
-      def all_gather(x, w, a, b, alg=algorithm, hand_out=hand_out):
+      def all_gather(x, w, a, b, alg=algorithm, hand_out=reuse):
         outs = primitives.fp8_all_gather_matmul(
             x, w, a, b, "tp", out_dtype=jnp.bfloat16, return_gathered=hand_out,
             algorithm=ALGORITHMS[alg], layout=REGISTRY.plan().layout, fast_accum=False)
@@ -561,7 +560,6 @@ def check_mlp_repeated(mesh, rounds: int = 4):
   too little."""
   variants = {"plain": {}, "keep_input": {"keep": True},
               "rs_split_p2p": {"reduce_scatter": "split_p2p"},
-              "pipelined": {"all_gather_algorithm": "pipelined"},
               "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
               "rs_pipelined_ce": {"reduce_scatter": "pipelined_ce"}}
   failures = []
@@ -721,17 +719,17 @@ def check_ffi_errors(mesh):
             x, w, comm_id=np.int64(comm), algorithm=np.int64(1), transpose_w=False,
             layout=np.int64(0))
 
-  def rs_pipelined(x, w):  # the own "pipelined" has no GEMM+ReduceScatter
+  def rs_unknown(x, w):  # 100 was the removed "pipelined"
     return jax.ffi.ffi_call(  # x [n, k/P] with n = P * x's rows, so y is x's shape
         TARGETS["matmul_reduce_scatter"],
         jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype))(
             jnp.tile(x, (size, 1)), w, comm_id=np.int64(comm_id),
-            algorithm=np.int64(jcg.ALGORITHMS["pipelined"]), transpose_w=False)
+            algorithm=np.int64(100), transpose_w=False)
 
   cases = {
       "no communicator": (lambda x, w: call(x, w, 12345, x.shape[0] * size), jnp.bfloat16),
-      "algorithm 'pipelined' does not run jax_comm_gemm_matmul_reduce_scatter: it takes "
-      "default, split_p2p, pipelined_ce": (rs_pipelined, jnp.bfloat16),
+      "unknown algorithm 100: jax_comm_gemm_matmul_reduce_scatter takes "
+      "default, split_p2p, pipelined_ce": (rs_unknown, jnp.bfloat16),
       "unsupported dtype": (lambda x, w: call(x, w, comm_id, x.shape[0] * size), jnp.int32),
       "has shape": (lambda x, w: call(x, w, comm_id, x.shape[0]), jnp.bfloat16),
   }
@@ -958,11 +956,8 @@ for _dt in DTYPES:
   CHECKS[f"mlp_{_dt}"] = lambda mesh, dt=_dt: check_mlp(mesh, dt)
 CHECKS["mlp_bf16_keep_input"] = lambda mesh: check_mlp(mesh, "bf16", keep=True)
 for _dt in DTYPES:
-  for _algo in ("pipelined", "pipelined_ce"):
-    CHECKS[f"mlp_{_dt}_{_algo}"] = (
-        lambda mesh, dt=_dt, a=_algo: check_mlp(mesh, dt, all_gather_algorithm=a))
-CHECKS["mlp_bf16_pipelined_keep_input"] = (
-    lambda mesh: check_mlp(mesh, "bf16", keep=True, all_gather_algorithm="pipelined"))
+  CHECKS[f"mlp_{_dt}_pipelined_ce"] = (
+      lambda mesh, dt=_dt: check_mlp(mesh, dt, all_gather_algorithm="pipelined_ce"))
 CHECKS["mlp_bf16_pipelined_ce_keep_input"] = (
     lambda mesh: check_mlp(mesh, "bf16", keep=True, all_gather_algorithm="pipelined_ce"))
 for _dt in ("bf16", "f32"):
@@ -992,7 +987,7 @@ for _scaling in ("tensor", "row"):
 CHECKS["fp8_tensor_ring_keep_input"] = (
     lambda mesh: check_fp8(mesh, "tensor", keep=True, backend="ring"))
 # The fused FP8 ops: every AllGather+GEMM algorithm, each GEMM+ReduceScatter one.
-for _ag, _rs in (("default", "default"), ("split_p2p", "split_p2p"), ("pipelined", "xla"),
+for _ag, _rs in (("default", "default"), ("split_p2p", "split_p2p"),
                  ("pipelined_ce", "pipelined_ce")):
   CHECKS[f"fp8_tensor_fused_{_ag}"] = lambda mesh, a=_ag, r=_rs: check_fp8(
       mesh, "tensor", backend="cublasmp", all_gather_algorithm=a, reduce_scatter=r)
@@ -1003,8 +998,7 @@ CHECKS["autotune_fp8"] = check_autotune_fp8
 
 # A single process driving all GPUs runs this subset.
 SINGLE_PROCESS_CHECKS = ("status", "all_gather_matmul_bf16_nn", "matmul_reduce_scatter_bf16_nn",
-                         "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_bf16_pipelined",
-                         "mlp_bf16_pipelined_ce", "mlp_bf16_rs_split_p2p",
+                         "inputs_intact", "mlp_bf16", "mlp_f32", "mlp_bf16_pipelined_ce", "mlp_bf16_rs_split_p2p",
                          "mlp_bf16_rs_pipelined_ce", "rs_pipelined_chunks",
                          "mlp_repeated",
                          "routing", "layout_self_test", "autotune", "vmap", "mesh_2d",

@@ -95,7 +95,7 @@ def _check_scales_follow_the_call(mesh, algorithm, op):
     args = (x8, w8, xi * factor, wi)
     if op == "ag":
       y = _run(mesh, lambda *a: primitives.fp8_all_gather_matmul(
-          *a, "tp", out_dtype=jnp.float32, return_gathered=True,  # "pipelined" needs it
+          *a, "tp", out_dtype=jnp.float32, return_gathered=True,
           algorithm=ALGORITHMS[algorithm], layout=_layout(), fast_accum=True), *args)[0]
     else:
       y = _run(mesh, lambda *a: primitives.fp8_matmul_reduce_scatter(

@@ -43,7 +43,6 @@ import checks  # noqa: E402
 
 VARIANTS = {"plain": {}, "keep_input": {"keep": True}, "no_reuse": {"reuse_gathered": False},
             "rs_split_p2p": {"reduce_scatter": "split_p2p"},
-            "pipelined": {"all_gather_algorithm": "pipelined"},
             "pipelined_ce": {"all_gather_algorithm": "pipelined_ce"},
             "own_ce": {"all_gather_algorithm": "pipelined_ce", "reduce_scatter": "pipelined_ce"}}
 IN_SPECS, OUT_SPECS = checks.MLP_IN_SPECS, checks.MLP_OUT_SPECS
