@@ -117,21 +117,25 @@ def _assert_ok(per_process):
     assert result["ok"], f"process {pid}: {result.get('error')}\n{result.get('traceback', '')}"
 
 
+def _selected(check):
+  if check not in SELECTED:
+    pytest.skip(f"{check} not selected by JCG_GPU_CHECKS")
+
+
 @pytest.mark.parametrize("check", list(checks.CHECKS))
 def test_one_process_per_gpu(check, multi_process_results):
-  if check not in SELECTED:
-    pytest.skip("not selected by JCG_GPU_CHECKS")
+  _selected(check)
   _assert_ok(multi_process_results[check])
 
 
 @pytest.mark.parametrize("check", checks.SINGLE_PROCESS_CHECKS)
 def test_one_process_all_gpus(check, single_process_results):
-  if check not in SELECTED:
-    pytest.skip("not selected by JCG_GPU_CHECKS")
+  _selected(check)
   _assert_ok(single_process_results[check])
 
 
 def test_autotune_step_takes_the_same_decision_on_every_rank(multi_process_results):
+  _selected("autotune_step")
   per_process = multi_process_results["autotune_step"]
   _assert_ok(per_process)
   decisions = [(r["details"]["plan"], r["details"]["why"]) for r in per_process]
@@ -140,6 +144,7 @@ def test_autotune_step_takes_the_same_decision_on_every_rank(multi_process_resul
 
 def test_autotune_takes_the_same_choice_on_every_rank(multi_process_results):
   """Process 0 decides and publishes; the others must have recorded the same."""
+  _selected("autotune")
   per_process = multi_process_results["autotune"]
   _assert_ok(per_process)
   choices = [r["details"]["choices"] for r in per_process]
