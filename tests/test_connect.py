@@ -195,6 +195,25 @@ def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
       VerdictKey(8, "split_p2p", "bfloat16", False, "front")).reason
 
 
+def test_connect_self_tests_only_the_layout_it_reads(fake, monkeypatch):
+  """The plan reads the layout of the cuBLASMp version (0.10: "tail"); the
+  self-test runs that one alone, and the other stays untested."""
+  layouts = []
+
+  def probe(mesh, axis_name, ident, layout, version, cases):
+    layouts.append(layout)
+    return {case: Capability(True, "fake self-test") for case in cases}
+
+  monkeypatch.setattr(capability, "_probe", probe)
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  assert REGISTRY.plan().layout == "tail" and set(layouts) == {"tail"}
+  plan = REGISTRY.plan()
+  assert plan.verdict(VerdictKey(2, "split_p2p", "bfloat16", True, "tail")).ok
+  assert "no self-test covered it" in plan.verdict(
+      VerdictKey(2, "split_p2p", "bfloat16", True, "front")).reason
+
+
 @pytest.mark.parametrize("env, match", [
     ({"JAX_COMM_GEMM_FENCE": "isolated"},
      r"JAX_COMM_GEMM_FENCE is not a jax_comm_gemm setting any more: every cuBLASMp call"),

@@ -1,4 +1,4 @@
-"""FP8 on the ring (jax_comm_gemm/fp8/ring.py), on CPU: the ring computes what
+"""FP8 on the ring (jax_comm_gemm/ring.py), on CPU: the ring computes what
 XLA's collectives compute, moves FP8 bytes by ppermute, keeps the reuse, and
 ``backend="auto"`` runs an FP8 problem where its decision (keyed by the
 recipe) says."""

@@ -51,7 +51,7 @@ CANDIDATES = {
     RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
 }
 # What an FP8 problem may run on: its fused steps on XLA's collectives, the
-# ring (jax_comm_gemm/fp8/ring.py) or the extension's fused FP8 ops, which
+# ring (jax_comm_gemm/ring.py) or the extension's fused FP8 ops, which
 # take one scale per tensor and dims of multiples of 16 (runnable()). jax's
 # Pallas kernel has no FP8 (docs/fp8.md).
 FP8_CANDIDATES = {op: tuple(n for n in names if n != pallas.NAME)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 from types import MappingProxyType
 
-import jax.numpy as jnp
 from jax import lax
 
+import jax_comm_gemm.ring as ring
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.runtime.capability import Capability
-from jax_comm_gemm.vma import pvary, varying_axes
 
 
 def local_matmul(x, w, transpose_w: bool, precision=None):
@@ -66,10 +65,8 @@ def all_gather_tokens(x, axis_name: str):
 
 def ring_all_gather_matmul(x, w, axis_name: str, transpose_w: bool, return_gathered: bool,
                            precision=None):
-  """AllGather(x) @ w as P GEMMs, one per shard, while the shards travel a
-  ring by ppermute: the transfer of the next shard does not depend on the GEMM
-  of this one, so XLA runs the two at once. The output rows (and the gathered
-  operand, if asked for) are written in place where each shard belongs.
+  """AllGather(x) @ w on the ring (jax_comm_gemm/ring.py): a GEMM per shard
+  while the next one travels; the gathered operand assembled as they pass.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import PartitionSpec as P
@@ -79,31 +76,14 @@ def ring_all_gather_matmul(x, w, axis_name: str, transpose_w: bool, return_gathe
   >>> f(jnp.ones((4, 3)), jnp.ones((3, 2))).tolist()[0]
   [3.0, 3.0]
   """
-  size = lax.axis_size(axis_name)
-  rank = lax.axis_index(axis_name)
-  rows = x.shape[0]
-  from_previous = [(i, (i + 1) % size) for i in range(size)]
-  y = g = None
-  shard = x
-  for step in range(size):
-    following = lax.ppermute(shard, axis_name, from_previous) if step + 1 < size else None
-    part = local_matmul(shard, w, transpose_w, precision)
-    start = ((rank - step) % size) * rows  # the rank this shard came from
-    if y is None:  # buffers varying like the parts written into them
-      y = pvary(jnp.zeros((rows * size, part.shape[1]), part.dtype), varying_axes(part))
-      if return_gathered:
-        g = pvary(jnp.zeros((rows * size, x.shape[1]), x.dtype), varying_axes(shard))
-    y = lax.dynamic_update_slice_in_dim(y, part, start, 0)
-    if return_gathered:
-      g = lax.dynamic_update_slice_in_dim(g, shard, start, 0)
-    shard = following
+  y, g, _ = ring.all_gather_gemm(
+      x, None, lambda shard, _: local_matmul(shard, w, transpose_w, precision), axis_name)
   return (y, g) if return_gathered else y
 
 
 def ring_matmul_reduce_scatter(x, w, axis_name: str, transpose_w: bool, precision=None):
-  """RS(x @ w) as P chunked GEMMs whose partial sums travel a ring by ppermute,
-  so that XLA overlaps each transfer with the next GEMM (the collective-matmul
-  pattern of JAX's shard_map documentation).
+  """RS(x @ w) on the ring (jax_comm_gemm/ring.py): chunked GEMMs whose partial
+  sums travel while the next chunk's GEMM runs.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import PartitionSpec as P
@@ -113,21 +93,8 @@ def ring_matmul_reduce_scatter(x, w, axis_name: str, transpose_w: bool, precisio
   >>> f(jnp.ones((4, 3)), jnp.ones((3, 2))).tolist()[0]
   [3.0, 3.0]
   """
-  size = lax.axis_size(axis_name)
-  rank = lax.axis_index(axis_name)
-  rows = x.shape[0] // size
-
-  def partial_sum(chunk):
-    return local_matmul(lax.dynamic_slice_in_dim(x, chunk * rows, rows, 0), w, transpose_w,
-                        precision)
-
-  # Step s adds this shard's part of chunk (rank + 1 + s) % P to the sum that
-  # arrives from rank + 1; after P - 1 steps each rank holds its own chunk.
-  acc = partial_sum((rank + 1) % size)
-  to_previous = [(i, (i - 1) % size) for i in range(size)]
-  for step in range(1, size):
-    acc = lax.ppermute(acc, axis_name, to_previous) + partial_sum((rank + 1 + step) % size)
-  return acc
+  return ring.gemm_reduce_scatter(
+      x, None, lambda chunk, _: local_matmul(chunk, w, transpose_w, precision), axis_name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -80,7 +80,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
       (default :func:`xla_gather`); a backend or a test's stand-in.
     collectives: ``"xla"`` (an all-gather, then the GEMM; a GEMM, then a
       reduce-scatter), ``"ring"`` (per-shard FP8 GEMMs overlapped with
-      ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.fp8.ring`), or a
+      ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.ring`), or a
       :class:`~jax_comm_gemm.backends.CublasMpBackend`: the extension's fused
       FP8 ops on its algorithms (cuBLASMp's, or the project's pipelined_ce;
       its ``reduce_scatter`` may be "xla" or "ring" too), on a connected axis,

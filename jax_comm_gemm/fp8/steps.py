@@ -2,7 +2,7 @@
 operand in the layouts its GEMMs want, the gathers (scales in the same call),
 the reduce-scatter, the wgrad's transposed operand, the GEMM call, and the two
 fused steps (AllGather+GEMM, GEMM+ReduceScatter) on XLA's collectives, the
-ring (:mod:`jax_comm_gemm.fp8.ring`), or the extension's fused FP8 ops (a
+ring (:mod:`jax_comm_gemm.ring`), or the extension's fused FP8 ops (a
 :class:`~jax_comm_gemm.backends.CublasMpBackend` passed as `collectives`:
 cuBLASMp's algorithms or the project's pipelined_ce; it is handed in, not
 imported, so that this package stays below the backends)."""
@@ -16,7 +16,7 @@ import jax
 from jax import lax
 
 import jax_comm_gemm.fp8.quantize as qz
-import jax_comm_gemm.fp8.ring as ring
+import jax_comm_gemm.ring as ring
 from jax_comm_gemm import vma
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
 from jax_comm_gemm.fp8.recipe import Fp8Recipe, pushed, scaling_amax

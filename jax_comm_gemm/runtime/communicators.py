@@ -32,7 +32,6 @@ import jax_comm_gemm.runtime.agreement as agreement
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, cublasmp_refusal,
                                               self_test, workspace_verdict)
-from jax_comm_gemm.runtime.constants import GATHERED_LAYOUTS
 from jax_comm_gemm.runtime.registry import REGISTRY, Registry
 from jax_comm_gemm.runtime.settings import BACKEND, Settings
 
@@ -167,11 +166,10 @@ def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Setti
   size = int(mesh.shape[axis_name])
   workspace = workspace_verdict(size, _workspace_error(native, device_groups, ident, attempt,
                                                        processes, settings.connect_timeout_s))
-  layout = registry.plan().layout
-  verdicts = {}
-  for tested in sorted(GATHERED_LAYOUTS, key=lambda name: name != layout):
-    verdicts.update(self_test(mesh, axis_name, ident, tested, registry.cublasmp_version(),
-                              workspace))
+  # Only the layout the plan reads (the version's) is tested: no route reads
+  # a verdict of the other.
+  verdicts = self_test(mesh, axis_name, ident, registry.plan().layout,
+                       registry.cublasmp_version(), workspace)
   # Keyed by group size, as the layout verdicts are: a refusal on another
   # axis of this size stands (the routes there cannot tell the axes apart).
   known = registry.plan().verdict(WorkspaceKey(size))

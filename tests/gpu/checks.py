@@ -32,7 +32,7 @@ from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, RS, Pro
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
                                quantize_tensor)
-from jax_comm_gemm.runtime import REGISTRY
+from jax_comm_gemm.runtime import REGISTRY, capability
 from jax_comm_gemm.runtime import plan as plan_lib
 from jax_comm_gemm.runtime.capability import (SELF_TESTED_ALGORITHMS, SELF_TESTED_FP8_DTYPES,
                                               VerdictKey)
@@ -631,18 +631,22 @@ def check_routing(mesh):
 
 def check_layout_self_test(mesh):
   """connect's self-test accepted the version's layout for every transpose,
-  dtype and algorithm the layers use, and rejected the other layout for each;
-  a layer told to use the wrong layout all-gathers instead, with right numbers."""
+  dtype and algorithm the layers use, and the self-test run for the other
+  layout rejects it for each; a layer told to use the wrong layout
+  all-gathers instead, with right numbers."""
   size = mesh.shape["tp"]
   right = REGISTRY.plan().layout
   wrong = "front" if right == "tail" else "tail"
+  wrong_verdicts = capability.self_test(  # connect tests only the layout it reads
+      mesh, "tp", REGISTRY.comm_id(mesh, "tp"), wrong, jcg.cublasmp_version(),
+      REGISTRY.plan().verdict(capability.WorkspaceKey(size)))
   verdicts = {}
   for algorithm in SELF_TESTED_ALGORITHMS:
     refused = refusal_here(mesh, algorithm)
     for dtype in ("bfloat16", "float16", "float32"):
       for transpose_w in (False, True):
         good = REGISTRY.plan().verdict(VerdictKey(size, algorithm, dtype, transpose_w, right))
-        bad = REGISTRY.plan().verdict(VerdictKey(size, algorithm, dtype, transpose_w, wrong))
+        bad = wrong_verdicts[VerdictKey(size, algorithm, dtype, transpose_w, wrong)]
         name = f"{algorithm}/{dtype}/{'TN' if transpose_w else 'NN'}"
         if refused:  # shared-GPU mode: no workspace, so no reuse, for either layout
           for verdict in (good, bad):
@@ -684,8 +688,8 @@ def check_layout_self_test(mesh):
   errs = (rel_err(dh, g64 @ w64.T), rel_err(dw, h64.T @ g64))
   assert max(errs) < 1e-4, errs
   return {"version": jcg.cublasmp_version(), "layout": right, "cases": len(verdicts),
-          "wrong layout": REGISTRY.plan().verdict(VerdictKey(size, "split_p2p", "bfloat16", True,
-                                                      wrong)).reason}
+          "wrong layout": wrong_verdicts[VerdictKey(size, "split_p2p", "bfloat16", True,
+                                                    wrong)].reason}
 
 
 # --- errors ---------------------------------------------------------------------
