@@ -64,8 +64,13 @@ HEAD_DIM = 128
 PRESETS = {
     "cpu": dict(d_model=128, heads=4, layers=2, hidden=512, seq_len=128, batch=16,
                 steps=1000, lr=3e-3, dtype="float32"),
+    # Adam moves every weight by about lr per step, all in step, so a layer's
+    # output moves in proportion to its fan-in: at d_model 4096 and hidden 16384
+    # the MLP moves 64 times as far per step as at 512 and 2048. 3e-4 made the
+    # loss climb from 5.3 to 28 in three steps; 6e-5 is the 3e-3 that trains
+    # smoothly at 512 and 2048, scaled by that factor (docs/performance.md).
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
-                steps=60, lr=3e-4, dtype="bfloat16"),
+                steps=60, lr=6e-5, dtype="bfloat16"),
 }
 SIZE_FIELDS = tuple(PRESETS["cpu"])
 
