@@ -68,7 +68,7 @@ PRESETS = {
     # output moves in proportion to its fan-in: at d_model 4096 and hidden 16384
     # the MLP moves 64 times as far per step as at 512 and 2048. 3e-4 made the
     # loss climb from 5.3 to 28 in three steps; 6e-5 is the 3e-3 that trains
-    # smoothly at 512 and 2048, scaled by that factor (docs/performance.md).
+    # smoothly at 512 and 2048, scaled by that factor (docs/gpu-testing.md#the-example).
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
                 steps=60, lr=6e-5, dtype="bfloat16"),
 }
