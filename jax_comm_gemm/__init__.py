@@ -6,12 +6,14 @@ The folders are the layers, from the top (each imports only those below it):
 * ``flax/``: the Flax linen and NNX modules (public names ``jax_comm_gemm.linen``
   and ``jax_comm_gemm.nnx``).
 * ``layers/``: the dense layers on local shards (``local``, inside shard_map)
-  and on global arrays (``sharded``, wraps shard_map).
-* ``collective_matmul.py``: the differentiable collective matmuls, and the one
-  place that routes the gathered operand.
-* ``backends/``: how one op runs: XLA, or cuBLASMp through its custom calls.
+  and on global arrays (``sharded``, wraps shard_map), the transformer block.
+* ``collective_matmul.py``: the differentiable collective matmuls (custom_vjps).
+* ``backends/``: how one op runs (XLA, the ring, cuBLASMp's and the project's
+  algorithms through the custom calls, jax's Pallas kernel), the one place
+  that routes it (``backends/routes.py``), and autotuning.
+* ``fp8/``: the FP8 recipes, GEMMs and collective matmuls.
 * ``runtime/``: the extension, ``connect`` (communicators, agreement, the
-  self-test) and the one registry.
+  self-test), the routing plan and the one registry.
 * ``diagnostics/``: collective counts in compiled HLO, the per-layer report.
 
 The top-level ``linen``, ``nnx``, ``sharded``, ``dense`` and ``hlo`` modules are

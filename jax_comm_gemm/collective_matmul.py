@@ -34,11 +34,11 @@ from jax.custom_derivatives import SymbolicZero
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import Backend, all_gather_tokens
 from jax_comm_gemm.backends.auto import AG, RS
-from jax_comm_gemm.backends.select import resolve_backend
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
-from jax_comm_gemm.routes import fp8_collectives, fp8_route, gathered_route
+from jax_comm_gemm.backends.routes import (fp8_collectives, fp8_route, gathered_route,
+                                           resolve_backend)
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -144,7 +144,7 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
   backend = resolve_backend(config, axis_name, precision=precision)
   static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, return_gathered,
                    keep_gathered_input, precision, plan=current_plan())
-  return _all_gather_matmul_jit(*_varying(axis_name, x, w), static)
+  return _all_gather_matmul_jit(*vma.varying_along(axis_name, x, w), static)
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
@@ -159,17 +159,7 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
   backend = resolve_backend(config, axis_name, precision=precision)
   static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, precision=precision,
                    plan=current_plan())
-  return _matmul_reduce_scatter_jit(*_varying(axis_name, x, w), static)
-
-
-def _varying(axis_name, *xs):
-  """The custom_vjp inputs, each varying along `axis_name` and every axis any
-  of them varies on. The gradients vary there, and a cotangent must have its
-  primal's type; a weight replicated along the data axes (or an input
-  replicated along `axis_name`) thus gets its gradient summed by pvary's
-  transpose, outside the custom_vjp. A no-op under shard_map(check_vma=False)."""
-  axes = frozenset({axis_name}).union(*(vma.varying_axes(x) for x in xs))
-  return tuple(vma.pvary(x, axes) for x in xs)
+  return _matmul_reduce_scatter_jit(*vma.varying_along(axis_name, x, w), static)
 
 
 def _gathering_matmul(s: _Static, x, w, transpose_w):

@@ -20,8 +20,8 @@ REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
 _FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
 # The backends an FP8 config may name: its fused steps run on XLA's collectives,
 # the ring, or the extension's fused FP8 ops ("cublasmp": the config's
-# algorithms, one scale per tensor); "auto" picks per problem between XLA's
-# collectives and the ring (docs/fp8.md).
+# algorithms, one scale per tensor); "auto" picks per problem among the three
+# (docs/fp8.md).
 FP8_BACKENDS = ("auto", "xla", "ring", "cublasmp")
 
 
@@ -60,7 +60,8 @@ class CommGemmConfig:
       "xla" (XLA's collectives), "ring" (per-shard FP8 GEMMs overlapped with
       ppermutes), "cublasmp" (the extension's fused FP8 ops on
       ``all_gather_algorithm`` and ``reduce_scatter``; one scale per tensor)
-      or "auto" (per problem, xla or ring as autotune measured; else XLA's).
+      or "auto" (per problem, as autotune measured among those three; XLA's
+      collectives where nothing was measured).
 
   >>> CommGemmConfig().backend
   'auto'

@@ -192,19 +192,40 @@ def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
   check_rank(op, x_name, x, 2, "[tokens, features]")
   w_layout = "[out_features, in_features]" if transpose_w else "[in_features, out_features]"
   check_rank(op, w_name, w, 2, w_layout)
-  check_dtype(op, x_name, x)
-  check_dtype(op, w_name, w)
-  if jnp.result_type(x) != jnp.result_type(w):
-    raise TypeError(
-        f"{op}: `{x_name}` ({jnp.result_type(x)}) and `{w_name}` "
-        f"({jnp.result_type(w)}) must have the same dtype; cast one of them")
+  check_same_dtype(op, x_name, x, w_name, w)
   k = np.shape(x)[1]
   w_k, m = (np.shape(w)[1], np.shape(w)[0]) if transpose_w else np.shape(w)
-  if k != w_k:
-    raise ValueError(
-        f"{op}: inner dimensions differ: `{x_name}` has {k} features but "
-        f"`{w_name}` {w_layout} has {w_k} input features (shape {np.shape(w)})")
+  check_inner(op, f"`{x_name}`", k, f"`{w_name}` {w_layout}", w_k, np.shape(w))
   return k, m
+
+
+def check_same_dtype(op: str, a_name: str, a, b_name: str, b) -> None:
+  """`a` and `b` must both be of a dtype the layers run, and the same one.
+
+  >>> check_same_dtype("f", "x", np.ones(2, np.float32), "w", np.ones(2, np.float16))
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `x` (float32) and `w` (float16) must have the same dtype; cast one of them
+  """
+  check_dtype(op, a_name, a)
+  check_dtype(op, b_name, b)
+  if jnp.result_type(a) != jnp.result_type(b):
+    raise TypeError(
+        f"{op}: `{a_name}` ({jnp.result_type(a)}) and `{b_name}` "
+        f"({jnp.result_type(b)}) must have the same dtype; cast one of them")
+
+
+def check_inner(op: str, x_name: str, k: int, w_name: str, w_k: int, w_shape) -> None:
+  """The input's `k` features must be the weight's `w_k` input features.
+
+  >>> check_inner("f", "the input", 3, "`w`", 4, (4, 2))
+  Traceback (most recent call last):
+  ...
+  ValueError: f: inner dimensions differ: the input has 3 features but `w` has 4 input features (shape (4, 2))
+  """
+  if k != w_k:
+    raise ValueError(f"{op}: inner dimensions differ: {x_name} has {k} features but "
+                     f"{w_name} has {w_k} input features (shape {tuple(w_shape)})")
 
 
 def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,

@@ -29,6 +29,16 @@ def pvary(x, axes):
   return lax.pvary(x, missing)
 
 
+def varying_along(axis_name, *xs):
+  """The custom_vjps' inputs (bf16 and FP8), each varying along `axis_name` and
+  every axis any of them varies on. The gradients vary there, and a cotangent
+  must have its primal's type; a weight replicated along the data axes (or an
+  input replicated along `axis_name`) thus gets its gradient summed by pvary's
+  transpose, outside the custom_vjp. A no-op under shard_map(check_vma=False)."""
+  axes = frozenset({axis_name}).union(*(varying_axes(x) for x in xs))
+  return tuple(pvary(x, axes) for x in xs)
+
+
 def match(*xs):
   """The inputs, each varying along the union of the axes any of them varies on."""
   union = frozenset().union(*(varying_axes(x) for x in xs))

@@ -16,13 +16,10 @@ namespace jax_comm_gemm {
 // kMinChunkRows rows (smaller GEMMs lose efficiency).
 inline constexpr int64_t kMinChunkRows = 256;
 inline constexpr int kMaxChunks = 4;
-// Four chunks only where one block's GEMM does at least this much work (about
-// 55 us on an H200). The host spends 50-60 us enqueueing a chunk (an NCCL call
-// of 15-40 us, cuBLASLt launches of ~15 us each), so with shorter blocks the
-// calls are host-bound: at 8192x4096x4096 (1.7e10 a block with four chunks)
-// two chunks ran at 1.26 of the floor and four at 1.43; at 2048x8192x8192,
-// two chunks of 512 rows ran at 1.20, one at 1.50
-// (docs/design.md#gemmreducescatter, docs/performance.md).
+// Four chunks only where one block's GEMM does at least this much work: its
+// GPU time must outlast the host's enqueueing of a chunk (an NCCL call and the
+// cuBLASLt launches), or the calls are host-bound (measured:
+// docs/design.md#gemmreducescatter, docs/performance.md).
 inline constexpr double kMinFourChunkBlockFlop = 4e10;
 
 // How many chunks a destination rank's `rows` rows make (1, 2 or 4; always

@@ -63,8 +63,8 @@ Status MakeMarks(size_t count, std::vector<CudaEvent>* marks) {
 // The index of the fastest of `candidates`, each run on trial's operands.
 // First a pass that loads every kernel and times one run of each; then, in
 // batches of about kTimedSampleSeconds of work each (a single run's time
-// follows the clock, which swings by 10% within milliseconds at the power
-// cap), an untimed round and kTimedRounds rounds, alternating in order;
+// follows the clock, which swings within milliseconds at the power cap), an
+// untimed round and kTimedRounds rounds, alternating in order;
 // FastestByMedian decides. A candidate cuBLASLt refuses to run is left out;
 // -1 if it refuses them all.
 Status FastestCandidate(cublasLtHandle_t lt, const LtMatmulDesc& desc, const LtLayout& a,
@@ -95,7 +95,7 @@ Status FastestCandidate(cublasLtHandle_t lt, const LtMatmulDesc& desc, const LtL
     if (runs[i] && (once_ms == 0 || ms < once_ms)) once_ms = ms;
   }
   // At most 64 runs a sample: a tiny GEMM's samples are bound by the host's
-  // launches (about 14 us each) anyway.
+  // launches anyway.
   const int batch = std::clamp(
       static_cast<int>(kTimedSampleSeconds * 1e3 / std::max(once_ms, 1e-3f)), 1, 64);
 

@@ -4,19 +4,20 @@
 //
 // both FP8 operands contracting on their last axis (the TN form Hopper's FP8
 // GEMMs take), the inverse scales sa, sb applied by cuBLASLt itself through its
-// A/B scale pointers: per tensor (f32 scalars, SCALAR_32F) or per row of a and
-// of b (f32 vectors of m and n, OUTER_VEC_32F). No output pass, no FP8
-// transpose, and the epilogue scales in f32 before the one rounding to d's type.
+// A/B scale pointers: per tensor (f32 scalars, SCALAR_32F), per row of a and of
+// b (f32 vectors of m and n, OUTER_VEC_32F), or per block (a's 1 x 128, b's
+// 128 x 128: VEC128_32F, BLK128x128_32F). No output pass, no FP8 transpose,
+// and the epilogue scales in f32 before the one rounding to d's type.
 //
 // XLA's own FP8 GEMM takes cuBLASLt's first heuristic choice, or a Triton
 // fusion; this one times cuBLASLt's first candidates on the first call's
-// operands (cublaslt.h's PickAlgorithm, as the block GEMMs of the pipelined
-// algorithms do) and keeps the fastest for the custom call's lifetime: the
+// operands (cublaslt.h's PickAlgorithm, as pipelined_ce's block GEMMs do) and
+// keeps the fastest for the custom call's lifetime: the
 // shapes of one call site never change.
 //
 // The algorithm, the descriptors and a cuBLASLt handle and the workspace the
-// algorithm needs (often none) live in the custom call's FFI state (made at instantiation, filled at the first
-// call, freed with the executable): no global state, nothing per call but the
+// algorithm needs (often none) live in the custom call's FFI state (made at
+// instantiation, filled at the first call, freed with the executable): no global state, nothing per call but the
 // scale pointers and the GEMM itself. Unlike the collective handlers it is
 // command-buffer compatible: XLA may record it into the CUDA graphs it makes
 // of a step's GEMMs and fusions (a call outside them would split those graphs).

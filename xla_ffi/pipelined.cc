@@ -95,7 +95,7 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
 // the peer's slot, so one half of the window serves both. ncclAlltoAll copies a
 // rank's own (unused) slot to itself every time (NCCL's ce_coll.cc), a copy
 // within the GPU that runs as a kernel, so it waited for the next chunk's GEMM
-// and held the transfer behind it (17-48 us a chunk in profiled timelines:
+// and held the transfer behind it (seen in profiled timelines:
 // docs/design.md#gemmreducescatter); an in-place AllGather copies nothing to
 // itself.
 bool SwapsBlocks(int nranks) { return nranks == 2; }

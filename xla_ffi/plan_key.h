@@ -23,7 +23,7 @@ struct PlanKey {
   // wider y (plan.h).
   int64_t x_type = 0, w_type = 0, y_type = 0;
   bool transpose_w = false;
-  int64_t algorithm = 0;  // a cublasMpMatmulAlgoType_t
+  int64_t algorithm = 0;  // algorithms.h: cuBLASMp's enum value, or the own one's
   int64_t x_rows = 0, x_cols = 0, w_rows = 0, w_cols = 0;
   bool fast_accum = false;  // FP8 only: Hopper's fast accumulation
 

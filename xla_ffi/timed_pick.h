@@ -11,10 +11,9 @@ namespace jax_comm_gemm {
 // A timed pick runs cuBLASLt's first kTimedCandidates heuristic candidates in
 // kTimedRounds rounds (alternating in order; the median counts), each sample
 // a batch of about kTimedSampleSeconds of work, and leaves the first only for
-// one faster by more than kTimedMargin. On one H200 the fastest of the first 8
-// beat the first by 2-14% at most block GEMMs of the SP MLP steps in steady
-// state, and picks made so took one within 0-7% of it (measured with
-// benchmarks/gemm_probe.py: docs/performance.md).
+// one faster by more than kTimedMargin: cuBLASLt's first choice is often not
+// the fastest of its candidates for the block GEMMs
+// (docs/design.md#the-projects-own-algorithms, benchmarks/gemm_probe.py).
 inline constexpr int kTimedCandidates = 8;
 inline constexpr int kTimedRounds = 5;
 inline constexpr double kTimedSampleSeconds = 2e-3;

@@ -8,7 +8,8 @@
   measures it (``autotune``), ``step_tuning`` times the whole step under each
   plan, the per-op choices or every op on one implementation (``autotune_step``);
   ``verify`` leaves out a candidate whose result differs from XLA's.
-* ``select``: which one a layer takes (``choose_backend``), and why.
+* ``routes``: every routing decision: which one a layer takes
+  (``choose_backend``), where the gathered operand comes from, FP8's route.
 
 A new backend is one module here implementing ``base.Backend``.
 """
@@ -19,7 +20,7 @@ from jax_comm_gemm.backends.tuning import autotune, problems_of
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.cublasmp import CublasMpBackend
 from jax_comm_gemm.backends.pallas import PallasBackend
-from jax_comm_gemm.backends.select import Choice, choose_backend, resolve_backend
+from jax_comm_gemm.backends.routes import Choice, choose_backend, resolve_backend
 from jax_comm_gemm.backends.xla import (RingBackend, XlaBackend, all_gather_tokens,
                                         gathered_matmul_t, local_matmul, ring_all_gather_matmul,
                                         ring_matmul_reduce_scatter, weight_gradient)

@@ -4,9 +4,8 @@ one more implementation ``auto`` may choose.
 It is one kernel: while it multiplies a shard it sends that shard on to the
 next rank from shared memory, so a call launches nothing else and pays no
 host time per transfer. That is where the project's handler loses at small
-GEMMs: on 2xH200 at 4096^3 this kernel ran at 1.535 of the GEMM-only floor,
-XLA at 1.93 and the handler's best at 2.05 (docs/performance.md, where it
-ran as a peer). Everything else about a call, the other op and the weight
+GEMMs, and where this kernel led every other implementation
+(docs/performance.md, where it ran as a peer). Everything else about a call, the other op and the weight
 gradient, stays XLA's.
 
 Where the kernel cannot run (:func:`supports` says why) the backend runs
@@ -29,9 +28,9 @@ from jax_comm_gemm.runtime.capability import Capability
 NAME = "pallas_mgpu"
 DTYPES = ("bfloat16", "float16")
 # The tile configuration: of the four the benchmark's peer tried, the two
-# with 256-row tiles need 288 KiB of shared memory, where an H200 has 227, and
-# of the other two this one (the grid's minor dimension along M) was as fast
-# or within a few percent at the benchmark's shapes (single timings). Its
+# with 256-row tiles need more shared memory than a Hopper SM has, and of the
+# other two this one (the grid's minor dimension along M) was as fast or
+# nearly at the benchmark's shapes (benchmarks/peers/pallas_mgpu.py). Its
 # tiles set what a shape must divide: a CTA computes 128 rows
 # by 2 x 128 columns (two warpgroups along the columns), stepping 64 along k.
 TILE_M, TILE_N, TILE_K = 128, 128, 64
@@ -83,7 +82,7 @@ def supports_layer(dtype, transpose_w: bool, gathered: bool, axis_size: int) -> 
     return Capability(False, f"it runs on Hopper GPUs (compute capability 9.x), not on "
                              f"{devices[0].device_kind}")
   # On a mesh of one the kernel has no peer addresses and asks for NVSHMEM,
-  # which XLA lacks (seen on one H200: "NVSHMEM is not supported in XLA").
+  # which XLA lacks ("NVSHMEM is not supported in XLA").
   if axis_size == 1:
     return Capability(False, "a group of one gathers nothing")
   # The kernel signals peers by their index on its axis, as device ids.

@@ -106,9 +106,8 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   (against_xla()). ``call()`` enqueues one run and returns its result; a timed
   batch enqueues `iterations` of them and waits once at the end, so the time
   is the throughput of back-to-back calls, as in a training step (waiting
-  after every call would add the host's launch latency to each, which made
-  the fused op look faster than XLA at 4096^3 on 2xH200 while it was slower
-  back to back). A candidate that raises or is wrong gets ``inf`` (caught
+  after every call would add the host's launch latency to each and rank
+  small problems otherwise than a step does: docs/design.md#backendauto-and-autotuning). A candidate that raises or is wrong gets ``inf`` (caught
   once per candidate at tuning time, never per call of a program).
 
   `agree` (UnionOfFailures across processes) takes the failures this process

@@ -4,8 +4,7 @@ should hold.
 For reports (the example) and tests: what the design promises, to set beside
 what :func:`jax_comm_gemm.diagnostics.hlo.compiled_collectives` counts in a
 compiled program. Both questions are answered by the functions that decide at
-trace time (``backends.select.choose_backend`` and
-``routes.gathered_route``): nothing is re-derived here.
+trace time (``backends.routes``): nothing is re-derived here.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import dataclasses
 from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
 from jax_comm_gemm.backends.auto import workspace
 from jax_comm_gemm.config import CommGemmConfig
-from jax_comm_gemm.routes import fp8_route, gathered_route
+from jax_comm_gemm.backends.routes import fp8_route, gathered_route
 
 FUSED_WITH_REUSE = "fused with reuse"
 FUSED_WITH_ALL_GATHER = "fused with all_gather"

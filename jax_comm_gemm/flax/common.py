@@ -1,6 +1,6 @@
 """What the linen and NNX modules share: the table of their options and
-defaults, the checks of those options, and why a dense layer leaves the fused
-path.
+defaults, the checks of those options, why a dense layer leaves the fused
+path, and :func:`run`, the one local-or-global dispatch to the layers.
 
 The options common to every module live once, in :class:`Options`: the linen
 modules inherit them as keyword-only dataclass fields (:class:`LinenOptions`,
@@ -22,7 +22,8 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.layers import placement
+from jax_comm_gemm.layers import local, placement, sharded, transformer
+from jax_comm_gemm.validation import Names
 
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
@@ -189,3 +190,29 @@ def path_reason(kind: str, injected: str | None, preferred_element_type=None) ->
   steps = ("lax.all_gather, then the dot" if kind == "column"
            else "the dot, then lax.psum_scatter")
   return f"{why}, so the layer runs on XLA's collectives ({steps})"
+
+
+# kind: (entry on local shards, entry on global arrays); each takes
+# (names, *operands, where=Placement, **options).
+ENTRIES = MappingProxyType({
+    "column": (local.column_local, sharded.column_global),
+    "row": (local.row_local, sharded.row_global),
+    "block": (transformer.block_local, transformer.block_global),
+})
+
+
+def run(kind: str, where: placement.Placement, names: Names, *operands, **options):
+  """Runs layer `kind` (a key of ``ENTRIES``) where `where` (``placement.place``)
+  says: on local shards inside the caller's ``jax.shard_map``, or on global
+  arrays. The functional API calls the same entries.
+
+  >>> import numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> run("column", placement.Placement(False, "tp", 1, mesh), Names("f"),
+  ...     np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), None,
+  ...     keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG).shape
+  (2, 4)
+  """
+  on_local_shards, on_global_arrays = ENTRIES[kind]
+  entry = on_local_shards if where.local else on_global_arrays
+  return entry(names, *operands, where=where, **options)

@@ -57,7 +57,8 @@ from jax_comm_gemm import validation
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split,
                                        check_token_inputs, kw_only, options_of, path_reason)
-from jax_comm_gemm.layers import dispatch, placement
+from jax_comm_gemm.flax import common
+from jax_comm_gemm.layers import placement
 from jax_comm_gemm.validation import Names
 
 
@@ -125,7 +126,7 @@ class _ParallelDense(LinenOptions):
       # its gradient): the op's gradient with respect to it is the next history.
       layer["fp8_history"] = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
                                            AmaxHistory.zeros, recipe).value
-    return dispatch.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
+    return common.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
                         **layer)
 
   def _keep(self) -> bool:

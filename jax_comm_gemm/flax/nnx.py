@@ -60,7 +60,8 @@ from jax_comm_gemm.flax.common import (DEFAULTS, check_options, check_split,
                                        check_token_inputs, nnx_options, path_reason)
 from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
 from jax_comm_gemm.fp8 import AmaxHistory
-from jax_comm_gemm.layers import dispatch, placement
+from jax_comm_gemm.flax import common
+from jax_comm_gemm.layers import placement
 from jax_comm_gemm.validation import Names
 
 # Flax Linear's own arguments, with its defaults.
@@ -197,7 +198,7 @@ class _ParallelDense(nnx.Module):
       if self.preferred_element_type is not None:
         kwargs["preferred_element_type"] = self.preferred_element_type
       layer.update(dot_general=self.dot_general, dot_kwargs=tuple(kwargs.items()))
-    return dispatch.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
+    return common.run(self._kind, where, Names(owner, x="inputs"), inputs, kernel, bias,
                         **layer)
 
 

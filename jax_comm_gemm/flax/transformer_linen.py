@@ -45,7 +45,8 @@ from flax.typing import Array, Dtype, Initializer
 
 from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split, kw_only,
                                        options_of)
-from jax_comm_gemm.layers import dispatch, placement, transformer
+from jax_comm_gemm.flax import common
+from jax_comm_gemm.layers import placement, transformer
 from jax_comm_gemm.validation import Names
 
 
@@ -159,5 +160,5 @@ class SequenceParallelTransformerBlock(LinenOptions):
     if histories is not None:  # "delayed" FP8: Flax's overwrite-with-gradient collection
       histories = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
                                 lambda: histories).value
-    return dispatch.run("block", where, Names(owner, x="inputs"), inputs, params,
+    return common.run("block", where, Names(owner, x="inputs"), inputs, params,
                         options=block_options, fp8_histories=histories)

@@ -32,7 +32,8 @@ from flax.typing import Array, Dtype, Initializer
 from jax_comm_gemm.flax.common import DEFAULTS
 from jax_comm_gemm.flax.nnx import (ColumnParallelDense, RowParallelDense,
                                     SequenceParallelMLP, init_options, make_param)
-from jax_comm_gemm.layers import dispatch, placement, transformer
+from jax_comm_gemm.flax import common
+from jax_comm_gemm.layers import placement, transformer
 from jax_comm_gemm.validation import Names
 
 # The block's own arguments (beyond the shared Options), with their defaults.
@@ -158,5 +159,5 @@ class SequenceParallelTransformerBlock(nnx.Module):
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
     where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
-    return dispatch.run("block", where, Names(owner, x="inputs"), inputs, self.params(),
+    return common.run("block", where, Names(owner, x="inputs"), inputs, self.params(),
                         options=self.options, fp8_histories=self.fp8_histories())

@@ -4,7 +4,7 @@ Hopper's FP8 GEMMs take one layout: both operands contract on their LAST axis
 ("TN"). Written so, ``lax.dot_general(a8, b8, (((1,), (1,)), ((), ())),
 preferred_element_type=...)`` compiles to one ``__cublas$lt$matmul$f8`` with no
 transpose feeding it; a weight stored ``[k, n]`` instead adds an FP8 transpose
-per call, 1.3-1.6x slower on one H200 (docs/fp8.md). So the
+per call, which is slower (docs/fp8.md has the measurement). So the
 weight's FP8 copies are made by the cast, in the layout each GEMM wants
 (:func:`weight_copies`), once per call of the layer.
 
@@ -12,12 +12,11 @@ Three forms, switchable (``Fp8Recipe.gemm_form``):
 
 * ``"direct"`` (default): the dot of the FP8 operands, accumulated into the
   output dtype (bf16; float32 for any other), times ``scale_inv_a * scale_inv_b``.
-  This is the fastest form measured (bf16 out; at the four large shapes level
-  with ``torch._scaled_mm``). Per-row scales factor out of the contraction the
+  This is the fastest form measured (docs/fp8.md). Per-row scales factor out of the contraction the
   same way (``y[i, j] * inv_a[i] * inv_b[j]``): the only form for them.
 * ``"dequant_f32"``: ``(a8.f32 * inv_a) . (b8.f32 * inv_b)`` in float32, then
   the output dtype; XLA rewrites it into the FP8 GEMM with the scales as its
-  operands (1.02-1.30x torch on one H200). Per-tensor scales only.
+  operands (slower than "direct": docs/fp8.md). Per-tensor scales only.
 * ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``): one
   cuBLASLt FP8 GEMM that applies both scales itself (scale pointers, per tensor,
   per row, or per 1 x 128 / 128 x 128 block) in f32 before the one rounding to

@@ -111,7 +111,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
               collectives=st.checked_collectives(op, collectives, recipe, w))
   size = lax.axis_size(axis_name)
   lead = x.shape[:-1]
-  out = _all_gather_matmul(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
+  out = _all_gather_matmul(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
                            _history(op, recipe, history), s)
   unfold = lambda t: t.reshape((lead[0] * size,) + lead[1:] + t.shape[-1:])
   return (unfold(out[0]), unfold(out[1])) if return_gathered else unfold(out)
@@ -156,7 +156,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
               reuse_gathered=reuse_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w))
   lead = x.shape[:-1]
-  y = _matmul_reduce_scatter(*_varying(axis_name, x.reshape(-1, x.shape[-1]), w),
+  y = _matmul_reduce_scatter(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
                              _history(op, recipe, history), s)
   return y.reshape((lead[0] // size,) + lead[1:] + y.shape[-1:])
 
@@ -171,10 +171,8 @@ def _check(op, x, w, transpose_w, recipe, tokens):
     if jnp.dtype(a.dtype) not in _OUT_DTYPES:
       raise ValueError(f"{op}: `{name}` must be bfloat16, float16 or float32 (the FP8 "
                        f"copies are made inside), got {a.dtype}")
-  k = w.shape[1] if transpose_w else w.shape[0]
-  if x.shape[-1] != k:
-    raise ValueError(f"{op}: x's last dim {x.shape[-1]} does not match w's contracting "
-                     f"dim {k} (w {w.shape}, transpose_w={transpose_w})")
+  validation.check_inner(op, "`x`", x.shape[-1], f"`w` (transpose_w={transpose_w})",
+                         w.shape[1] if transpose_w else w.shape[0], w.shape)
   if recipe.scaling == "block" and (tokens % qz.BLOCK or any(d % qz.BLOCK for d in w.shape)):
     raise ValueError(f"{op}: 'block' scaling quantizes in blocks of {qz.BLOCK}: w's dims "
                      f"and the tokens (all ranks') must be multiples of {qz.BLOCK}, got w "
@@ -197,12 +195,6 @@ def _history(op, recipe, history):
       raise ValueError(f"{op}: `history.{name}` must have shape ({recipe.amax_history},) "
                        f"(recipe.amax_history), got {jnp.shape(h)}")
   return AmaxHistory(*(jnp.asarray(h, jnp.float32) for h in history))
-
-
-def _varying(axis_name, *xs):
-  """Inputs varying along `axis_name` and each other's axes (as the bf16 ops)."""
-  axes = frozenset({axis_name}).union(*(vma.varying_axes(x) for x in xs))
-  return tuple(vma.pvary(x, axes) for x in xs)
 
 
 # --- fp8_all_gather_matmul ------------------------------------------------------

@@ -156,7 +156,7 @@ def checked_options(op: str, keep_gathered_input, precision, config, dot_general
               dot_general=dot_general)
 
 
-# --- checked entries on local shards (the dispatch's local side) ---------------------
+# --- checked entries on local shards (flax.common.run's local side) ---------------------
 
 def column_local(names: Names, x, kernel, bias, *, where: Placement, **options):
   """A column-parallel call inside the caller's shard_map: checks, then runs.

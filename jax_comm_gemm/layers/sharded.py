@@ -113,7 +113,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh=None,
               plan=current_plan(), **options)
 
 
-# --- checked entries on global arrays (the dispatch's global side) -------------------
+# --- checked entries on global arrays (flax.common.run's global side) -------------------
 
 def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathered_input,
                   precision, config, dot_general=None, dot_kwargs=(), fp8_history=None):
@@ -255,7 +255,7 @@ def _check_global(names, x, kernel, bias, where: Placement, *, split) -> None:
   validation.check_tokens(names.op, names.x, np.shape(x),
                           "*".join((*where.data_axes, axis_name)), where.shards)
   _check_kernel(names, kernel, x, split=split, axis_name=axis_name, size=where.size)
-  _check_dtypes(names, x, kernel)
+  validation.check_same_dtype(names.op, names.x, x, names.kernel, kernel)
   validation.check_bias(names, bias, np.shape(kernel)[1], x)
   spec = P(None, axis_name) if split == 1 else P(axis_name, None)
   _check_placement(names.op, kernel, where.mesh, spec, names.kernel)
@@ -263,23 +263,11 @@ def _check_global(names, x, kernel, bias, where: Placement, *, split) -> None:
 
 def _check_kernel(names, kernel, x, *, split, axis_name, size):
   validation.check_rank(names.op, names.kernel, kernel, 2, "[in_features, out_features]")
-  if np.shape(kernel)[0] != np.shape(x)[-1]:
-    raise ValueError(
-        f"{names.op}: inner dimensions differ: the input has {np.shape(x)[-1]} "
-        f"features but `{names.kernel}` has {np.shape(kernel)[0]} input features "
-        f"(shape {np.shape(kernel)})")
+  validation.check_inner(names.op, "the input", np.shape(x)[-1], f"`{names.kernel}`",
+                         np.shape(kernel)[0], np.shape(kernel))
   which = "output" if split == 1 else "input"
   validation.check_divisible(names.op, names.kernel, f"{which} features",
                              np.shape(kernel)[split], axis_name, size)
-
-
-def _check_dtypes(names, x, kernel):
-  validation.check_dtype(names.op, names.x, x)
-  validation.check_dtype(names.op, names.kernel, kernel)
-  if jax.numpy.result_type(x) != jax.numpy.result_type(kernel):
-    raise TypeError(
-        f"{names.op}: `{names.x}` ({jax.numpy.result_type(x)}) and `{names.kernel}` "
-        f"({jax.numpy.result_type(kernel)}) must have the same dtype; cast one of them")
 
 
 def _check_placement(op, kernel, mesh, spec, name):

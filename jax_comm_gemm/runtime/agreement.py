@@ -1,7 +1,7 @@
 """Do the processes of a tensor-parallel group agree on how they will run?
 
-Every setting that changes what a rank enqueues (the fence, the library
-versions, which backend is forced) is read per process. If two ranks differ,
+Every setting that changes what a rank enqueues (every ``JAX_COMM_GEMM_*``
+setting, the library versions) is read per process. If two ranks differ,
 the collective calls stop matching and the job hangs, or a peer's workspace is
 written past its end. So at connect every process publishes a fingerprint of
 those settings through the key-value store, reads the others', and a mismatch

@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 import jax_comm_gemm.runtime.agreement as agreement
+import jax_comm_gemm.validation as validation
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, cublasmp_refusal,
                                               self_test, workspace_verdict)
@@ -113,9 +114,7 @@ def connect(mesh, axis_name: str = "tp", *, config=None,
   >>> jcg.connect(mesh, "tp").ok  # on a CPU: cuBLASMp cannot run here
   False
   """
-  if axis_name not in mesh.axis_names:
-    raise ValueError(f"connect: axis_name={axis_name!r} is not an axis of the mesh, whose "
-                     f"axes are {tuple(mesh.axis_names)}")
+  validation.mesh_axis_size("connect", mesh, axis_name)
   settings = Settings.from_environ()  # bad values fail here, before any collective
   ident = comm_id(mesh, axis_name)
   processes = sorted({d.process_index for d in np.asarray(mesh.devices).flat})

@@ -3,9 +3,9 @@ and the process does not end by itself.
 
 The C++ watchdog aborts a group's communicator when a peer stops answering
 (JAX_COMM_GEMM_TIMEOUT) and every later call fails with the reason. But
-``ncclCommAbort`` does not release a GPU wait on a dead peer (seen on two
-H200s: the survivor of a killed peer stayed in ``block_until_ready``;
-docs/design.md#the-sentinel), so the main thread
+``ncclCommAbort`` does not release a GPU wait on a dead peer (the survivor
+of a killed peer stays in ``block_until_ready``: docs/design.md#the-sentinel),
+so the main thread
 may never see that error. A job that trains for days must not hang there. So,
 as PyTorch's NCCL watchdog does, this thread prints the aborted context's
 reason and ends the process with exit status 1 if it is still running
