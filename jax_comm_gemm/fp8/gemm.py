@@ -8,15 +8,12 @@ per call, which is slower (docs/fp8.md has the measurement). So the
 weight's FP8 copies are made by the cast, in the layout each GEMM wants
 (:func:`weight_copies`), once per call of the layer.
 
-Three forms, switchable (``Fp8Recipe.gemm_form``):
+Two forms, switchable (``Fp8Recipe.gemm_form``):
 
 * ``"direct"`` (default): the dot of the FP8 operands, accumulated into the
   output dtype (bf16; float32 for any other), times ``scale_inv_a * scale_inv_b``.
   This is the fastest form measured (docs/fp8.md). Per-row scales factor out of the contraction the
   same way (``y[i, j] * inv_a[i] * inv_b[j]``): the only form for them.
-* ``"dequant_f32"``: ``(a8.f32 * inv_a) . (b8.f32 * inv_b)`` in float32, then
-  the output dtype; XLA rewrites it into the FP8 GEMM with the scales as its
-  operands (slower than "direct": docs/fp8.md). Per-tensor scales only.
 * ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``): one
   cuBLASLt FP8 GEMM that applies both scales itself (scale pointers, per tensor,
   per row, or per 1 x 128 / 128 x 128 block) in f32 before the one rounding to
@@ -79,9 +76,8 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
   fast_accum = validation.check_flag("fp8_gemm_tn", "fast_accum", fast_accum)
   out_dtype = jnp.dtype(out_dtype)
   ia, ib = jnp.asarray(scale_inv_a, F32), jnp.asarray(scale_inv_b, F32)
-  if form not in ("direct", "dequant_f32", "cublaslt"):
-    raise ValueError("fp8_gemm_tn: form must be 'direct', 'dequant_f32' or 'cublaslt', "
-                     f"got {form!r}")
+  if form not in ("direct", "cublaslt"):
+    raise ValueError(f"fp8_gemm_tn: form must be 'direct' or 'cublaslt', got {form!r}")
   blocks = ia.ndim == 2 or ib.ndim == 2
   if form == "cublaslt":
     if _cublaslt_takes(a8, b8, ia, ib):
@@ -93,12 +89,6 @@ def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "dir
                            precision=lax.Precision.HIGHEST,
                            preferred_element_type=F32).astype(out_dtype)
   precision = None if fast_accum else lax.Precision.HIGHEST
-  if form == "dequant_f32":
-    if ia.ndim or ib.ndim:
-      raise ValueError("fp8_gemm_tn: form='dequant_f32' takes per-tensor (scalar) "
-                       "scales only")
-    return lax.dot_general(a8.astype(F32) * ia, b8.astype(F32) * ib, TN, precision=precision,
-                           preferred_element_type=F32).astype(out_dtype)
   return _direct(a8, b8, ia, ib, out_dtype, precision)
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 SCALINGS = ("tensor", "row", "delayed", "block")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-GEMM_FORMS = ("direct", "dequant_f32", "cublaslt")
+GEMM_FORMS = ("direct", "cublaslt")
 ACCUMULATIONS = ("fast", "fast_forward", "precise")
 
 
@@ -46,8 +46,7 @@ class Fp8Recipe:
     gemm_form: how a per-tensor-scaled GEMM is written for XLA
       (:func:`jax_comm_gemm.fp8.gemm.fp8_gemm_tn`): ``"direct"`` (FP8
       operands, the scales' product applied to the output; the default) or
-      ``"dequant_f32"`` (dequantize in float32 in front of the dot, the pattern
-      XLA rewrites into the FP8 GEMM with scale operands) or ``"cublaslt"`` (the
+      ``"cublaslt"`` (the
       project's FP8 GEMM custom call: cuBLASLt applies the scales, and its
       algorithm is timed at the first call; "direct" where it cannot run).
     amax_history: ``"delayed"`` only: how many steps' amaxes a history keeps
