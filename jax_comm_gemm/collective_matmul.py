@@ -3,8 +3,10 @@
 ``all_gather_matmul`` is the column-parallel product ``AG(x) @ w``;
 ``matmul_reduce_scatter`` is the row-parallel product ``RS(x @ w)``. Each is a
 ``jax.custom_vjp`` whose backward runs the other fused op for the input
-gradient. The weight gradient needs the gathered operand, and
-:func:`gathered_route` is the one place that decides where it comes from:
+gradient. How both run is one value, ``backends.routes.op_route``'s
+:class:`OpRoute`, decided where the op is called: the backend of each op
+(``backend="auto"``'s choices made) and where the weight gradient's gathered
+operand comes from:
 
 * in ``matmul_reduce_scatter``'s backward, from the AllGather+GEMM that computes
   the input gradient (its gathered grad_output), where the backend can hand it
@@ -37,8 +39,7 @@ from jax_comm_gemm.backends.auto import AG, RS
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
-from jax_comm_gemm.backends.routes import (fp8_collectives, fp8_route, gathered_route,
-                                           resolve_backend)
+from jax_comm_gemm.backends.routes import OpRoute, fp8_collectives, fp8_route, op_route
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -47,12 +48,11 @@ class _Static:
   """The non-differentiable arguments of both custom_vjp rules."""
   axis_name: str
   transpose_w: bool
-  backend: Backend
-  reuse_gathered: bool | None
+  route: OpRoute  # decided once, at the call (backends/routes.py)
   return_gathered: bool = False
   keep_gathered_input: bool = False
   precision: Any = None
-  plan: Any = None  # the plan that chose `backend`: the jits below key on it
+  plan: Any = None  # the plan that decided `route`: the jits below key on it
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -141,9 +141,13 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
         keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
         collectives=fp8_collectives(config, AG, x, w, transpose_w, axis_name, gathered)[0])
-  backend = resolve_backend(config, axis_name, precision=precision)
-  static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, return_gathered,
-                   keep_gathered_input, precision, plan=current_plan())
+  route = op_route(config, AG, x, w, transpose_w, axis_name, precision,
+                   hands_out=return_gathered or keep_gathered_input)
+  if keep_gathered_input and config.reuse_gathered is not False and not (
+      route.gathered_forward.reuse):
+    _warn_keep_unavailable(route.gathered_forward.reason)
+  static = _Static(axis_name, transpose_w, route, return_gathered, keep_gathered_input,
+                   precision, plan=current_plan())
   return _all_gather_matmul_jit(*vma.varying_along(axis_name, x, w), static)
 
 
@@ -156,21 +160,19 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
         reuse_gathered=config.reuse_gathered is not False, history=fp8_history,
         collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0])
-  backend = resolve_backend(config, axis_name, precision=precision)
-  static = _Static(axis_name, transpose_w, backend, config.reuse_gathered, precision=precision,
-                   plan=current_plan())
+  route = op_route(config, RS, x, w, transpose_w, axis_name, precision)
+  static = _Static(axis_name, transpose_w, route, precision=precision, plan=current_plan())
   return _matmul_reduce_scatter_jit(*vma.varying_along(axis_name, x, w), static)
 
 
-def _gathering_matmul(s: _Static, x, w, transpose_w):
-  """``(AG(x) @ w, AG(x))``, the gathered operand routed by gathered_route."""
-  route = gathered_route(s.backend, s.reuse_gathered, lax.axis_size(s.axis_name), x.dtype,
-                         transpose_w)
+def _gathering_matmul(s: _Static, backend: Backend, route, x, w, transpose_w):
+  """``(AG(x) @ w, AG(x))``: the gathered operand from the op where `route`
+  (a GatheredRoute) says so, else from a ``lax.all_gather``."""
   if route.reuse:
-    return s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
-                                       return_gathered=True, precision=s.precision)
-  y = s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
-                                  return_gathered=False, precision=s.precision)
+    return backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
+                                     return_gathered=True, precision=s.precision)
+  y = backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
+                                return_gathered=False, precision=s.precision)
   with jax.named_scope("jax_comm_gemm.all_gather"):
     return y, all_gather_tokens(x, s.axis_name)
 
@@ -180,23 +182,19 @@ def _gathering_matmul(s: _Static, x, w, transpose_w):
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_gather_matmul(x, w, s: _Static):
   if s.return_gathered:
-    return _gathering_matmul(s, x, w, s.transpose_w)
-  return s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
-                                     return_gathered=False, precision=s.precision)
+    return _gathering_matmul(s, s.route.forward, s.route.gathered_forward, x, w, s.transpose_w)
+  return s.route.forward.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                           return_gathered=False, precision=s.precision)
 
 
 def _all_gather_matmul_fwd(x, w, s: _Static):
   x, w = x.value, w.value
   if s.return_gathered or s.keep_gathered_input:
-    if s.keep_gathered_input and s.reuse_gathered is not False:
-      route = gathered_route(s.backend, s.reuse_gathered, lax.axis_size(s.axis_name),
-                             x.dtype, s.transpose_w)
-      if not route.reuse:  # the user asked for reuse; the verdict refuses it
-        _warn_keep_unavailable(route.reason)
-    y, g = _gathering_matmul(s, x, w, s.transpose_w)
+    y, g = _gathering_matmul(s, s.route.forward, s.route.gathered_forward, x, w,
+                             s.transpose_w)
     return ((y, g) if s.return_gathered else y), (g, w)
-  y = s.backend.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
-                                  return_gathered=False, precision=s.precision)
+  y = s.route.forward.all_gather_matmul(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                        return_gathered=False, precision=s.precision)
   return y, (x, w)
 
 
@@ -206,7 +204,7 @@ def _all_gather_matmul_bwd(s: _Static, res, ct):
   dx = dw = None
   if not isinstance(ct_y, SymbolicZero):
     # dx = RS(dy @ w.T): the fused GEMM+ReduceScatter with the other transpose.
-    dx = s.backend.matmul_reduce_scatter(ct_y, w, s.axis_name,
+    dx = s.route.backward.matmul_reduce_scatter(ct_y, w, s.axis_name,
                                          transpose_w=not s.transpose_w,
                                          precision=s.precision)
     if s.return_gathered or s.keep_gathered_input:
@@ -252,14 +250,14 @@ def _warn_keep_unavailable(reason: str) -> None:
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _matmul_reduce_scatter(x, w, s: _Static):
-  return s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w,
-                                         precision=s.precision)
+  return s.route.forward.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                               precision=s.precision)
 
 
 def _matmul_reduce_scatter_fwd(x, w, s: _Static):
   x, w = x.value, w.value
-  y = s.backend.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w,
-                                      precision=s.precision)
+  y = s.route.forward.matmul_reduce_scatter(x, w, s.axis_name, transpose_w=s.transpose_w,
+                                            precision=s.precision)
   return y, (x, w)
 
 
@@ -268,7 +266,8 @@ def _matmul_reduce_scatter_bwd(s: _Static, res, ct_y):
   if isinstance(ct_y, SymbolicZero):
     return (_or_zeros(None, x.shape, x.dtype, x), _or_zeros(None, w.shape, w.dtype, w))
   # dx = AG(dy) @ w.T: the fused AllGather+GEMM, which also gathers dy for dw.
-  dx, gathered_dy = _gathering_matmul(s, ct_y, w, not s.transpose_w)
+  dx, gathered_dy = _gathering_matmul(s, s.route.backward, s.route.gathered_backward, ct_y, w,
+                                      not s.transpose_w)
   return dx, weight_gradient(x, gathered_dy, s.transpose_w, s.precision)
 
 

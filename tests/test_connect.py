@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm.backends.auto import AG, RS, Problem
 from jax_comm_gemm.backends.routes import choose_backend
-from jax_comm_gemm.collective_matmul import gathered_route
+from jax_comm_gemm.backends.routes import gathered_route
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
 import jax_comm_gemm.backends.step_tuning as step_tuning

@@ -207,25 +207,23 @@ class AutoBackend(Backend):
 
   name = "auto"
 
-  def _all_gather(self, x, w, transpose_w, axis_name, gathered) -> Backend:
-    """The backend of the AllGather+GEMM chosen for these operands."""
-    configured = self.fused.all_gather_algorithm
-    default = configured if configured in OWN_ALGORITHMS else f"cublasmp_{configured}"
-    chosen, _ = choose(problem(AG, x, w, transpose_w, axis_name, gathered), default)
-    return implementation(chosen, self.fused)
+  def chosen(self, op: str, x, w, transpose_w, axis_name, gathered=False) -> Backend:
+    """The backend that runs op `op` (AG or RS) on these operands (arrays or
+    their shapes), `gathered`: an AllGather+GEMM that hands out its operand."""
+    configured = (self.fused.all_gather_algorithm if op == AG else self.fused.reduce_scatter)
+    default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
+               else f"cublasmp_{configured}")
+    name, _ = choose(problem(op, x, w, transpose_w, axis_name, gathered), default)
+    return implementation(name, self.fused)
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):
-    return self._all_gather(x, w, transpose_w, axis_name, return_gathered).all_gather_matmul(
+    return self.chosen(AG, x, w, transpose_w, axis_name, return_gathered).all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
         precision=precision)
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
-    configured = self.fused.reduce_scatter
-    default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
-               else f"cublasmp_{configured}")
-    chosen, _ = choose(problem(RS, x, w, transpose_w, axis_name), default)
-    return implementation(chosen, self.fused).matmul_reduce_scatter(
+    return self.chosen(RS, x, w, transpose_w, axis_name).matmul_reduce_scatter(
         x, w, axis_name, transpose_w=transpose_w, precision=precision)
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):

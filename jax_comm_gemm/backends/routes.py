@@ -155,6 +155,54 @@ def gathered_route(backend: Backend, reuse_gathered: bool | None, axis_size: int
 
 
 @dataclasses.dataclass(frozen=True)
+class OpRoute:
+  """How one bf16 collective matmul runs, decided once where it is called:
+  the backend of its forward op and of its backward's other op (concrete:
+  ``backend="auto"``'s choices already made), and where each AllGather+GEMM's
+  gathered operand comes from. The custom_vjps read it; none re-derives it.
+
+  >>> from jax_comm_gemm.backends import XlaBackend
+  >>> route = GatheredRoute(True, "XLA's")
+  >>> OpRoute(XlaBackend(), XlaBackend(), route, route).forward.name
+  'xla'
+  """
+  forward: Backend
+  backward: Backend
+  gathered_forward: GatheredRoute   # the AllGather+GEMM of the forward (AG)
+  gathered_backward: GatheredRoute  # the AllGather+GEMM of the backward (RS)
+
+
+def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision=None,
+             hands_out: bool = False) -> OpRoute:
+  """The :class:`OpRoute` of op `op` (``auto.AG`` or ``auto.RS``) on local `x`
+  and `w` under the plan in force; `hands_out`: an AllGather+GEMM whose
+  gathered operand is used (returned, or kept for the weight gradient).
+  Call inside ``jax.shard_map`` (it reads the axis size)."""
+  backend = resolve_backend(config, axis_name, precision=precision)
+  size = lax.axis_size(axis_name)
+  m = w.shape[0] if transpose_w else w.shape[1]
+  rows = x.shape[0] * size if op == auto.AG else x.shape[0] // size
+  # The gradient of y: the backward op's x, y's shape and dtype.
+  dy = jax.ShapeDtypeStruct((rows, m), x.dtype)
+  # An AllGather+GEMM's route: forward for AG, the backward's for RS.
+  gathered = gathered_route(backend, config.reuse_gathered, size, x.dtype,
+                            transpose_w if op == auto.AG else not transpose_w)
+  no_reuse = GatheredRoute(False, "no AllGather+GEMM there")
+
+  def concrete(which, *operands, gathered=False):
+    if isinstance(backend, AutoBackend):
+      return backend.chosen(which, *operands, axis_name, gathered)
+    return backend
+
+  if op == auto.AG:
+    return OpRoute(concrete(auto.AG, x, w, transpose_w, gathered=hands_out and gathered.reuse),
+                   concrete(auto.RS, dy, w, not transpose_w), gathered, no_reuse)
+  return OpRoute(concrete(auto.RS, x, w, transpose_w),
+                 concrete(auto.AG, dy, w, not transpose_w, gathered=gathered.reuse),
+                 no_reuse, gathered)
+
+
+@dataclasses.dataclass(frozen=True)
 class Fp8Route:
   """Whether the collective matmuls run in FP8 (``fp8``), and why; `backend`
   is what their fused steps run on: "xla", "ring" or "auto" (per problem).
