@@ -1,0 +1,87 @@
+"""benchmarks/producers.py on the optimized HLO of a small FP8 training step
+compiled here (CPU), with a synthetic trace whose "XLA Ops" line names some of
+its instructions: each piece of work lands in the category of what produced it."""
+
+import gzip
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import linen as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import producers  # noqa: E402
+
+from jax_comm_gemm.fp8 import quantize  # noqa: E402
+
+
+def _step_hlo() -> str:
+  norm = nn.LayerNorm()
+
+  def loss(w, x):
+    h = norm.apply({"params": {"scale": jnp.ones(128), "bias": jnp.zeros(128)}}, x)
+    xq, sx = quantize.quantize_tensor(h, jnp.float8_e4m3fn)
+    wq, sw = quantize.quantize_tensor(w, jnp.float8_e4m3fn)
+    y = jnp.dot(xq.astype(jnp.float32), wq.astype(jnp.float32)) * (sx * sw)
+    return jnp.mean(jax.nn.gelu(y) ** 2)
+
+  tx = optax.adam(1e-3)
+
+  def step(w, x, state):
+    g = jax.grad(loss)(w, x)
+    updates, state = tx.update(g, state, w)
+    return optax.apply_updates(w, updates), state
+
+  w, x = jnp.ones((128, 256)), jnp.ones((64, 128))
+  return jax.jit(step).lower(w, x, tx.init(w)).compile().as_text()
+
+
+@pytest.fixture(scope="module")
+def module():
+  return producers.Module(_step_hlo())
+
+
+def _named(module, category):
+  return [n for n, i in module.instructions.items()
+          if i["op"] == "fusion" and module.classify(n) == category]
+
+
+def test_each_producer_is_found(module):
+  entry = [n for n, i in module.instructions.items() if i["op"] in ("fusion", "dot")]
+  found = {module.classify(n) for n in entry}
+  # What a CPU compile of this step must contain: the GEMMs, the FP8 casts and
+  # their amaxes, and Adam's update.
+  assert {"gemm", "cast", "amax", "optimizer"} <= found, sorted(found)
+
+
+def test_sources_walk_the_stack(module):
+  frames = [i["frame"] for i in module.instructions.values() if i["frame"]]
+  sources = [s for f in frames for s in module.sources(f)]
+  assert any("/optax/" in s for s in sources), sources[:5]
+  assert any("jax_comm_gemm/fp8/quantize.py" in s for s in sources), sources[:5]
+
+
+def test_trace_time_lands_in_the_categories(module, tmp_path):
+  cast, optimizer = _named(module, "cast")[0], _named(module, "optimizer")[0]
+  events = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0,
+             "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 2, "args": {"name": "XLA Ops"}},
+            {"ph": "X", "name": cast, "pid": 1, "tid": 2, "ts": 0, "dur": 30},
+            {"ph": "X", "name": cast, "pid": 1, "tid": 2, "ts": 50, "dur": 10},
+            {"ph": "X", "name": optimizer, "pid": 1, "tid": 2, "ts": 70, "dur": 5},
+            {"ph": "X", "name": "not_in_the_hlo", "pid": 1, "tid": 2, "ts": 80, "dur": 1}]
+  path = tmp_path / "perfetto_trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  s = producers.summarize(producers.xla_op_times(producers.trace_summary.load(str(path)), None),
+                          module)
+  by = s["categories"]
+  assert (by["cast"]["us"], by["cast"]["count"]) == (40.0, 2)
+  assert by["optimizer"]["us"] == 5.0 and by["other"]["us"] == 1.0
+  assert s["total_us"] == 46.0
+  assert "| cast | 40.0 | 87.0% | 2 |" in producers.format_table(s)
