@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.runtime.constants import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
 from jax_comm_gemm.runtime.settings import BACKENDS

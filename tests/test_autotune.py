@@ -28,7 +28,7 @@ import jax_comm_gemm.backends.tuning as autotune
 import jax_comm_gemm.backends.verify as verify
 from jax_comm_gemm.backends import auto
 from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
-from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.runtime.settings import Settings

@@ -2,7 +2,8 @@
 
 * ``base``: the interface. ``xla``: XLA's collectives, and the rings of
   per-shard GEMMs and ppermutes (``RingBackend``); both run everywhere.
-* ``cublasmp``: the fused cuBLASMp ops, on ``primitives`` (the custom calls).
+* ``primitives``: the extension's fused ops (cuBLASMp's algorithms and the
+  project's pipelined_ce): the custom calls and ``CublasMpBackend``.
 * ``pallas``: jax's Pallas Mosaic GPU AllGather+GEMM kernel, where it can run.
 * ``auto``: per problem, the implementation that measured fastest; ``tuning``
   measures it (``autotune``), ``step_tuning`` times the whole step under each
@@ -18,7 +19,7 @@ from jax_comm_gemm.backends.auto import AutoBackend
 from jax_comm_gemm.backends.step_tuning import TunedStep, autotune_step
 from jax_comm_gemm.backends.tuning import autotune, problems_of
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.pallas import PallasBackend
 from jax_comm_gemm.backends.routes import Choice, choose_backend, resolve_backend
 from jax_comm_gemm.backends.xla import (RingBackend, XlaBackend, all_gather_tokens,

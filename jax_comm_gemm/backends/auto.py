@@ -31,7 +31,7 @@ from jax import lax
 
 import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.fp8.steps import why_not_fused

@@ -20,7 +20,7 @@ import jax_comm_gemm.backends.auto as auto
 from jax_comm_gemm import validation
 from jax_comm_gemm.backends.auto import AutoBackend, workspace
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
 from jax_comm_gemm.config import FP8_BACKENDS
 from jax_comm_gemm.runtime import settings

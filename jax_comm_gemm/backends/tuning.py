@@ -32,7 +32,7 @@ import jax_comm_gemm.runtime.kv as kv
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS, Problem,
                                          candidates, fp8_collectives_of, implementation, runnable)
-from jax_comm_gemm.backends.cublasmp import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
 # Re-exported: autotune's measuring steps live in timing.py.
 from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, UnionOfFailures, build,  # noqa: F401
                                            decide, fastest, time_candidates, with_failures)
