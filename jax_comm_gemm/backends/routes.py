@@ -30,12 +30,7 @@ from jax_comm_gemm.runtime.registry import current_plan
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """A backend, and why it runs the layer.
-
-  >>> from jax_comm_gemm.backends.xla import XlaBackend
-  >>> Choice(XlaBackend(), "backend='xla' was requested").backend.name
-  'xla'
-  """
+  """A backend, and why it runs the layer."""
   backend: Backend
   reason: str
 
@@ -131,11 +126,7 @@ def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None) ->
 @dataclasses.dataclass(frozen=True)
 class GatheredRoute:
   """Where a weight gradient gets its gathered operand: from the fused op
-  (``reuse``) or from a ``lax.all_gather``, and why.
-
-  >>> GatheredRoute(False, "reuse_gathered=False was requested").reuse
-  False
-  """
+  (``reuse``) or from a ``lax.all_gather``, and why."""
   reuse: bool
   reason: str
 
@@ -160,11 +151,6 @@ class OpRoute:
   the backend of its forward op and of its backward's other op (concrete:
   ``backend="auto"``'s choices already made), and where each AllGather+GEMM's
   gathered operand comes from. The custom_vjps read it; none re-derives it.
-
-  >>> from jax_comm_gemm.backends import XlaBackend
-  >>> route = GatheredRoute(True, "XLA's")
-  >>> OpRoute(XlaBackend(), XlaBackend(), route, route).forward.name
-  'xla'
   """
   forward: Backend
   backward: Backend
@@ -205,11 +191,8 @@ def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision
 @dataclasses.dataclass(frozen=True)
 class Fp8Route:
   """Whether the collective matmuls run in FP8 (``fp8``), and why; `backend`
-  is what their fused steps run on: "xla", "ring" or "auto" (per problem).
-
-  >>> Fp8Route(False, "no FP8 recipe").fp8
-  False
-  """
+  is what their fused steps run on: "xla", "ring", "cublasmp" or "auto" (per
+  problem)."""
   fp8: bool
   reason: str
   backend: str = ""
