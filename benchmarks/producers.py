@@ -120,9 +120,17 @@ class Module:
 
   def classify(self, name: str) -> str:
     """One of CATEGORIES for the instruction `name` (a fusion is classed by
-    what it contains)."""
+    what it contains), or for a kernel named after one (XLA names a fusion's
+    kernel "loop_x_fusion_3" for "loop_x_fusion.3"); a kernel of a library
+    (cuBLAS, cuDNN, NCCL) by its name."""
+    name = name.lstrip("%").split(" ")[0]
     if name not in self.instructions:
-      return "other"
+      name = re.sub(r"_(\d+)$", r".\1", name)
+    if name not in self.instructions:
+      if re.search(r"fmha|sdpa|flash", name, re.I):
+        return "attention"
+      kind = next((k for k, rule in trace_summary.KINDS if rule.search(name)), "other")
+      return kind if kind in CATEGORIES else "other"
     instrs = self.body(name)
     ops = {i["op"] for i in instrs}
     targets = " ".join(i["target"] for i in instrs).lower()
@@ -171,13 +179,16 @@ def _fields(text: str) -> dict[str, int]:
 
 
 def xla_op_times(trace: dict, window: str | None) -> dict[str, tuple[float, int]]:
-  """{HLO instruction: (us, count)} from the GPUs' "XLA Ops" lines in the window."""
+  """{HLO instruction: (us, count)} from the GPUs' "XLA Ops" lines in the
+  window; {kernel: (us, count)} from their streams where a trace has no such line."""
   span = trace_summary.resolve_window(trace, window)
   if window and span is None:
     raise ValueError(f"--window {window!r}: no such span in the trace")
   lo, hi = (span[0], span[1]) if span else (float("-inf"), float("inf"))
-  lines = {key for key, name in trace["tname"].items()
-           if name == "XLA Ops" and trace_summary.is_device(trace["pname"].get(key[0], ""))}
+  on_device = {key: name for key, name in trace["tname"].items()
+               if trace_summary.is_device(trace["pname"].get(key[0], ""))}
+  lines = {key for key, name in on_device.items() if name == "XLA Ops"} or {
+      key for key, name in on_device.items() if name not in trace_summary.DERIVED_LINES}
   out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
   for pid, tid, ts, dur, name in trace["events"]:
     if (pid, tid) not in lines:

@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--profile", metavar="DIR",
                    help="after training, trace 3 more steps with jax.profiler into DIR "
                         "(each step annotated 'train_step'; benchmarks/trace_summary.py "
-                        "--window train_step summarises it) (default: none)")
+                        "--window train_step summarises it), and the step's HLO into "
+                        "DIR/step.hlo.txt (benchmarks/producers.py) (default: none)")
   run.add_argument("--json-out", metavar="PATH",
                    help="write a JSON summary here (default: none)")
   return p
@@ -377,6 +378,9 @@ def train(args) -> dict:
     say("(--share-gpu: the processes share one GPU, so tokens/s is not a speed measurement)")
 
   step_text = run_report.program_text(step_fn, params, opt_state, tokens, targets)
+  if args.profile and rank0:  # beside the trace: benchmarks/producers.py joins the two
+    with open(os.path.join(args.profile, "step.hlo.txt"), "w") as f:
+      f.write(step_text)
   summary = run_report.layer_report(step_text, config, mesh, dtype, args, s["layers"], say,
                                     routes=getattr(step_fn, "routes", None))
   summary.update(history=history, tokens_per_s=tokens_per_s, start_step=start,

@@ -85,3 +85,13 @@ def test_trace_time_lands_in_the_categories(module, tmp_path):
   assert by["optimizer"]["us"] == 5.0 and by["other"]["us"] == 1.0
   assert s["total_us"] == 46.0
   assert "| cast | 40.0 | 87.0% | 2 |" in producers.format_table(s)
+
+
+def test_kernels_named_after_instructions_or_libraries(module):
+  cast = next(n for n in _named(module, "cast") if "." in n)
+  assert module.classify(cast.replace(".", "_")) == "cast"  # XLA's kernel name for it
+  assert module.classify(f"%{cast} = f8e4m3fn[64,128] fusion(...)") == "cast"
+  assert module.classify("nvjet_sm90_tst_128x128_TNT") == "gemm"
+  assert module.classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+  assert module.classify("ncclDevKernel_AllGather_RING_LL") == "collective"
+  assert module.classify("some_kernel_of_no_library") == "other"
