@@ -192,19 +192,11 @@ def path_reason(kind: str, injected: str | None, preferred_element_type=None) ->
   return f"{why}, so the layer runs on XLA's collectives ({steps})"
 
 
-# kind: (entry on local shards, entry on global arrays); each takes
-# (names, *operands, where=Placement, **options).
-ENTRIES = MappingProxyType({
-    "column": (local.column_local, sharded.column_global),
-    "row": (local.row_local, sharded.row_global),
-    "block": (transformer.block_local, transformer.block_global),
-})
-
-
 def run(kind: str, where: placement.Placement, names: Names, *operands, **options):
-  """Runs layer `kind` (a key of ``ENTRIES``) where `where` (``placement.place``)
-  says: on local shards inside the caller's ``jax.shard_map``, or on global
-  arrays. The functional API calls the same entries.
+  """Runs layer `kind` ("column", "row" or "block") where `where`
+  (``placement.place``) says: on local shards inside the caller's
+  ``jax.shard_map``, or on global arrays. The functional API calls the same
+  entries.
 
   >>> import numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -213,6 +205,14 @@ def run(kind: str, where: placement.Placement, names: Names, *operands, **option
   ...     keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG).shape
   (2, 4)
   """
-  on_local_shards, on_global_arrays = ENTRIES[kind]
-  entry = on_local_shards if where.local else on_global_arrays
-  return entry(names, *operands, where=where, **options)
+  if kind == "column" and where.local:
+    return local.column_local(names, *operands, where=where, **options)
+  if kind == "column":
+    return sharded.column_global(names, *operands, where=where, **options)
+  if kind == "row" and where.local:
+    return local.row_local(names, *operands, where=where, **options)
+  if kind == "row":
+    return sharded.row_global(names, *operands, where=where, **options)
+  if where.local:
+    return transformer.block_local(names, *operands, where=where, **options)
+  return transformer.block_global(names, *operands, where=where, **options)
