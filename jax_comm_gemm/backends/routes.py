@@ -30,7 +30,14 @@ from jax_comm_gemm.runtime.registry import current_plan
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """A backend, and why it runs the layer."""
+  """A backend, and why it runs the layer (what :func:`choose_backend` returns).
+
+  >>> import jax, numpy as np, jax_comm_gemm as jcg
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> choice = choose_backend(jcg.CommGemmConfig(), "tp", mesh)  # auto, on a CPU
+  >>> choice.backend.name, choice.reason.startswith("cuBLASMp is unavailable")
+  ('xla', True)
+  """
   backend: Backend
   reason: str
 
