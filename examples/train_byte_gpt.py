@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "bytes are all-gathered (docs/fp8.md) "
                          "(default: none, the GEMMs run in --dtype)")
   comm.add_argument("--fp8-gemm", choices=GEMM_FORMS, default=Fp8Recipe.gemm_form,
-                    help="how --fp8 runs its GEMMs: XLA's FP8 GEMM ('direct', "
-                         "'dequant_f32') or the project's cuBLASLt custom call with a timed "
+                    help="how --fp8 runs its GEMMs: XLA's FP8 GEMM ('direct') or "
+                         "the project's cuBLASLt custom call with a timed "
                          "algorithm ('cublaslt'; XLA's where it cannot run) "
                          "(default: %(default)s)")
   comm.add_argument("--keep-gathered-input", action="store_true",
