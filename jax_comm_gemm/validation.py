@@ -36,6 +36,18 @@ class Names:
   bias: str = "bias"
 
 
+def check_axis_name(op: str, axis_name) -> None:
+  """`axis_name` must be a mesh axis name: a str.
+
+  >>> check_axis_name("f", 0)
+  Traceback (most recent call last):
+  ...
+  TypeError: f: axis_name must be a mesh axis name (str), got 0
+  """
+  if not isinstance(axis_name, str):
+    raise TypeError(f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+
+
 def bound_axis_size(op: str, axis_name) -> int:
   """The size of `axis_name` in the enclosing shard_map, or a clear error.
 
@@ -44,9 +56,7 @@ def bound_axis_size(op: str, axis_name) -> int:
   ...
   ValueError: f: axis_name='tp' is not an axis of the enclosing jax.shard_map (no mesh axis is bound here); call it inside jax.shard_map over a mesh with that axis, or use the Flax modules, which take a mesh
   """
-  if not isinstance(axis_name, str):
-    raise TypeError(
-        f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+  check_axis_name(op, axis_name)
   try:
     return int(jax.lax.axis_size(axis_name))
   except NameError:
@@ -65,9 +75,7 @@ def mesh_axis_size(op: str, mesh, axis_name) -> int:
   >>> mesh_axis_size("f", jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), "tp")
   1
   """
-  if not isinstance(axis_name, str):
-    raise TypeError(
-        f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+  check_axis_name(op, axis_name)
   if axis_name not in mesh.axis_names:
     raise ValueError(
         f"{op}: axis_name={axis_name!r} is not an axis of the mesh, whose "

@@ -93,8 +93,7 @@ def as_axes(op: str, axis_name, data_axes) -> tuple[str, ...]:
   >>> as_axes("f", "tp", "dp")
   ('dp',)
   """
-  if not isinstance(axis_name, str):
-    raise TypeError(f"{op}: axis_name must be a mesh axis name (str), got {axis_name!r}")
+  validation.check_axis_name(op, axis_name)
   if isinstance(data_axes, str):
     return (data_axes,)
   try:
