@@ -358,6 +358,16 @@ def test_rule_of_thumb_then_the_measured_choice(empty_decisions):
     assert auto.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
 
 
+def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
+  """A group of one has one candidate that runs (XLA's local GEMM): the rule of
+  thumb's route is the only one, and tracing says nothing."""
+  alone = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 1)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert auto.choose(alone, "cublasmp_split_p2p")[0] == "xla"
+
+
+
 def test_settings_force_or_turn_off(empty_decisions):
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
   measured = stand_in_plan().with_decisions({p: ("cublasmp_default", "measured")})
