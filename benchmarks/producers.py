@@ -153,7 +153,9 @@ class Module:
     max_reduce = any(self.instructions.get(n, {}).get("op") == "maximum"
                      for i in instrs if i["op"] == "reduce"
                      for c in i["calls"] for n in self.computations.get(c, ()))
-    amax = max_reduce or ops <= {"fusion", "abs", "parameter", "bitcast", "convert"} and "abs" in ops
+    # What the fusion computes, without the fusion itself and its plumbing.
+    work = ops - {"fusion", "parameter", "bitcast"}
+    amax = max_reduce or work <= {"abs", "convert"} and "abs" in work
     if producer in ("optimizer", "attention"):
       return producer
     if amax:
@@ -162,8 +164,7 @@ class Module:
       return "cast"
     if producer in ("norm", "activation"):
       return producer
-    if ops & {"transpose", "copy"} and ops <= {"transpose", "copy", "bitcast", "parameter",
-                                               "convert"}:
+    if work & {"transpose", "copy"} and work <= {"transpose", "copy", "convert"}:
       return "transpose"
     if producer == "fp8":
       return "scale"

@@ -95,3 +95,20 @@ def test_kernels_named_after_instructions_or_libraries(module):
   assert module.classify("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
   assert module.classify("ncclDevKernel_AllGather_RING_LL") == "collective"
   assert module.classify("some_kernel_of_no_library") == "other"
+
+
+def test_a_fusion_that_only_transposes_is_a_transpose():
+  text = """HloModule m
+
+%wrapped_transpose_computation (param_0: bf16[64,128]) -> bf16[128,64] {
+  %param_0 = bf16[64,128]{1,0} parameter(0)
+  ROOT %transpose.1 = bf16[128,64]{1,0} transpose(%param_0), dimensions={1,0}
+}
+
+ENTRY %main (x: bf16[64,128]) -> bf16[128,64] {
+  %x = bf16[64,128]{1,0} parameter(0)
+  ROOT %wrapped_transpose = bf16[128,64]{1,0} fusion(%x), kind=kInput, calls=%wrapped_transpose_computation
+}
+"""
+  module = producers.Module(text)
+  assert module.classify("wrapped_transpose") == "transpose"
