@@ -182,6 +182,13 @@ Status Context::AgreeOnPlan(const PlanKey& key, Clock::time_point deadline) {
   if (options_.nranks == 1) return Status();
   JCG_RETURN_IF_ERROR(WithComm([&] { return EnqueueKeyExchange(key); }));
   JCG_RETURN_IF_ERROR(WaitForStream(stream_.get(), deadline, "the ranks agreed on a new plan"));
+  // Over NCCL's network transport a departed peer ends the exchange's kernels
+  // early, without an error from the wait, and the gathered keys are stale:
+  // NCCL says so only through the communicator's asynchronous error.
+  JCG_RETURN_IF_ERROR(WithComm([&] {
+    const std::string error = AsyncNcclError();
+    return error.empty() ? Status() : Status::Internal(error);
+  }));
   const auto* gathered = static_cast<const unsigned char*>(keys_host_.get()) + kPlanKeyBytes;
   return CheckGatheredPlanKeys(gathered, options_.nranks);
 }

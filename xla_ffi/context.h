@@ -122,6 +122,8 @@ class Context {
   template <typename Body>
   Status WithComm(Body&& body);
   Status AbortedStatus() const;
+  // NCCL's asynchronous error on any of the communicators, or "" (comm_lock_ held).
+  std::string AsyncNcclError() const;
   // Aborts the context for `error` and returns it, saying so.
   Status AbortFor(Status error) noexcept;
   std::string Where() const;       // "group 7, device 0, rank 1 of 2"

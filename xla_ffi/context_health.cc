@@ -95,6 +95,19 @@ Status Context::AbortFor(Status error) noexcept {
   });
 }
 
+std::string Context::AsyncNcclError() const {
+  for (ncclComm_t comm : {comm_.get(), own_comm_.get(), ce_comm_.get()}) {
+    if (comm == nullptr) continue;
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+    if (r != ncclSuccess) async = r;
+    if (async != ncclSuccess && async != ncclInProgress) {
+      return "NCCL reported an asynchronous error: " + NcclErrorDetail(async, comm);
+    }
+  }
+  return std::string();
+}
+
 void Context::Watch(Clock::time_point now) noexcept {
   try {
     if (aborted_ || closed_) return;
@@ -102,15 +115,7 @@ void Context::Watch(Clock::time_point now) noexcept {
     {
       std::shared_lock<std::shared_timed_mutex> lock(comm_lock_);
       if (aborted_) return;
-      for (ncclComm_t comm : {comm_.get(), own_comm_.get(), ce_comm_.get()}) {
-        if (comm == nullptr) continue;
-        ncclResult_t async = ncclSuccess;
-        const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
-        if (r != ncclSuccess) async = r;
-        if (async != ncclSuccess && async != ncclInProgress && reason.empty()) {
-          reason = "NCCL reported an asynchronous error: " + NcclErrorDetail(async, comm);
-        }
-      }
+      reason = AsyncNcclError();
     }
     if (reason.empty()) {
       DeviceScope scope;
