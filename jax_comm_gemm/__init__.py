@@ -52,7 +52,7 @@ from jax_comm_gemm.backends import (AutoBackend, Backend, Capability, CublasMpBa
                                     problems_of, resolve_backend)
 from jax_comm_gemm.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from jax_comm_gemm.config import ALGORITHMS, CommGemmConfig
-from jax_comm_gemm.layers.local import column_parallel_dense, mlp, row_parallel_dense
+from jax_comm_gemm.layers.dense import column_parallel_dense, mlp, row_parallel_dense
 from jax_comm_gemm.runtime import REGISTRY, connect
 
 

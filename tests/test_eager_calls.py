@@ -1,7 +1,7 @@
 """Eager calls of the layers and modules reuse their compiled programs.
 
 The global-array layers wrap ``shard_map`` in jitted functions of module scope
-(``layers/sharded.py``), so calling a layer or a Flax module outside ``jax.jit``
+(``layers/dense.py``), so calling a layer or a Flax module outside ``jax.jit``
 compiles once per shape and options; before, every call traced and compiled a
 fresh closure (about 23 ms a call). Compilations are counted through
 ``jax.monitoring``.

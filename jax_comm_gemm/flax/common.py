@@ -22,7 +22,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.layers import local, placement, sharded, transformer
+from jax_comm_gemm.layers import dense, transformer
 from jax_comm_gemm.validation import Names
 
 default_kernel_init = initializers.lecun_normal()
@@ -137,9 +137,9 @@ def check_options(owner: str, options: dict, *, features: dict[str, int]) -> tup
   for name in ("activation", "kernel_init", "bias_init", "scale_init"):
     if name in options:
       validation.check_callable(owner, name, options[name])
-  data = placement.as_axes(owner, options["axis_name"], options["data_axes"])
+  data = dense.as_axes(owner, options["axis_name"], options["data_axes"])
   if options["mesh"] is not None:
-    placement.check_mesh(owner, placement.resolve_mesh(owner, options["mesh"]),
+    dense.check_mesh(owner, dense.resolve_mesh(owner, options["mesh"]),
                          options["axis_name"], data)
   return data
 
@@ -158,11 +158,11 @@ def check_split(subject: str, value: int, axis_name: str, size: int) -> None:
         f"tensor-parallel mesh axis {axis_name!r}")
 
 
-def check_token_inputs(owner: str, inputs, where: placement.Placement) -> None:
+def check_token_inputs(owner: str, inputs, where: dense.Placement) -> None:
   """A module whose `inputs` are sharded along tokens: at least 2-D, and the
   tokens split over every shard (globally) or gather cleanly (locally).
 
-  >>> check_token_inputs("M", jnp.ones((3, 4)), placement.Placement(True, "tp", 2))
+  >>> check_token_inputs("M", jnp.ones((3, 4)), dense.Placement(True, "tp", 2))
   """
   validation.check_activations(owner, "inputs", inputs)
   if not where.local:
@@ -192,27 +192,27 @@ def path_reason(kind: str, injected: str | None, preferred_element_type=None) ->
   return f"{why}, so the layer runs on XLA's collectives ({steps})"
 
 
-def run(kind: str, where: placement.Placement, names: Names, *operands, **options):
+def run(kind: str, where: dense.Placement, names: Names, *operands, **options):
   """Runs layer `kind` ("column", "row" or "block") where `where`
-  (``placement.place``) says: on local shards inside the caller's
+  (``dense.place``) says: on local shards inside the caller's
   ``jax.shard_map``, or on global arrays. The functional API calls the same
   entries.
 
   >>> import numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  >>> run("column", placement.Placement(False, "tp", 1, mesh), Names("f"),
+  >>> run("column", dense.Placement(False, "tp", 1, mesh), Names("f"),
   ...     np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), None,
   ...     keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG).shape
   (2, 4)
   """
   if kind == "column" and where.local:
-    return local.column_local(names, *operands, where=where, **options)
+    return dense.column_local(names, *operands, where=where, **options)
   if kind == "column":
-    return sharded.column_global(names, *operands, where=where, **options)
+    return dense.column_global(names, *operands, where=where, **options)
   if kind == "row" and where.local:
-    return local.row_local(names, *operands, where=where, **options)
+    return dense.row_local(names, *operands, where=where, **options)
   if kind == "row":
-    return sharded.row_global(names, *operands, where=where, **options)
+    return dense.row_global(names, *operands, where=where, **options)
   if where.local:
     return transformer.block_local(names, *operands, where=where, **options)
   return transformer.block_global(names, *operands, where=where, **options)

@@ -9,7 +9,7 @@ Each module runs in one of two modes, decided at trace time:
 
 * **global** (the usual one): under ``jax.jit``, outside any ``shard_map`` over
   ``axis_name``. Parameters have their global shapes (a column-parallel kernel
-  is ``[K, F]``) and the call goes through :mod:`jax_comm_gemm.layers.sharded`, over
+  is ``[K, F]``) and the call goes through :mod:`jax_comm_gemm.layers.dense` (global arrays), over
   ``mesh`` or the mesh set by ``jax.set_mesh``. Initialise the parameters
   sharded by their partitioning metadata::
 
@@ -20,7 +20,7 @@ Each module runs in one of two modes, decided at trace time:
 * **local**: inside the caller's own ``jax.shard_map`` over a mesh with
   ``axis_name``. Parameters have local shapes (``[K, F/P]``): pass the shards
   that the same partition specs (``nn.get_partition_spec``) cut from the
-  global parameters, and the call goes through :mod:`jax_comm_gemm.layers.local`.
+  global parameters, and the call goes through :mod:`jax_comm_gemm.layers.dense` (local shards).
   Initialise in global mode: an init inside the shard_map would give every
   shard the same random values.
 
@@ -58,7 +58,7 @@ from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split,
                                        check_token_inputs, kw_only, options_of, path_reason)
 from jax_comm_gemm.flax import common
-from jax_comm_gemm.layers import placement
+from jax_comm_gemm.layers import dense
 from jax_comm_gemm.validation import Names
 
 
@@ -98,7 +98,7 @@ class _ParallelDense(LinenOptions):
     for name in ("promote_dtype", "dot_general", "dot_general_cls"):
       if getattr(self, name) is not None:
         validation.check_callable(owner, name, getattr(self, name))
-    where = placement.place(owner, self.mesh, self.axis_name, data)
+    where = dense.place(owner, self.mesh, self.axis_name, data)
     validation.check_activations(owner, "inputs", inputs)
     in_features, axis = jnp.shape(inputs)[-1], self.axis_name
     if self._kind == "column":
@@ -216,7 +216,7 @@ class SequenceParallelMLP(LinenOptions):
     data = check_options(owner, options | {"activation": self.activation,
                                            "keep_gathered_input": self.keep_gathered_input},
                          features={"hidden_features": self.hidden_features})
-    where = placement.place(owner, self.mesh, self.axis_name, data)
+    where = dense.place(owner, self.mesh, self.axis_name, data)
     check_token_inputs(owner, inputs, where)
     check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name,
                 where.size)

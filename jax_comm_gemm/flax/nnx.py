@@ -22,7 +22,7 @@ around the dot, and :meth:`ColumnParallelDense.path_reason` says so.
 A call runs in one of two modes, decided at trace time:
 
 * **global**: outside any ``shard_map`` over ``axis_name`` (typically under
-  ``jax.jit``); goes through :mod:`jax_comm_gemm.layers.sharded`.
+  ``jax.jit``); goes through :mod:`jax_comm_gemm.layers.dense` (global arrays).
 * **local**: inside the caller's ``jax.shard_map`` over ``axis_name``, with the
   module's state split into local shards by its partition specs::
 
@@ -34,7 +34,7 @@ A call runs in one of two modes, decided at trace time:
 
     jax.shard_map(step, mesh=mesh, in_specs=(specs, P("tp")), out_specs=P("tp"))
 
-  and goes through :mod:`jax_comm_gemm.layers.local` on the local parameter values.
+  and goes through :mod:`jax_comm_gemm.layers.dense` (local shards) on the local parameter values.
 
 With FP8 "delayed" scaling (``config=CommGemmConfig(fp8=Fp8Recipe("delayed"))``)
 each dense layer that runs the FP8 ops holds its amax history,
@@ -61,7 +61,7 @@ from jax_comm_gemm.flax.common import (DEFAULTS, check_options, check_split,
 from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.flax import common
-from jax_comm_gemm.layers import placement
+from jax_comm_gemm.layers import dense
 from jax_comm_gemm.validation import Names
 
 # Flax Linear's own arguments, with its defaults.
@@ -85,7 +85,7 @@ def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],
   options["data_axes"] = check_options(owner, options, features=features)
   known = _known_mesh(options["mesh"])
   if known is not None:
-    size, _ = placement.check_mesh(owner, known, options["axis_name"], options["data_axes"])
+    size, _ = dense.check_mesh(owner, known, options["axis_name"], options["data_axes"])
     check_split(f"{owner}.{split}", features[split], options["axis_name"], size)
   return options
 
@@ -184,7 +184,7 @@ class _ParallelDense(nnx.Module):
 
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
+    where = dense.place(owner, self.mesh, self.axis_name, self.data_axes)
     kernel = self.kernel[...]
     bias = self.bias[...] if self.bias is not None else None
     inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
@@ -282,7 +282,7 @@ class SequenceParallelMLP(nnx.Module):
   def __call__(self, inputs: Array) -> Array:
     fc1 = self.fc1
     owner = type(self).__name__
-    where = placement.place(owner, fc1.mesh, fc1.axis_name, fc1.data_axes)
+    where = dense.place(owner, fc1.mesh, fc1.axis_name, fc1.data_axes)
     check_token_inputs(owner, inputs, where)
     return self.fc2(self.activation(fc1(inputs)))
 

@@ -46,7 +46,8 @@ from flax.typing import Array, Dtype, Initializer
 from jax_comm_gemm.flax.common import (LinenOptions, check_options, check_split, kw_only,
                                        options_of)
 from jax_comm_gemm.flax import common
-from jax_comm_gemm.layers import placement, transformer
+from jax_comm_gemm.layers import transformer
+from jax_comm_gemm.layers.dense import place
 from jax_comm_gemm.validation import Names
 
 
@@ -137,7 +138,7 @@ class SequenceParallelTransformerBlock(LinenOptions):
         for name in ("activation", "causal", "scale_init", "keep_gathered_input")}
     data = check_options(owner, options, features={"num_heads": self.num_heads,
                                                    "hidden_features": self.hidden_features})
-    where = placement.place(owner, self.mesh, self.axis_name, data)
+    where = place(owner, self.mesh, self.axis_name, data)
     check_split(f"{owner}.num_heads", self.num_heads, self.axis_name, where.size)
     check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name, where.size)
     if jnp.ndim(inputs) != 3:

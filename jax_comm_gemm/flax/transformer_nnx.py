@@ -33,7 +33,8 @@ from jax_comm_gemm.flax.common import DEFAULTS
 from jax_comm_gemm.flax.nnx import (ColumnParallelDense, RowParallelDense,
                                     SequenceParallelMLP, init_options, make_param)
 from jax_comm_gemm.flax import common
-from jax_comm_gemm.layers import placement, transformer
+from jax_comm_gemm.layers import transformer
+from jax_comm_gemm.layers.dense import place
 from jax_comm_gemm.validation import Names
 
 # The block's own arguments (beyond the shared Options), with their defaults.
@@ -158,6 +159,6 @@ class SequenceParallelTransformerBlock(nnx.Module):
 
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    where = placement.place(owner, self.mesh, self.axis_name, self.data_axes)
+    where = place(owner, self.mesh, self.axis_name, self.data_axes)
     return common.run("block", where, Names(owner, x="inputs"), inputs, self.params(),
                         options=self.options, fp8_histories=self.fp8_histories())

@@ -44,8 +44,8 @@ from jax.sharding import PartitionSpec as P
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory
-from jax_comm_gemm.layers import local
-from jax_comm_gemm.layers.placement import Placement, global_placement
+from jax_comm_gemm.layers import dense
+from jax_comm_gemm.layers.dense import Placement, global_placement
 from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
 
@@ -234,10 +234,10 @@ def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype, histo
   row-parallel dense around `inner` (attention, or the MLP's activation)."""
   o = options
   h = layer_norm(x, norm, o.epsilon, dtype)
-  h = local.column_parallel(h, *_dense_params(first, dtype), axis_name=axis_name,
+  h = dense.column_parallel(h, *_dense_params(first, dtype), axis_name=axis_name,
                             keep_gathered_input=o.keep_gathered_input,
                             precision=o.precision, config=o.config, fp8_history=histories[0])
-  return x + local.row_parallel(inner(h), *_dense_params(second, dtype),
+  return x + dense.row_parallel(inner(h), *_dense_params(second, dtype),
                                 axis_name=axis_name, precision=o.precision, config=o.config,
                                 fp8_history=histories[1])
 
