@@ -43,7 +43,7 @@ def main() -> int:
   from jax.sharding import Mesh  # noqa: PLC0415
 
   jcg = bench.import_jcg()
-  from jax_comm_gemm.backends import auto, tuning  # noqa: PLC0415
+  from jax_comm_gemm.backends import routes as auto, tuning  # noqa: PLC0415
 
   mesh = Mesh(np.asarray(jax.devices()), (bench.AXIS,))
   jcg.connect(mesh, axis_name=bench.AXIS)

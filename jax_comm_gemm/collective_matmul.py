@@ -35,11 +35,10 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import Backend, all_gather_tokens
-from jax_comm_gemm.backends.auto import AG, RS
+from jax_comm_gemm.backends.routes import AG, RS, OpRoute, fp8_collectives, fp8_route, op_route
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
-from jax_comm_gemm.backends.routes import OpRoute, fp8_collectives, fp8_route, op_route
 from jax_comm_gemm.runtime.registry import current_plan
 
 

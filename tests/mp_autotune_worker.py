@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_comm_gemm as jcg  # noqa: E402
 import jax_comm_gemm.runtime.plan as plan_lib  # noqa: E402
-from jax_comm_gemm.backends import auto, step_tuning, tuning  # noqa: E402
+from jax_comm_gemm.backends import routes, tuning  # noqa: E402
 from jax_comm_gemm.runtime import REGISTRY, comm_id  # noqa: E402
 from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
 from mp_worker import run_and_report  # noqa: E402
@@ -86,7 +86,7 @@ def _plant(plants: dict[str, str]) -> None:
   """Makes process 1's candidates fail as `plants` ({phase: implementation}) says."""
   if jax.process_index() != 1:
     return
-  real_implementation = auto.implementation
+  real_implementation = routes.implementation
 
   def implementation(name, template):
     backend = real_implementation(name, template)
@@ -98,8 +98,8 @@ def _plant(plants: dict[str, str]) -> None:
 
   # autotune builds its candidates through tuning's name, the step's layers
   # through auto's.
-  tuning.implementation = auto.implementation = implementation
-  for module in (tuning, step_tuning):
+  tuning.implementation = routes.implementation = implementation
+  for module in (tuning, tuning):
     module.time_candidates = _failing_when_timed(module.time_candidates, plants.get("time"))
 
 
@@ -134,14 +134,14 @@ def run(process_id: int, plants: dict[str, str]) -> dict:
                    .with_axis(mesh, "tp", comm_id(mesh, "tp"), {}))
   _plant(plants)
   choices = {}
-  real_measure = step_tuning.measure
+  real_measure = tuning.measure
 
   def measure(*args, **kwargs):
     found = real_measure(*args, **kwargs)
     choices.update({p.text(): list(choice) for p, choice in found.items()})
     return found
 
-  step_tuning.measure = measure
+  tuning.measure = measure
   x, w1, w2 = (jax.random.normal(jax.random.key(i), s, jnp.float32)
                for i, s in enumerate([(32, 16), (16, 64), (64, 16)]))
 

@@ -22,12 +22,9 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from conftest import cpu_mesh
 from jax_comm_gemm import dense
-import jax_comm_gemm.backends.step_tuning as step_tuning
-import jax_comm_gemm.backends.timing as timing
 import jax_comm_gemm.backends.tuning as autotune
-import jax_comm_gemm.backends.verify as verify
-from jax_comm_gemm.backends import auto
-from jax_comm_gemm.backends.auto import AG, RS, AutoBackend, Problem
+from jax_comm_gemm.backends import routes
+from jax_comm_gemm.backends.routes import AG, RS, AutoBackend, Problem
 from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.runtime import REGISTRY, settings
 import jax_comm_gemm.runtime.plan as plan_lib
@@ -162,12 +159,12 @@ def test_time_candidates_agree_after_every_step_and_skip_what_any_process_failed
 
 
 def test_union_names_each_failure_with_the_processes_that_saw_it():
-  got = timing.union([{"ring": "no memory"}, {}, {"xla": "hung", "ring": "no memory"},
+  got = autotune.union([{"ring": "no memory"}, {}, {"xla": "hung", "ring": "no memory"},
                       {"ring": "other"}])
   assert got == {"ring": "processes 0, 2: no memory; process 3: other", "xla": "process 2: hung"}
   assert list(got) == ["ring", "xla"]  # as process 0, then the others, saw them
-  assert timing.union([{}, {}]) == {}
-  assert timing.union([{"ring": "no memory"}]) == {"ring": "no memory"}  # one process
+  assert autotune.union([{}, {}]) == {}
+  assert autotune.union([{"ring": "no memory"}]) == {"ring": "no memory"}  # one process
 
 
 def test_union_of_failures_publishes_each_exchange_under_its_own_key(monkeypatch):
@@ -293,19 +290,19 @@ def test_autotune_step_where_every_plan_failed_raises_naming_each():
   with pytest.raises(RuntimeError, match=r"every plan of the step failed: "
                                          r"xla \(planted: the step cannot be traced\), "
                                          r"ring \(planted: the step cannot be traced\)$"):
-    step_tuning._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)
+    autotune._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)
 
 
 def test_build_compiles_now_and_returns_the_error_of_one_that_cannot_compile():
   calls = []
-  run, iterations = timing.build(lambda: "program", lambda program: calls.append(program), 3)
+  run, iterations = autotune.build(lambda: "program", lambda program: calls.append(program), 3)
   run()
   assert calls == ["program"] and iterations == 3
 
   def broken():
     raise RuntimeError("\nINTERNAL: cublasMpMalloc failed\nmore lines")
-  assert timing.build(broken, None, 3) == "INTERNAL: cublasMpMalloc failed"
-  assert timing.message(RuntimeError()) == "RuntimeError"
+  assert autotune.build(broken, None, 3) == "INTERNAL: cublasMpMalloc failed"
+  assert autotune.message(RuntimeError()) == "RuntimeError"
 
 
 def test_autotunes_candidates_are_compiled_before_any_runs(monkeypatch):
@@ -348,14 +345,14 @@ def test_rule_of_thumb_then_the_measured_choice(empty_decisions):
   small = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)
   large = Problem(AG, 4096, 8192, 4096, "bfloat16", False, 2)
   with pytest.warns(RuntimeWarning, match="keeps that route when autotune measures it"):
-    assert auto.choose(small, "cublasmp_split_p2p")[0] == "xla"
+    assert routes.choose(small, "cublasmp_split_p2p")[0] == "xla"
   with pytest.warns(RuntimeWarning, match="is not measured"):
-    name, why = auto.choose(large, "cublasmp_split_p2p")
+    name, why = routes.choose(large, "cublasmp_split_p2p")
   assert name == "cublasmp_split_p2p" and "not measured yet" in why
   REGISTRY.record_decisions({small: ("cublasmp_split_p2p", "measured: ...")})
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert auto.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
+    assert routes.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
 
 
 def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
@@ -364,18 +361,18 @@ def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
   alone = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 1)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert auto.choose(alone, "cublasmp_split_p2p")[0] == "xla"
+    assert routes.choose(alone, "cublasmp_split_p2p")[0] == "xla"
 
 
 
 def test_settings_force_or_turn_off(empty_decisions):
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
   measured = stand_in_plan().with_decisions({p: ("cublasmp_default", "measured")})
-  assert auto.choose(p, "xla", measured) == ("cublasmp_default", "measured")
+  assert routes.choose(p, "xla", measured) == ("cublasmp_default", "measured")
   forced = dataclasses.replace(measured, settings=Settings(autotune="ring"))
-  assert auto.choose(p, "xla", forced) == ("ring", "forced by JAX_COMM_GEMM_AUTOTUNE=ring")
+  assert routes.choose(p, "xla", forced) == ("ring", "forced by JAX_COMM_GEMM_AUTOTUNE=ring")
   off = dataclasses.replace(measured, settings=Settings(autotune="off"))
-  assert auto.choose(p, "xla", off)[1].startswith("measuring is off")
+  assert routes.choose(p, "xla", off)[1].startswith("measuring is off")
   with pytest.raises(ValueError, match=r"JAX_COMM_GEMM_AUTOTUNE='fastest': allowed values"):
     Settings.from_environ({settings.AUTOTUNE: "fastest"})
 
@@ -385,7 +382,7 @@ def test_the_environment_is_not_read_while_tracing(empty_decisions, monkeypatch)
   changes no route until the next connect publishes a plan with it."""
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
   monkeypatch.setenv(settings.AUTOTUNE, "ring")
-  assert auto.choose(p, "xla")[0] != "ring"
+  assert routes.choose(p, "xla")[0] != "ring"
 
 
 def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: int):
@@ -515,7 +512,7 @@ def test_the_disk_cache_section_names_every_candidate(monkeypatch):
   monkeypatch.setattr(REGISTRY, "_native", Native())
   before = autotune.signature()
   assert f"timing {autotune.METHOD}|" in before
-  monkeypatch.setitem(auto.CANDIDATES, AG, auto.CANDIDATES[AG] + ("new_one",))
+  monkeypatch.setitem(routes.CANDIDATES, AG, routes.CANDIDATES[AG] + ("new_one",))
   assert autotune.signature() != before
 
 
@@ -567,26 +564,26 @@ def test_mismatch_compares_each_shard_with_xlas():
   mesh = cpu_mesh(2)
   y = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
   close = y + 1e-3 * np.abs(y).max()
-  assert verify.mismatch(_sharded(mesh, close), _sharded(mesh, y)) is None
+  assert autotune.mismatch(_sharded(mesh, close), _sharded(mesh, y)) is None
   # Relative to the values' size: large sums rounded alike agree too.
-  assert verify.mismatch(_sharded(mesh, 1e4 * close), _sharded(mesh, 1e4 * y)) is None
-  assert verify.mismatch((_sharded(mesh, y), _sharded(mesh, y)),
+  assert autotune.mismatch(_sharded(mesh, 1e4 * close), _sharded(mesh, 1e4 * y)) is None
+  assert autotune.mismatch((_sharded(mesh, y), _sharded(mesh, y)),
                            (_sharded(mesh, y), _sharded(mesh, y))) is None
   stale = y.copy()
   stale[5] = 0.0  # a row of the second shard never written
-  why = verify.mismatch(_sharded(mesh, stale), _sharded(mesh, y))
+  why = autotune.mismatch(_sharded(mesh, stale), _sharded(mesh, y))
   assert why.startswith("differs from XLA's by") and "on device 1" in why
   nan = y.copy()
   nan[0, 0] = np.nan
-  assert "on device 0" in verify.mismatch(_sharded(mesh, nan), _sharded(mesh, y))
-  assert verify.mismatch(_sharded(mesh, y[:4]), _sharded(mesh, y)) == \
+  assert "on device 0" in autotune.mismatch(_sharded(mesh, nan), _sharded(mesh, y))
+  assert autotune.mismatch(_sharded(mesh, y[:4]), _sharded(mesh, y)) == \
       "shape (4, 4), XLA's (8, 4)"
 
 
 def test_against_xla_takes_xlas_result_as_the_reference(monkeypatch):
   compared = []
-  monkeypatch.setattr(verify, "mismatch", lambda out, ref: compared.append((out, ref)))
-  check = verify.against_xla()
+  monkeypatch.setattr(autotune, "mismatch", lambda out, ref: compared.append((out, ref)))
+  check = autotune.against_xla()
   assert check("ring", "r0") is None and compared == []  # XLA has not run (it failed)
   check("xla", "x")
   check("ring", "r")
@@ -595,10 +592,10 @@ def test_against_xla_takes_xlas_result_as_the_reference(monkeypatch):
 
 def test_xla_is_every_ops_first_candidate():
   """against_xla needs XLA's result before the others'."""
-  assert all(names[0] == "xla" for names in auto.CANDIDATES.values())
+  assert all(names[0] == "xla" for names in routes.CANDIDATES.values())
 
 
 def test_the_names_autotune_may_force_are_autos_candidates():
   """JAX_COMM_GEMM_AUTOTUNE is checked against settings.IMPLEMENTATIONS,
   without importing the backends: the two lists must name the same."""
-  assert set(auto.CANDIDATES[AG]) | set(auto.CANDIDATES[RS]) == set(settings.IMPLEMENTATIONS)
+  assert set(routes.CANDIDATES[AG]) | set(routes.CANDIDATES[RS]) == set(settings.IMPLEMENTATIONS)

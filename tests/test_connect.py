@@ -15,12 +15,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-from jax_comm_gemm.backends.auto import AG, RS, Problem
+from jax_comm_gemm.backends.routes import AG, RS, Problem
 from jax_comm_gemm.backends.routes import choose_backend
 from jax_comm_gemm.backends.routes import gathered_route
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
-import jax_comm_gemm.backends.step_tuning as step_tuning
 import jax_comm_gemm.backends.tuning as tuning
 import jax_comm_gemm.runtime.communicators as connect_module
 from jax_comm_gemm.runtime.capability import Capability, VerdictKey
@@ -332,7 +331,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
   # decide is faked alike in every round, so the ops' choices are the same in
   # each: they are measured (their candidates compiled and run) in the first
   # round, and the later rounds reuse them.
-  real_measure, measured, asked = step_tuning.measure, {}, []
+  real_measure, measured, asked = tuning.measure, {}, []
 
   def measure_once(mesh, axis_name, problems, plan, **kw):
     asked.append(tuple(problems))
@@ -340,16 +339,23 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
       measured[asked[-1]] = real_measure(mesh, axis_name, problems, plan, **kw)
     return measured[asked[-1]]
 
-  monkeypatch.setattr(step_tuning, "measure", measure_once)
+  monkeypatch.setattr(tuning, "measure", measure_once)
   timed, firsts, verifiers = [], [], []
+  real_time = tuning.time_candidates
+
+  def time_steps(runs, rounds, f, **kw):  # the step's plans faked, the ops' timed
+    if "step" not in kw["agree"]._key:
+      return real_time(runs, rounds=rounds, **kw)
+    return (timed.append(sorted(runs)) or firsts.append(next(iter(runs)))
+            or verifiers.append(kw["verify"])
+            or {name: (1e-3 if name == f else 2e-3) for name in runs}
+            if kw["agree"]({"ring": "x"}) == {"ring": "x"} and kw["warmup_rounds"] > 0
+            else None)
+
   for faster in ("tuned", "xla", "pipelined_ce", "cublasmp_split_p2p"):
     decided.clear()
-    monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, f=faster, **kw: (
-        timed.append(sorted(runs)) or firsts.append(next(iter(runs)))
-        or verifiers.append(kw["verify"])
-        or {name: (1e-3 if name == f else 2e-3) for name in runs}
-        if kw["agree"]({"ring": "x"}) == {"ring": "x"} and kw["warmup_rounds"] > 0
-        else None))
+    monkeypatch.setattr(tuning, "time_candidates",
+                        lambda runs, rounds, f=faster, **kw: time_steps(runs, rounds, f, **kw))
     tuned = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
     plan, why = tuned.plan, tuned.why
     assert plan == faster and why.startswith("step measured"), why
@@ -378,11 +384,12 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
 
   monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
   timed = []
-  monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
-      timed.append(sorted(runs)) or {n: (1e-3 if n == "pipelined_ce" else 2e-3) for n in runs}))
+  monkeypatch.setattr(tuning, "time_candidates", lambda runs, rounds, agree, **_: (
+      ("step" in agree._key and timed.append(sorted(runs)))
+      or {n: (1e-3 if n == "pipelined_ce" else 2e-3) for n in runs}))
   first = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
   compiled = []
-  monkeypatch.setattr(step_tuning, "_measure", lambda *a: compiled.append(a) or ("xla", "?"))
+  monkeypatch.setattr(tuning, "_measure", lambda *a: compiled.append(a) or ("xla", "?"))
   again = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
   assert first.plan == again.plan == "pipelined_ce" and not compiled
   assert again.why == first.why + " (cached)"
@@ -403,7 +410,7 @@ def test_a_cached_step_plan_that_is_no_plan_is_measured_anew(fake, monkeypatch, 
   monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", str(path))
   mesh, step, (x, w1, w2) = _connected_mlp_step()
   monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
-  monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
+  monkeypatch.setattr(tuning, "time_candidates", lambda runs, rounds, **_: (
       {n: (1e-3 if n == "pipelined_ce" else 2e-3) for n in runs}))
   assert jcg.autotune_step(mesh, "tp", step, x, w1, w2,
                            seconds_per_problem=1e-5).plan == "pipelined_ce"
@@ -414,7 +421,7 @@ def test_a_cached_step_plan_that_is_no_plan_is_measured_anew(fake, monkeypatch, 
         entry[0] = "a_plan_no_more"
   tuning.save_cache(str(path), cache)
   measured = []
-  monkeypatch.setattr(step_tuning, "_measure", lambda *a: measured.append(a) or ("xla", "?"))
+  monkeypatch.setattr(tuning, "_measure", lambda *a: measured.append(a) or ("xla", "?"))
   assert jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5).plan == "xla"
   assert len(measured) == 1
 
@@ -438,7 +445,7 @@ def test_a_step_traced_before_tuning_runs_the_tuned_route_and_nothing_else_recom
   unrelated(jnp.ones(3))
   assert "ppermute" not in str(jax.make_jaxpr(jitted)(*args))
   monkeypatch.setattr(tuning, "decide", lambda times: ("cublasmp_split_p2p", "fake"))
-  monkeypatch.setattr(step_tuning, "time_candidates", lambda runs, rounds, **_: (
+  monkeypatch.setattr(tuning, "time_candidates", lambda runs, rounds, **_: (
       {n: (1e-3 if n == "ring" else 2e-3) for n in runs}))
   tuned = jcg.autotune_step(mesh, "tp", jitted, *args, seconds_per_problem=1e-5)
   assert tuned.plan == "ring"
@@ -453,26 +460,26 @@ def test_a_step_traced_before_tuning_runs_the_tuned_route_and_nothing_else_recom
 def test_step_plans_time_a_uniform_per_op_choice_once():
   ag = Problem(AG, 8, 8, 16, "bfloat16", False, 2)
   rs = Problem(RS, 8, 16, 8, "bfloat16", False, 2)
-  mixed = step_tuning.step_plans([ag, rs], {ag: ("pallas_mgpu", "m"), rs: ("xla", "m")})
+  mixed = tuning.step_plans([ag, rs], {ag: ("pallas_mgpu", "m"), rs: ("xla", "m")})
   assert list(mixed)[0] == "tuned" and mixed["tuned"][ag] == ("pallas_mgpu", "m")
   assert "pallas_mgpu" not in mixed  # it has no ReduceScatter
-  uniform = step_tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")})
+  uniform = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")})
   assert "tuned" not in uniform and uniform["ring"][rs][0] == "ring"
-  only_ag = step_tuning.step_plans([ag], {ag: ("pallas_mgpu", "m")})
+  only_ag = tuning.step_plans([ag], {ag: ("pallas_mgpu", "m")})
   assert "tuned" not in only_ag and "pallas_mgpu" in only_ag
   # implementations= limits the plans of one implementation; XLA stays.
-  few = step_tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("xla", "m")},
+  few = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("xla", "m")},
                                implementations=("pipelined_ce",))
   assert list(few) == ["tuned", "pipelined_ce", "xla"]
   with pytest.raises(ValueError, match="implementations has 'fast'; allowed: cublasmp_default"):
-    step_tuning.step_plans([ag], {ag: ("xla", "m")}, implementations=("fast",))
+    tuning.step_plans([ag], {ag: ("xla", "m")}, implementations=("fast",))
 
 
 def test_step_decision_fastest_plan_by_the_slowest_process():
-  decide = step_tuning.decide_step
+  decide = tuning.decide_step
   assert decide({"tuned": [1.0, 1.2], "xla": [1.1, 1.1]})[0] == "xla"  # slowest process rules
   # A lead under the margin over XLA is noise: XLA takes it.
-  margin = step_tuning.KEEP_MARGIN
+  margin = tuning.KEEP_MARGIN
   assert decide({"tuned": [1 - margin / 2], "xla": [1.0]})[0] == "xla"
   assert decide({"tuned": [1 - margin * 1.5], "xla": [1.0]})[0] == "tuned"
   plan, why = decide({"tuned": [0.97e-3], "pipelined_ce": [0.95e-3], "xla": [1e-3],

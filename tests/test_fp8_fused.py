@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-import jax_comm_gemm.backends.auto as auto
+import jax_comm_gemm.backends.routes as routes
 import fp8_mlp
 from conftest import cpu_mesh, stand_in_plan
 from fake_native import install_fake_native
@@ -183,7 +183,7 @@ def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
   assert _calls(lowered(config), AG) == 0  # not measured: XLA's collectives
   f = jax.shard_map(lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
                     mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
-  mine = [p for p in jcg.problems_of(f, x, w1) if p.fp8 and p.op == auto.AG]
+  mine = [p for p in jcg.problems_of(f, x, w1) if p.fp8 and p.op == routes.AG]
   assert mine
   plan = REGISTRY.plan()
   REGISTRY.publish(plan.with_decisions({p: ("pipelined_ce", "measured") for p in mine}))

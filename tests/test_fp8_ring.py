@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-import jax_comm_gemm.backends.auto as auto
+import jax_comm_gemm.backends.routes as routes
 import fp8_mlp
 from conftest import cpu_mesh, stand_in_plan
 from jax_comm_gemm.diagnostics import hlo, report
@@ -94,7 +94,7 @@ def test_auto_runs_each_fp8_problem_as_decided():
   x, a, b = fp8_mlp.inputs()
   mine = jcg.problems_of(lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp",
                                                           config=config), x, a, b)
-  assert {p.op for p in mine} == {auto.AG, auto.RS}
+  assert {p.op for p in mine} == {routes.AG, routes.RS}
   assert all(p.fp8 == Fp8Recipe().key and p.fp8 in p.text() for p in mine)
   REGISTRY.publish(stand_in_plan().with_decisions({p: ("ring", "measured") for p in mine}))
   assert _collectives_traced(config, mesh) == "ring"
@@ -112,11 +112,11 @@ def test_the_fp8_candidates_are_runnable_programs():
   that the others are checked against it), running the FP8 op."""
   from jax_comm_gemm.backends import tuning
   mesh = cpu_mesh(2)
-  p = auto.Problem(auto.AG, 16, fp8_mlp.D, fp8_mlp.F // 2, "float32", False, 2, True,
+  p = routes.Problem(routes.AG, 16, fp8_mlp.D, fp8_mlp.F // 2, "float32", False, 2, True,
                    Fp8Recipe().key)
   runs = tuning._runnables(mesh, "tp", p, 0.01)
-  assert tuple(runs) == auto.FP8_CANDIDATES[auto.AG] and tuple(runs)[0] == "xla"
-  assert "pipelined_ce" in runs and auto.pallas.NAME not in runs
+  assert tuple(runs) == routes.FP8_CANDIDATES[routes.AG] and tuple(runs)[0] == "xla"
+  assert "pipelined_ce" in runs and routes.pallas.NAME not in runs
   outs = {name: run() for name, (run, _) in runs.items()}
   for name in runs:  # the fused ops lower to their CPU fallback here
     for got, want in zip(jax.tree.leaves(outs[name]), jax.tree.leaves(outs["xla"])):

@@ -12,7 +12,7 @@ from conftest import stand_in_plan
 
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.runtime import agreement
-from jax_comm_gemm.backends import step_tuning
+from jax_comm_gemm.backends import tuning
 
 
 class FakeJob:
@@ -132,7 +132,7 @@ def test_autotune_step_takes_process_0s_decision_from_the_slowest_times(job):
   decides, and every process returns the same plan and reason."""
   times = [{"xla": 1.00, "pipelined_ce": 0.90}, {"xla": 1.10, "pipelined_ce": 0.95},
            {"xla": 1.00, "pipelined_ce": 0.99}]
-  got = job.run(lambda p: step_tuning.agree_on_step(9, 1, times[p], timeout=5))
+  got = job.run(lambda p: tuning.agree_on_step(9, 1, times[p], timeout=5))
   assert got[0] == got[1] == got[2]
   plan, why = got[0]
   assert plan == "pipelined_ce" and "all pipelined_ce 990.000 ms" in why
@@ -145,7 +145,7 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
   times each, process 0 decides from the slowest and saves the cache, and every
   process records the same choices."""
   from jax_comm_gemm.backends import tuning  # noqa: PLC0415
-  from jax_comm_gemm.backends.auto import AG, RS, Problem  # noqa: PLC0415
+  from jax_comm_gemm.backends.routes import AG, RS, Problem  # noqa: PLC0415
   from jax_comm_gemm.runtime import REGISTRY  # noqa: PLC0415
   from jax_comm_gemm.runtime.capability import Capability  # noqa: PLC0415
 

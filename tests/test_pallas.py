@@ -15,8 +15,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm.backends.pallas as pallas
 import jax_comm_gemm.backends.tuning as autotune
 from conftest import stand_in_plan, cpu_mesh
-from jax_comm_gemm.backends import auto
-from jax_comm_gemm.backends.auto import AG, RS, Problem
+from jax_comm_gemm.backends import routes
+from jax_comm_gemm.backends.routes import AG, RS, Problem
 from jax_comm_gemm.config import CommGemmConfig
 from jax_comm_gemm.diagnostics import hlo, report
 from jax_comm_gemm.runtime import settings
@@ -105,12 +105,12 @@ def test_where_it_cannot_run_the_backend_runs_xlas_ops():
 
 
 def test_auto_knows_it_only_for_the_all_gather():
-  assert pallas.NAME in auto.CANDIDATES[AG] and pallas.NAME not in auto.CANDIDATES[RS]
-  assert isinstance(auto.implementation(pallas.NAME, None), pallas.PallasBackend)
+  assert pallas.NAME in routes.CANDIDATES[AG] and pallas.NAME not in routes.CANDIDATES[RS]
+  assert isinstance(routes.implementation(pallas.NAME, None), pallas.PallasBackend)
 
 
 def test_forcing_it_where_it_cannot_run_says_so():
-  name, why = auto.choose(Problem(AG, 2048, 4096, 2048, "bfloat16", True, 2), "xla",
+  name, why = routes.choose(Problem(AG, 2048, 4096, 2048, "bfloat16", True, 2), "xla",
                           stand_in_plan(autotune=pallas.NAME))
   assert name == pallas.NAME
   assert why == (f"forced by {settings.AUTOTUNE}={pallas.NAME}, which runs XLA's ops here: "
@@ -123,7 +123,7 @@ def test_autotune_keeps_a_place_for_it_where_it_cannot_run():
   mesh = cpu_mesh(2)
   p = Problem(AG, 256, 128, 256, "float32", False, 2)
   runs = autotune._runnables(mesh, "tp", p, seconds=0.01)
-  assert tuple(runs) == auto.CANDIDATES[AG]
+  assert tuple(runs) == routes.CANDIDATES[AG]
   assert runs[pallas.NAME] is None
   assert all(run is not None for name, run in runs.items() if name != pallas.NAME)
 
@@ -146,12 +146,12 @@ def test_auto_asks_it_about_the_problem_as_the_kernel_sees_it(gpus):
   """A problem's rows, k and m (the rank's output columns) reach supports()
   in their places."""
   gpus()
-  assert auto.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)).ok
-  verdict = auto.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2176, "bfloat16", False, 2))
+  assert routes.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)).ok
+  verdict = routes.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2176, "bfloat16", False, 2))
   assert "columns 2176 by 256" in verdict.reason
-  assert "rows 2112" in auto.runnable(
+  assert "rows 2112" in routes.runnable(
       pallas.NAME, Problem(AG, 2112, 4096, 2048, "bfloat16", False, 2)).reason
-  assert auto.runnable("ring", Problem(AG, 2112, 4096, 2048, "float32", True, 2, True)).ok
+  assert routes.runnable("ring", Problem(AG, 2112, 4096, 2048, "float32", True, 2, True)).ok
 
 
 def test_the_report_names_the_kernel_where_a_layer_can_run_it(gpus):

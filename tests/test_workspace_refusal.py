@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
-import jax_comm_gemm.backends.auto as auto
+import jax_comm_gemm.backends.routes as routes
 import jax_comm_gemm.runtime.communicators as connect_module
 from fake_native import fake_probe, install_fake_native
 from fused_emulation import check_against_reference, random_inputs
@@ -30,7 +30,7 @@ from jax_comm_gemm.runtime.capability import VerdictKey, WorkspaceKey
 from jax_comm_gemm.runtime.constants import TARGETS
 
 REFUSAL = "cublasMpMalloc failed: the requested functionality is not supported"
-BIG = auto.Problem(auto.AG, 8192, 8192, 8192, "bfloat16", False, 2)  # fused by rule of thumb
+BIG = routes.Problem(routes.AG, 8192, 8192, 8192, "bfloat16", False, 2)  # fused by rule of thumb
 
 
 def mesh2():
@@ -92,19 +92,19 @@ def test_one_refusing_context_of_the_axis_refuses_the_axis(monkeypatch):
 
 def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatch):
   jcg.connect(mesh2(), "tp")
-  runs = [name for name in auto.candidates(BIG) if auto.runnable(name, BIG).ok]
+  runs = [name for name in routes.candidates(BIG) if routes.runnable(name, BIG).ok]
   assert runs == ["xla", "ring", "pipelined_ce"]  # what autotune measures
-  assert REFUSAL in auto.runnable("cublasmp_split_p2p", BIG).reason
-  assert "Pallas kernel needs NCCL symmetric memory" in auto.runnable("pallas_mgpu", BIG).reason
+  assert REFUSAL in routes.runnable("cublasmp_split_p2p", BIG).reason
+  assert "Pallas kernel needs NCCL symmetric memory" in routes.runnable("pallas_mgpu", BIG).reason
   # The rule of thumb's fused default, and a choice cached from elsewhere.
-  name, why = auto.choose(BIG, "cublasmp_split_p2p")
+  name, why = routes.choose(BIG, "cublasmp_split_p2p")
   assert name == "xla" and REFUSAL in why
   plan = REGISTRY.plan().with_decisions({BIG: ("cublasmp_default", "measured elsewhere")})
-  name, why = auto.choose(BIG, "cublasmp_split_p2p", plan)
+  name, why = routes.choose(BIG, "cublasmp_split_p2p", plan)
   assert name == "xla" and why.startswith("measured elsewhere") and REFUSAL in why
-  assert auto.choose(BIG, "pipelined_ce")[0] == "pipelined_ce"  # the own algorithms run
+  assert routes.choose(BIG, "pipelined_ce")[0] == "pipelined_ce"  # the own algorithms run
   for forced in ("cublasmp_split_p2p", "pallas_mgpu"):
-    name, why = auto.choose(BIG, "pipelined_ce", _forced(forced))
+    name, why = routes.choose(BIG, "pipelined_ce", _forced(forced))
     assert name == "xla" and why.startswith(f"forced by JAX_COMM_GEMM_AUTOTUNE={forced}")
     assert REFUSAL in why
 

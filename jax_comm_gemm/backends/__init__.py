@@ -5,23 +5,20 @@
 * ``primitives``: the extension's fused ops (cuBLASMp's algorithms and the
   project's pipelined_ce): the custom calls and ``CublasMpBackend``.
 * ``pallas``: jax's Pallas Mosaic GPU AllGather+GEMM kernel, where it can run.
-* ``auto``: per problem, the implementation that measured fastest; ``tuning``
-  measures it (``autotune``), ``step_tuning`` times the whole step under each
-  plan, the per-op choices or every op on one implementation (``autotune_step``);
-  ``verify`` leaves out a candidate whose result differs from XLA's.
-* ``routes``: every routing decision: which one a layer takes
-  (``choose_backend``), where the gathered operand comes from, FP8's route.
+* ``routes``: every routing decision: which backend a layer takes
+  (``choose_backend``), ``backend="auto"``'s choice per problem
+  (``AutoBackend``), where the gathered operand comes from, FP8's route.
+* ``tuning``: ``autotune`` (each op alone) and ``autotune_step`` (the whole
+  step under each plan), which measure what ``auto`` chooses.
 
 A new backend is one module here implementing ``base.Backend``.
 """
 
-from jax_comm_gemm.backends.auto import AutoBackend
-from jax_comm_gemm.backends.step_tuning import TunedStep, autotune_step
-from jax_comm_gemm.backends.tuning import autotune, problems_of
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.pallas import PallasBackend
-from jax_comm_gemm.backends.routes import Choice, choose_backend, resolve_backend
+from jax_comm_gemm.backends.primitives import CublasMpBackend
+from jax_comm_gemm.backends.routes import AutoBackend, Choice, choose_backend, resolve_backend
+from jax_comm_gemm.backends.tuning import TunedStep, autotune, autotune_step, problems_of
 from jax_comm_gemm.backends.xla import (RingBackend, XlaBackend, all_gather_tokens,
                                         gathered_matmul_t, local_matmul, ring_all_gather_matmul,
                                         ring_matmul_reduce_scatter, weight_gradient)

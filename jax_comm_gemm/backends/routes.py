@@ -1,10 +1,23 @@
-"""Every routing decision of a collective matmul, at trace time, from the
+"""Every routing decision of a collective matmul, made at trace time from the
 routing plan in force (runtime/plan.py): which backend runs a layer
-(:func:`choose_backend`), where a weight gradient gets its gathered operand
-(:func:`gathered_route`), and whether and on what the ops run in FP8
+(:func:`choose_backend`), for ``backend="auto"`` which implementation runs each
+problem (:func:`choose`, :class:`AutoBackend`), where a weight gradient gets its
+gathered operand (:func:`gathered_route`), all of them as one value per op
+(:func:`op_route`), and whether and on what the ops run in FP8
 (:func:`fp8_route`, :func:`fp8_collectives`). The custom_vjps
-(collective_matmul.py) and the per-layer report (diagnostics/report.py) ask
-these same functions; nothing else decides a route.
+(collective_matmul.py) and the per-layer report ask these functions; nothing
+else decides a route, and nothing here writes (``tuning.problems_of`` lists the
+problems of a trace in a list its own plan carries).
+
+``backend="auto"``: a problem is one op at one shape (:class:`Problem`). Its
+implementation is, in order: the one ``JAX_COMM_GEMM_AUTOTUNE`` names (forced);
+the one ``autotune`` measured (in the plan); else a rule of thumb: XLA under
+``FUSED_FROM_FLOP`` per GPU, the configured fused algorithm above. Where connect
+found that cuBLASMp cannot get its workspace on groups of the problem's size,
+neither cuBLASMp's algorithms nor jax's Pallas kernel run (both need NCCL
+symmetric memory). Why, and the measurements behind the rule:
+docs/design.md#backendauto-and-autotuning. Longer than 300 lines: the routing
+is one job, decided in one file.
 """
 
 from __future__ import annotations
@@ -14,19 +27,210 @@ import warnings
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-import jax_comm_gemm.backends.auto as auto
+import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm import validation
-from jax_comm_gemm.backends.auto import AutoBackend, workspace
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
 from jax_comm_gemm.config import FP8_BACKENDS
+from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.steps import why_not_fused
 from jax_comm_gemm.runtime import settings
-from jax_comm_gemm.runtime.capability import cublasmp_refusal
+from jax_comm_gemm.runtime.capability import Capability, WorkspaceKey, cublasmp_refusal
+from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
 from jax_comm_gemm.runtime.registry import current_plan
 
+AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
+# What autotune measures, per op, XLA first (the others are checked against it).
+# "cublasmp_<algorithm>": cuBLASMp's fused op; "pallas_mgpu": jax's Mosaic GPU kernel.
+CANDIDATES = {
+    AG: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce", pallas.NAME),
+    RS: ("xla", "ring", "cublasmp_default", "cublasmp_split_p2p", "pipelined_ce"),
+}
+# An FP8 problem's: jax's Pallas kernel has no FP8 (docs/fp8.md).
+FP8_CANDIDATES = {op: tuple(n for n in names if n != pallas.NAME)
+                  for op, names in CANDIDATES.items()}
+# Every name JAX_COMM_GEMM_AUTOTUNE may force (a test holds it equal to CANDIDATES').
+IMPLEMENTATIONS = settings.IMPLEMENTATIONS
+# FLOP per GPU from which the rule of thumb fuses (docs/performance.md).
+FUSED_FROM_FLOP = 1.0e11
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  op: str
+  rows: int  # local rows of x
+  k: int
+  m: int     # output features of the local GEMM
+  dtype: str
+  transpose_w: bool
+  axis_size: int
+  # An AllGather+GEMM whose gathered operand is an output too: it costs the
+  # implementations unlike amounts, so it is a problem of its own.
+  gathered: bool = False
+  fp8: str = ""  # the Fp8Recipe's key where the op runs in FP8
+
+  def flop(self) -> float:
+    gathered = self.rows * (self.axis_size if self.op == AG else 1)
+    return 2.0 * gathered * self.k * self.m
+
+  def text(self) -> str:
+    return (f"{self.op} rows={self.rows} k={self.k} m={self.m} {self.dtype} "
+            f"{'TN' if self.transpose_w else 'NN'} P={self.axis_size}"
+            + (" +gathered" if self.gathered else "") + (f" {self.fp8}" if self.fp8 else ""))
+
+
+def problem(op: str, x, w, transpose_w: bool, axis_name: str, gathered: bool = False,
+            fp8: str = "") -> Problem:
+  m = w.shape[0] if transpose_w else w.shape[1]
+  return Problem(op, int(x.shape[0]), int(x.shape[1]), int(m), jnp.dtype(x.dtype).name,
+                 bool(transpose_w), int(lax.axis_size(axis_name)), bool(gathered), fp8)
+
+
+def candidates(p: Problem) -> tuple[str, ...]:
+  """What autotune measures for `p`, XLA first."""
+  return (FP8_CANDIDATES if p.fp8 else CANDIDATES)[p.op]
+
+
+def workspace(axis_size: int, plan=None) -> Capability:
+  """Whether cuBLASMp got its workspace on groups of `axis_size` (connect's
+  probe, in `plan`, default: the plan in force)."""
+  return (current_plan() if plan is None else plan).verdict(WorkspaceKey(int(axis_size)))
+
+
+def _refusal(name: str, axis_size: int, plan) -> str | None:
+  """Why `name` cannot run at all on groups of `axis_size`, or None: cuBLASMp's
+  algorithms and jax's Pallas kernel need NCCL symmetric memory (the workspace probe)."""
+  if not (name.startswith("cublasmp_") or name == pallas.NAME):
+    return None
+  verdict = workspace(axis_size, plan)
+  if verdict.ok:
+    return None
+  return (verdict.reason if name != pallas.NAME else
+          f"jax's Pallas kernel needs NCCL symmetric memory too: {verdict.reason}")
+
+
+def runnable(name: str, p: Problem, plan=None) -> Capability:
+  """Whether implementation `name` can run `p` as itself. The Pallas kernel
+  has limits (where it cannot, its backend runs XLA's ops), and so do the
+  fused FP8 ops (where they cannot, FP8 runs on XLA's collectives); neither
+  it nor cuBLASMp's algorithms run where cuBLASMp was refused its workspace."""
+  refused = _refusal(name, p.axis_size, current_plan() if plan is None else plan)
+  if refused:
+    return Capability(False, refused)
+  if p.fp8 and name not in PLAIN_BACKENDS:
+    why = why_not_fused(Fp8Recipe.from_key(p.fp8), (p.m, p.k))
+    if why is not None:
+      return Capability(False, why)
+  if name == pallas.NAME:
+    return pallas.supports(p.rows, p.k, p.m, p.dtype, p.transpose_w, p.gathered,
+                           p.axis_size)
+  return Capability(True, f"{name} runs every problem")
+
+
+def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
+  """(implementation, why) for `p` under `plan` (default: the plan in
+  force); `default` is the configured fused one."""
+  plan = current_plan() if plan is None else plan
+  mode = plan.settings.autotune
+  if mode in candidates(p):
+    verdict = runnable(mode, p, plan)
+    return ("xla" if _refusal(mode, p.axis_size, plan) else mode), (
+        f"forced by {settings.AUTOTUNE}={mode}" +
+        ("" if verdict.ok else f", which runs XLA's ops here: {verdict.reason}"))
+  if plan.problems is not None:
+    plan.problems.append(p)
+  decided = plan.decision(p) if mode == "on" else None
+  if decided is not None:  # a cached choice may name what cannot run here
+    return _or_xla(*decided, p, plan)
+  why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
+  # Only where measuring could choose otherwise: more than one candidate runs.
+  if mode == "on" and plan.problems is None and p.axis_size > 1 and \
+      sum(runnable(c, p, plan).ok for c in candidates(p)) > 1:
+    warnings.warn(f"jax_comm_gemm: {p.text()} is not measured: the rule of thumb routes it, "
+                  "and a program traced now keeps that route when autotune measures it "
+                  "later; autotune before tracing (jax_comm_gemm.autotune(mesh, axis, "
+                  "jax_comm_gemm.problems_of(step, *args))), or run the step that "
+                  "autotune_step returns", RuntimeWarning, stacklevel=2)
+  if p.fp8:
+    return "xla", f"{why}; FP8 runs on XLA's collectives unless another measured faster"
+  if p.flop() < FUSED_FROM_FLOP:
+    return "xla", f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU is too small to fuse"
+  return _or_xla(default, f"{why}; rule of thumb: {p.flop():.2g} FLOP per GPU, fused", p, plan)
+
+
+def _or_xla(name: str, why: str, p: Problem, plan) -> tuple[str, str]:
+  refused = _refusal(name, p.axis_size, plan)
+  return (name, why) if refused is None else ("xla", f"{why}; {name} cannot run: {refused}")
+
+
+def implementation(name: str, template: CublasMpBackend) -> Backend:
+  """The backend that runs implementation `name`."""
+  if name in PLAIN_BACKENDS:
+    return PLAIN_BACKENDS[name]()
+  if name == pallas.NAME:
+    return pallas.PallasBackend()
+  algorithm = name.removeprefix("cublasmp_")
+  return dataclasses.replace(template, all_gather_algorithm=algorithm,
+                             reduce_scatter=algorithm)
+
+
+def fp8_collectives_of(name: str, template: CublasMpBackend):
+  """An FP8 op's `collectives` for implementation `name`: "xla" or "ring", or
+  the fused backend of `name` (its algorithms in `template`'s place)."""
+  return name if name in PLAIN_BACKENDS else implementation(name, template)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoBackend(Backend):
+  """Runs each op with :func:`choose`'s implementation; `fused` carries the
+  configured algorithms, used where the fused op is chosen by rule of thumb.
+
+  >>> AutoBackend(CublasMpBackend(all_gather_algorithm="pipelined_ce")).fused.all_gather_algorithm
+  'pipelined_ce'
+  """
+
+  fused: CublasMpBackend = CublasMpBackend()
+
+  name = "auto"
+
+  def chosen(self, op: str, x, w, transpose_w, axis_name, gathered=False) -> Backend:
+    """The backend that runs op `op` (AG or RS) on these operands (arrays or
+    their shapes), `gathered`: an AllGather+GEMM that hands out its operand."""
+    configured = (self.fused.all_gather_algorithm if op == AG else self.fused.reduce_scatter)
+    default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
+               else f"cublasmp_{configured}")
+    name, _ = choose(problem(op, x, w, transpose_w, axis_name, gathered), default)
+    return implementation(name, self.fused)
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None):
+    return self.chosen(AG, x, w, transpose_w, axis_name, return_gathered).all_gather_matmul(
+        x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
+        precision=precision)
+
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
+    return self.chosen(RS, x, w, transpose_w, axis_name).matmul_reduce_scatter(
+        x, w, axis_name, transpose_w=transpose_w, precision=precision)
+
+  def gathered_reuse(self, axis_size, dtype, transpose_w):
+    # XLA and the ring hand out the gathered operand as an ordinary array;
+    # every fused algorithm that may be chosen must have passed the self-test
+    # (those that cannot run here are never chosen).
+    plan = current_plan()
+    for name in CANDIDATES[AG]:
+      if name not in PLAIN_BACKENDS and _refusal(name, axis_size, plan) is None:
+        verdict = implementation(name, self.fused).gathered_reuse(axis_size, dtype,
+                                                                  transpose_w)
+        if not verdict.ok:
+          return verdict
+    return Capability(True, "every implementation auto may choose hands it out")
+
+
+# --- the backend a layer takes, the route of one op, and FP8's ---------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
@@ -167,19 +371,19 @@ class OpRoute:
 
 def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision=None,
              hands_out: bool = False) -> OpRoute:
-  """The :class:`OpRoute` of op `op` (``auto.AG`` or ``auto.RS``) on local `x`
+  """The :class:`OpRoute` of op `op` (``AG`` or ``RS``) on local `x`
   and `w` under the plan in force; `hands_out`: an AllGather+GEMM whose
   gathered operand is used (returned, or kept for the weight gradient).
   Call inside ``jax.shard_map`` (it reads the axis size)."""
   backend = resolve_backend(config, axis_name, precision=precision)
   size = lax.axis_size(axis_name)
   m = w.shape[0] if transpose_w else w.shape[1]
-  rows = x.shape[0] * size if op == auto.AG else x.shape[0] // size
+  rows = x.shape[0] * size if op == AG else x.shape[0] // size
   # The gradient of y: the backward op's x, y's shape and dtype.
   dy = jax.ShapeDtypeStruct((rows, m), x.dtype)
   # An AllGather+GEMM's route: forward for AG, the backward's for RS.
   gathered = gathered_route(backend, config.reuse_gathered, size, x.dtype,
-                            transpose_w if op == auto.AG else not transpose_w)
+                            transpose_w if op == AG else not transpose_w)
   no_reuse = GatheredRoute(False, "no AllGather+GEMM there")
 
   def concrete(which, *operands, gathered=False):
@@ -187,11 +391,11 @@ def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision
       return backend.chosen(which, *operands, axis_name, gathered)
     return backend
 
-  if op == auto.AG:
-    return OpRoute(concrete(auto.AG, x, w, transpose_w, gathered=hands_out and gathered.reuse),
-                   concrete(auto.RS, dy, w, not transpose_w), gathered, no_reuse)
-  return OpRoute(concrete(auto.RS, x, w, transpose_w),
-                 concrete(auto.AG, dy, w, not transpose_w, gathered=gathered.reuse),
+  if op == AG:
+    return OpRoute(concrete(AG, x, w, transpose_w, gathered=hands_out and gathered.reuse),
+                   concrete(RS, dy, w, not transpose_w), gathered, no_reuse)
+  return OpRoute(concrete(RS, x, w, transpose_w),
+                 concrete(AG, dy, w, not transpose_w, gathered=gathered.reuse),
                  no_reuse, gathered)
 
 
@@ -246,7 +450,7 @@ def _fp8_backend(config) -> str:
 
 def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
                     gathered: bool = False) -> tuple[Any, str]:
-  """(collectives, why) for FP8 op `op` (``backends.auto.AG`` or ``RS``) on
+  """(collectives, why) for FP8 op `op` (``backends.AG`` or ``RS``) on
   `x` and `w`: "xla" or "ring", or for backend "cublasmp" a CublasMpBackend of
   the config's algorithms (the extension's fused FP8 ops), as the backend
   names it, else as ``backend="auto"`` chooses for the problem, whose key
@@ -254,7 +458,7 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
-  >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), auto.AG, None,
+  >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), AG, None,
   ...                 None, False, "tp")
   ('ring', "backend='ring'")
   """
@@ -263,14 +467,14 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
     return backend, f"backend={backend!r}"
   fused = config.fused
   if backend == "cublasmp":
-    why = cublasmp_refusal(fused, auto.workspace(lax.axis_size(axis_name)),
+    why = cublasmp_refusal(fused, workspace(lax.axis_size(axis_name)),
                            "backend='cublasmp' (FP8)")
     if why:
       raise RuntimeError(why)
     return fused, "backend='cublasmp'"
-  p = auto.problem(op, x, w, transpose_w, axis_name, gathered=gathered, fp8=config.fp8.key)
-  name, why = auto.choose(p, "xla")
-  runs = auto.runnable(name, p)
+  p = problem(op, x, w, transpose_w, axis_name, gathered=gathered, fp8=config.fp8.key)
+  name, why = choose(p, "xla")
+  runs = runnable(name, p)
   if not runs.ok:  # forced by the environment where it cannot run
     return "xla", f"{why}; {name} cannot run it ({runs.reason}): XLA's collectives"
-  return auto.fp8_collectives_of(name, fused), why
+  return fp8_collectives_of(name, fused), why

@@ -1,19 +1,29 @@
-"""``autotune``: measure which implementation is fastest for each problem that
-``backend="auto"`` met, once, and make every rank take the same choice.
+"""``autotune`` (each op alone) and ``autotune_step`` (the whole step under each
+plan): how candidates are built, checked against XLA, timed and chosen, and how
+every process takes the same choice. Longer than 300 lines: both tuners share
+every step but the last, and those steps live here once.
 
-Collective, like ``connect``: every process calls it with the problems to
-measure (``problems_of(step, *args)`` lists a step's), before tracing the
-program for real: a program traced before keeps its routes. Process 0
-leads: it says which problems to measure (those not in its disk cache), every
-process times every candidate on its devices, interleaved (A B C A B C ...,
-medians, so that clock changes under the power cap hit all alike), process 0
-takes the slowest process's time per candidate, picks the fastest candidate
-and publishes the choices through the key-value store. The choices go into
-the routing plan (runtime/plan.py) and the disk cache, keyed by GPU model and
-versions. A candidate
-that fails to build or run, or whose result differs from XLA's on the same
-inputs, in any process, is left out in every process, which all learn of it
-before the next candidate runs (timing.py's module docstring).
+Collective, like ``connect``: every process calls them, before tracing the
+program for real (a program traced before keeps its routes). Process 0 leads:
+it says what to measure (what its disk cache does not answer); every process
+times every candidate on its devices, interleaved, after untimed rounds of
+load; process 0 takes the slowest process's time per candidate, picks the
+fastest and publishes the choice through the key-value store. The choices go
+into the routing plan (runtime/plan.py) and the disk cache, keyed by GPU model
+and versions. Why these steps: docs/design.md#backendauto-and-autotuning.
+
+Failures are agreed step by step: each candidate is a collective program, so
+every process must run the same ones in the same order. A candidate that
+fails anywhere (to build, to run, to match XLA's result) is reported through
+the key-value store after each step (:class:`UnionOfFailures`), with a timeout,
+and every process drops it before the next program runs.
+
+An op timed alone cannot see how XLA overlaps its own collectives inside a
+step, so ``autotune_step`` times the step itself under each plan
+(:func:`step_plans`) and keeps the fastest only where it leads the all-XLA step
+by more than ``KEEP_MARGIN`` (docs/design.md#whole-step-tuning-autotune_step).
+It returns a :class:`TunedStep`, the step under a plan of its own; the
+process's plan and its compiled programs stay as they were.
 """
 
 from __future__ import annotations
@@ -22,7 +32,11 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 import os
+import statistics
+import time
+from typing import Any, Callable
 
 import jax
 from jax.sharding import NamedSharding
@@ -30,19 +44,240 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm.runtime.kv as kv
 import jax_comm_gemm.runtime.plan as plan_lib
-from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS, Problem,
-                                         candidates, fp8_collectives_of, implementation, runnable)
 from jax_comm_gemm.backends.primitives import CublasMpBackend
-# Re-exported: autotune's measuring steps live in timing.py.
-from jax_comm_gemm.backends.timing import (WARMUP_ROUNDS, UnionOfFailures, build,  # noqa: F401
-                                           decide, fastest, time_candidates, with_failures)
-from jax_comm_gemm.backends.verify import against_xla
+from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS,
+                                           Problem, candidates, fp8_collectives_of,
+                                           implementation, runnable)
 from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime import comm_id, settings
+from jax_comm_gemm.runtime.plan import Plan
 from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
 log = logging.getLogger("jax_comm_gemm.autotune")
 
+# --- timing and choosing (both tuners) ----------------------------------------------
+
+# The failure of a candidate that is no program here (None in `runs`).
+CANNOT_RUN = "cannot run here"
+
+
+def fastest(times: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
+  """(the fastest, each one's time) where each one's time is its slowest
+  process's: a collective step runs at the pace of its slowest rank. Ties go
+  to the first name in order, so every process would pick alike."""
+  worst = {name: max(per_process) for name, per_process in times.items()}
+  return min(worst, key=lambda name: (worst[name], name)), worst
+
+
+def decide(times: dict[str, list[float]]) -> tuple[str, str]:
+  """(fastest candidate, why) from each candidate's time (seconds) in every
+  process; a candidate that failed has ``inf``. The slowest process counts.
+
+  >>> decide({"xla": [1e-3, 2e-3], "ring": [1.5e-3, 1.5e-3]})
+  ('ring', 'measured: ring 1.500 ms, xla 2.000 ms')
+  """
+  chosen, worst = fastest(times)
+  if not math.isfinite(worst[chosen]):
+    return "xla", "every candidate failed to run; XLA is the fallback"
+  parts = ", ".join(f"{name} {t * 1e3:.3f} ms" if math.isfinite(t) else f"{name} failed"
+                    for name, t in sorted(worst.items(), key=lambda kv_: kv_[1]))
+  return chosen, f"measured: {parts}"
+
+
+def with_failures(why: str, failures: dict[str, str]) -> str:
+  """`why`, and which candidates failed where and why (UnionOfFailures.failed).
+
+  >>> with_failures("measured: xla 1.000 ms, ring failed", {"ring": "process 1: no memory"})
+  'measured: xla 1.000 ms, ring failed; failed: ring (process 1: no memory)'
+  """
+  if not failures:
+    return why
+  return f"{why}; failed: " + ", ".join(f"{name} ({message})"
+                                        for name, message in failures.items())
+
+
+def message(error: BaseException) -> str:
+  """An exception's first line (the library's own words), at most 300 characters."""
+  lines = [line for line in str(error).splitlines() if line.strip()]
+  return (lines[0] if lines else type(error).__name__)[:300]
+
+
+def build(compile_, call, iterations: int):
+  """A candidate as time_candidates takes it: ``(lambda: call(program),
+  iterations)`` with ``program = compile_()``, or the error compiling raised."""
+  try:
+    program = compile_()
+  except Exception as e:  # noqa: BLE001  (a candidate this machine cannot build)
+    return message(e)
+  return (lambda: call(program), iterations)
+
+
+def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
+                    timer=time.perf_counter, wait=jax.block_until_ready,
+                    agree=lambda failed: failed,
+                    verify=lambda name, out: None) -> dict[str, float]:
+  """Median seconds per call of each candidate of `runs`, over `rounds`
+  interleaved rounds (a b c, then c b a) after `warmup_rounds` alike untimed.
+
+  A value of `runs` is ``(call, iterations)`` for a candidate built already,
+  a string (the error that building it raised), or None (it cannot run here).
+  A timed batch enqueues `iterations` calls and waits once, so the time is the
+  throughput of back-to-back calls, as in a training step. `verify(name,
+  out)` sees each warm-up result and says what is wrong with it, or None.
+  `agree` takes the failures this process saw in one step and returns every
+  process's (:class:`UnionOfFailures`); it is called after building, after
+  each warm-up and after each batch, the same number of times everywhere. A
+  candidate that raised, was wrong or failed elsewhere gets ``inf``.
+
+  >>> times = time_candidates({"a": (lambda: 1, 2)}, rounds=3, wait=lambda out: None)
+  >>> sorted(times)
+  ['a']
+  """
+  samples = {name: [] for name in runs}
+  # Building: every process's programs exist, or their errors, before any runs.
+  built = {name: CANNOT_RUN if run is None else run for name, run in runs.items()
+           if not isinstance(run, tuple)}
+  for name, error in built.items():
+    if error != CANNOT_RUN:
+      log.warning("autotune: candidate %s failed to build: %s", name, error)
+  failed = dict(_agreed(agree, built, {}))
+
+  def attempt(name, step):
+    """Runs `step()` (what is wrong, or None) for candidate `name`, then agrees."""
+    try:
+      wrong = step()
+    except Exception as e:  # noqa: BLE001  (a candidate this machine cannot run)
+      wrong = message(e)
+      log.warning("autotune: candidate %s failed: %s", name, wrong)
+    failed.update(_agreed(agree, {name: wrong} if wrong else {}, failed))
+
+  def warm_up(name, call):
+    out = call()
+    wait(out)
+    wrong = verify(name, out)
+    if wrong is not None:
+      log.warning("autotune: candidate %s gave a wrong result: %s", name, wrong)
+      return f"wrong result: {wrong}"
+    return None
+
+  def timed(name, call, iterations, index):
+    start = timer()
+    out = None
+    for _ in range(iterations):
+      out = call()
+    wait(out)
+    if index >= warmup_rounds:
+      samples[name].append((timer() - start) / iterations)
+
+  for name, run in runs.items():  # warm up (compiled already) and check, untimed
+    if name not in failed:
+      log.debug("autotune: warming up %s", name)
+      attempt(name, lambda name=name, call=run[0]: warm_up(name, call))
+  for index in range(warmup_rounds + rounds):
+    order = list(runs.items()) if index % 2 == 0 else list(runs.items())[::-1]
+    for name, run in order:
+      if name not in failed:
+        log.debug("autotune: timing %s", name)
+        attempt(name, lambda name=name, run=run: timed(name, *run, index))
+  return {name: (statistics.median(s) if s and name not in failed else math.inf)
+          for name, s in samples.items()}
+
+
+def _agreed(agree, mine: dict[str, str], known: dict[str, str]) -> dict[str, str]:
+  """`agree(mine)`, each failure that another process saw logged here."""
+  every = agree(mine)
+  for name, why in every.items():
+    if name not in mine and name not in known:
+      log.warning("autotune: candidate %s failed elsewhere (%s); skipped here too", name, why)
+  return every
+
+
+# Untimed rounds of load before the timed ones, so that those run at steady-state clocks.
+WARMUP_ROUNDS = 3
+
+
+def union(per_process: list[dict[str, str]]) -> dict[str, str]:
+  """Every process's failures ({name: message}, in process order) as one, each
+  with the processes that saw it where there are several.
+
+  >>> union([{"ring": "no memory"}, {"ring": "no memory", "xla": "timeout"}])
+  {'ring': 'processes 0, 1: no memory', 'xla': 'process 1: timeout'}
+  >>> union([{"ring": "no memory"}])
+  {'ring': 'no memory'}
+  """
+  if len(per_process) == 1:
+    return dict(per_process[0])
+  seen: dict[str, dict[str, list[int]]] = {}
+  for process, failures in enumerate(per_process):
+    for name, why in failures.items():
+      seen.setdefault(name, {}).setdefault(why, []).append(process)
+  return {name: "; ".join(f"process{'es' if len(who) > 1 else ''} {', '.join(map(str, who))}: "
+                          f"{why}" for why, who in by_message.items())
+          for name, by_message in seen.items()}
+
+
+class UnionOfFailures:
+  """time_candidates' `agree` across processes: each call publishes this
+  process's failures of one step under a key of its own and returns the union
+  of every process's; `failed` holds all agreed so far. A peer that does not
+  answer within `timeout` seconds is a TimeoutError naming the step."""
+
+  def __init__(self, ident: int, attempt: int, *parts, timeout: float):
+    self._key = (ident, attempt, *parts)
+    self._timeout = timeout
+    self._exchanges = itertools.count()
+    self.failed: dict[str, str] = {}
+
+  def __call__(self, mine: dict[str, str]) -> dict[str, str]:
+    exchange = next(self._exchanges)
+    try:
+      every = kv.all_gather(*self._key, exchange, value=mine, timeout_s=self._timeout)
+    except TimeoutError as e:
+      raise TimeoutError(
+          f"jax_comm_gemm autotune: a process did not report its failures of exchange "
+          f"{exchange} ({'/'.join(map(str, self._key[2:]))}) within {self._timeout:g} s; "
+          f"the failures agreed before: {self.failed or 'none'}: {e}") from e
+    agreed = union(every)
+    self.failed.update(agreed)
+    return agreed
+
+
+# --- the check against XLA --------------------------------------------------------------
+
+# How far a candidate's result may be from XLA's, over XLA's largest value per shard:
+# rounding and summation order stay far below it, a wrong block does not.
+AGREEMENT = 0.05
+
+
+def mismatch(out, reference, tolerance: float = AGREEMENT) -> str | None:
+  """What is wrong with `out` against `reference`, or None: each addressable
+  shard compared on its own device, so no process waits for another."""
+  for got, expected in zip(jax.tree.leaves(out), jax.tree.leaves(reference)):
+    if got.shape != expected.shape:
+      return f"shape {got.shape}, XLA's {expected.shape}"
+    for mine, theirs in zip(got.addressable_shards, expected.addressable_shards):
+      a, b = mine.data.astype("float32"), theirs.data.astype("float32")
+      error, scale = float(abs(a - b).max()), float(abs(b).max())
+      if not error <= tolerance * scale:  # NaN too
+        return (f"differs from XLA's by {error:.3g} on device {mine.device.id} "
+                f"(XLA's largest value {scale:.3g})")
+  return None
+
+
+def against_xla():
+  """time_candidates' `verify` for one problem: XLA's warm-up result, the
+  first candidate's, is the reference for the others' (mismatch)."""
+  reference = {}
+
+  def verify(name, out):
+    if name == "xla":
+      reference["xla"] = out
+      return None
+    return mismatch(out, reference["xla"]) if "xla" in reference else None
+  return verify
+
+
+# --- autotune: each op alone -------------------------------------------------------------
 
 def _random(mesh, shape, spec, dtype, seed, scale=1.0):
   sharding = NamedSharding(mesh, spec)
@@ -52,10 +287,8 @@ def _random(mesh, shape, spec, dtype, seed, scale=1.0):
 
 
 def iterations(p: Problem, seconds: float) -> int:
-  """Calls per timed batch, about `seconds / 10` of work. It must be the same
-  in every process (a collective program called a different number of times
-  would hang), so it comes from the problem's size, never from a timing:
-  roughly 400 TFLOP/s plus 30 us a call."""
+  """Calls per timed batch, about `seconds / 10` of work, from the problem's
+  size alone (never a timing): it must be the same in every process."""
   estimate = p.flop() / 4e14 + 3e-5
   return max(1, min(200, int(seconds / 10 / estimate)))
 
@@ -77,13 +310,9 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     w_spec = P(None, axis_name) if p.transpose_w else P(axis_name)
     w_shape = (p.m, p.k * size) if p.transpose_w else (p.k * size, p.m)
     specs = dict(in_specs=(P(None, axis_name), w_spec), out_specs=P(axis_name))
-  # A layer's magnitudes (weights ~ k^-1/2, as initialisers give): a GEMM's
-  # power, so its clock under the cap, depends on the data it multiplies.
+  # A layer's magnitudes (weights ~ k^-1/2): a GEMM's power, so its clock, depends on them.
   w = _random(mesh, w_shape, w_spec, p.dtype, 2, scale=p.k ** -0.5)
-  # Every candidate has an entry, in the same order in every process: one
-  # that cannot run here, or failed to compile, counts as failed in
-  # time_candidates' first agreement, before any candidate runs (a program
-  # run by some processes alone would hang).
+  # Every candidate has an entry, in the same order in every process.
   runs = {}
   for name in candidates(p):
     if not runnable(name, p).ok:
@@ -112,9 +341,7 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   return runs
 
 
-# Raised when the timing method or a candidate's own algorithm changes, so
-# that choices cached on disk before are measured again (2: rounds alternate
-# in order; 3: the GEMM+ReduceScatter's chunks follow each block's work).
+# Raised when the timing or a candidate's algorithm changes: cached choices are measured again.
 METHOD = 3
 
 
@@ -256,3 +483,192 @@ def remember(path: str, section: str, entries: dict) -> None:
     cache = load_cache(path)
     cache.setdefault(section, {}).update(entries)
     save_cache(path, cache)
+
+
+# --- autotune_step: the whole step ----------------------------------------------------------
+
+# A plan other than XLA is taken only if the step is this much faster with it,
+# XLA (the safe default) taking the tie: whole-step measurements of the same
+# plans repeat within about 1-2% (docs/design.md#whole-step-tuning-autotune_step).
+KEEP_MARGIN = 0.01
+TUNED, XLA = "tuned", "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedStep:
+  """A step function that carries its routing decisions.
+
+  Calling it runs `step` jitted (or as given, if it is already a jitted
+  function) under ``routes``, the plan that holds the decisions; ``lower``
+  lowers it alike. The process's own plan, and the programs compiled under
+  it, are not touched.
+
+  Attributes:
+    step: the step function, as given to ``autotune_step``.
+    routes: the routing plan its calls run under.
+    plan: which plan was kept: ``"tuned"`` (the per-op choices), ``"xla"``,
+      or the one implementation every op runs.
+    why: the measurement, or why nothing was measured.
+
+  >>> import jax.numpy as jnp
+  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "tuned", "nothing to choose")
+  >>> float(tuned(jnp.float32(3)))
+  6.0
+  """
+
+  step: Callable
+  routes: Plan
+  plan: str
+  why: str
+  _jitted: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+  def __post_init__(self):
+    jitted = self.step if hasattr(self.step, "lower") else jax.jit(self.step)
+    object.__setattr__(self, "_jitted", jitted)
+
+  def __call__(self, *args, **kwargs):
+    with plan_lib.use(self.routes):
+      return self._jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    """The step lowered under its routes (``jax.jit(...).lower``)."""
+    with plan_lib.use(self.routes):
+      return self._jitted.lower(*args, **kwargs)
+
+
+def step_plans(problems, chosen: dict, implementations=None) -> dict[str, dict]:
+  """Each plan to time, as {plan: {problem: (implementation, why)}}: the
+  per-op choices (``tuned``), and every op on one implementation, for each of
+  `implementations` (default: all) that can run every op of the step, XLA
+  always among them. Where the per-op choices are all one implementation,
+  that plan is timed once, under the implementation's name."""
+  names = _plan_names(implementations)
+  ops = {p.op for p in problems}
+  plans = {name: {p: (name, "step-level comparison") for p in problems}
+           for name in IMPLEMENTATIONS
+           if name in names and all(name in CANDIDATES[op] for op in ops)}
+  tuned = {name for name, _ in chosen.values()}
+  if len(tuned) != 1 or not tuned <= plans.keys():
+    plans = {TUNED: dict(chosen), **plans}
+  return plans
+
+
+def _plan_names(implementations) -> tuple[str, ...]:
+  """XLA and `implementations` (default: all), or a ValueError naming what is allowed."""
+  names = IMPLEMENTATIONS if implementations is None else (XLA, *implementations)
+  unknown = sorted(set(names) - set(IMPLEMENTATIONS))
+  if unknown:
+    raise ValueError(f"autotune_step: implementations has {', '.join(map(repr, unknown))}; "
+                     f"allowed: {', '.join(IMPLEMENTATIONS)}")
+  return names
+
+
+def decide_step(times: dict[str, list[float]],
+                margin: float = KEEP_MARGIN) -> tuple[str, str]:
+  """(plan, why) from each plan's seconds per step in every process: the
+  fastest by the slowest process, unless XLA's step is within `margin` of it."""
+  label = lambda plan: "per-op choices" if plan == TUNED else f"all {plan}"
+  best, worst = fastest(times)
+  if best != XLA and worst[best] > worst[XLA] * (1.0 - margin):
+    best, verdict = XLA, f"XLA kept: a lead under {margin:.0%} is noise"
+  else:
+    verdict = f"{label(best)} kept"
+  parts = ", ".join(f"{label(plan)} {t * 1e3:.3f} ms" if math.isfinite(t) else
+                    f"{label(plan)} failed"
+                    for plan, t in sorted(worst.items(), key=lambda i: i[1]))
+  return best, f"step measured: {parts} ({verdict})"
+
+
+def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds: int = 10,
+                  seconds_per_problem: float = 1.0, implementations=None) -> TunedStep:
+  """Tunes every op `step(*args)` meets (as ``autotune`` does), then times the
+  step under each plan of ``step_plans`` (`implementations` limits the plans
+  of one implementation for every op: each costs a compile of the step), and
+  returns the step with the plan taken, as a :class:`TunedStep`. The plan is
+  kept in autotune's disk cache, keyed by the step's problems and plans, and
+  taken from it without compiling or timing the next time. Where there is
+  nothing to choose (no cuBLASMp, measuring off, an axis of size 1, a step
+  with no op to choose for), the step comes back with the plan in force and
+  the reason. Call it in every process: it is collective. It leaves the
+  process's plan, and every program compiled under it, as they were.
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> tuned = autotune_step(mesh, "tp", lambda x: x + 1, jnp.zeros(2))
+  >>> tuned.why
+  "nothing to choose: axis 'tp' has size 1: nothing to communicate"
+  >>> tuned(jnp.zeros(2)).tolist()
+  [1.0, 1.0]
+  """
+  _plan_names(implementations)  # bad input fails here, before any device work
+  base = current_plan()
+  why_not = tunable(mesh, axis_name, base)
+  if why_not is not None:
+    return TunedStep(step, base, TUNED, f"nothing to choose: {why_not}")
+  size = int(mesh.shape[axis_name])
+  problems = [p for p in problems_of(step, *args) if p.axis_size == size]
+  if not problems:
+    return TunedStep(step, base, TUNED, "the step meets no op that auto chooses for")
+  chosen = measure(mesh, axis_name, problems, base,
+                   seconds_per_problem=seconds_per_problem)
+  plans = step_plans(problems, chosen, implementations)
+  ident = comm_id(mesh, axis_name)
+  attempt = REGISTRY.next_attempt(("autotune_step", ident))
+  timeout = base.settings.connect_timeout_s
+  path = base.settings.autotune_cache
+  key = (f"autotune_step margin={KEEP_MARGIN} plans={','.join(plans)} problems="
+         + "; ".join(sorted(p.text() for p in problems)))
+  cached = kv.from_leader(ident, attempt, "step", "cached", timeout_s=timeout,
+                          make=lambda: load_cache(path).get(signature(), {}).get(key)
+                          if path else None)
+  routes = {name: base.with_decisions(decisions) for name, decisions in plans.items()}
+  if cached is not None and cached[0] in plans:
+    plan, why = cached[0], f"{cached[1]} (cached)"
+  else:
+    plan, why = _measure(ident, attempt, routes, step, args, iterations, rounds, timeout)
+    remember(path, signature(), {key: [plan, why]})
+  if plan != TUNED:
+    routes[plan] = base.with_decisions({p: (name, why) for p, (name, _) in plans[plan].items()})
+  return TunedStep(step, routes[plan], plan, why)
+
+
+def _measure(ident, attempt, routes: dict[str, Plan], step, args, iterations, rounds,
+             timeout) -> tuple[str, str]:
+  """Compiles the step under each plan, times them all interleaved, and
+  returns process 0's decision. Every process learns of every plan that
+  failed in any (to compile, to run, to match XLA's result, while timed)
+  before the next plan runs, and skips it; where every plan failed, every
+  process raises the same RuntimeError naming each plan's failure."""
+  runs = {}
+  jitted = step if hasattr(step, "lower") else jax.jit(step)
+  # XLA's step first: the others' results are checked against its (against_xla).
+  for name, plan in sorted(routes.items(), key=lambda item: item[0] != XLA):
+    runs[name] = build(lambda plan=plan: _compiled(jitted, plan, args),
+                       lambda compiled: compiled(*args), iterations)
+  agree = UnionOfFailures(ident, attempt, "step", "failed", timeout=timeout)
+  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
+                         verify=against_xla())
+  if all(name in agree.failed for name in mine):
+    raise RuntimeError("jax_comm_gemm.autotune_step: every plan of the step failed: " + ", ".join(
+        f"{name} ({why})" for name, why in agree.failed.items()))
+  return agree_on_step(ident, attempt, mine, timeout, agree.failed)
+
+
+def _compiled(jitted, plan: Plan, args):
+  """The step compiled ahead of time under `plan`: the executable keeps its choices."""
+  with plan_lib.use(plan):
+    return jitted.lower(*args).compile()
+
+
+def agree_on_step(ident, attempt, mine: dict[str, float], timeout: float,
+                  failures: dict[str, str] | None = None) -> tuple[str, str]:
+  """Process 0 decides from every process's times (``decide_step``), naming
+  the plans that failed (`failures`, the same in every process); all take
+  its decision."""
+  def decided(times):
+    plan, why = decide_step({name: [t[name] for t in times] for name in mine})
+    return [plan, with_failures(why, failures or {})]
+
+  plan, why = kv.leader_decides(ident, attempt, "step", value=mine, timeout_s=timeout,
+                                decide=decided)
+  return plan, why

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
-from jax_comm_gemm.backends.auto import workspace
+from jax_comm_gemm.backends.routes import workspace
 from jax_comm_gemm.config import CommGemmConfig
 from jax_comm_gemm.backends.routes import fp8_route, gathered_route
 

@@ -42,7 +42,7 @@ REMOVED = MappingProxyType({
 })
 
 BACKENDS = ("auto", "cublasmp", "xla", "ring")
-# What backend="auto" may choose from, by name (backends/auto.py's CANDIDATES
+# What backend="auto" may choose from, by name (backends/routes.py's CANDIDATES
 # holds the same names per op; a test compares them). Here so that
 # JAX_COMM_GEMM_AUTOTUNE can be checked without importing the backends.
 IMPLEMENTATIONS = ("cublasmp_default", "cublasmp_split_p2p", "pallas_mgpu", "pipelined_ce",

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
-from jax_comm_gemm.backends.auto import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem,
+from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem,
                                          implementation, runnable)
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
@@ -69,7 +69,7 @@ def refusal_here(mesh, *names: str) -> str | None:
   needed = [n for n in names if n in NEEDS_SYMMETRIC_MEMORY]
   if not SHARED_GPU or not needed:
     return None
-  from jax_comm_gemm.backends.auto import workspace  # noqa: PLC0415
+  from jax_comm_gemm.backends.routes import workspace  # noqa: PLC0415
   verdict = workspace(mesh.shape["tp"])
   if verdict.ok:
     return None  # the group has symmetric memory after all: run, and fail if wrong
