@@ -4,7 +4,6 @@
 // on a CPU-only machine, where a test compares it with Python's own table.
 #include "nanobind/nanobind.h"
 
-#include "algorithms.h"
 #include "constants.h"
 
 namespace nb = nanobind;

@@ -1,50 +1,161 @@
-// Context: everything one device needs to run comm+GEMMs within one
-// tensor-parallel group: the group's NCCL communicator (cuBLASMp's) and two
-// split from it (the project's own collectives; pipelined_ce), a cuBLASMp
-// handle, the two 1-D process grids, descriptor plans per problem, the
-// registered device workspace, the pipelined algorithms' cuBLASLt handle,
-// stream and events (pipelined.h), and what the watchdog needs to tell whether
-// its calls finish.
-// One per (group, device), shared (std::shared_ptr) by the Registry, the
-// watchdog and each call in flight, so that none of them outlives it.
+// Context: everything one device needs to run comm-GEMMs within one
+// tensor-parallel group, and the call itself. It owns (RAII) the group's NCCL
+// communicator (cuBLASMp's) and two split from it (the project's own
+// collectives; pipelined_ce), a cuBLASMp handle and the two 1-D process grids,
+// a plan per problem (cuBLASMp's descriptors, or pipelined_ce's cuBLASLt plan),
+// the registered device workspace, the pipelined algorithm's cuBLASLt handle,
+// stream, events and window, and what the watchdog needs to tell whether its
+// calls finish. One per (group, device), shared (std::shared_ptr) by the
+// Registry, the watchdog and each call in flight, so that none outlives it.
 //
 // A context is healthy until Abort(reason): a call that failed in a way that
 // may leave the group out of step (a library error, a wait past the deadline),
 // or the watchdog (an NCCL error, a call that never completed). Abort frees
-// the communicator with ncclCommAbort (never a collective destroy); every later
-// call fails with the reason, and destruction leaks what only the peers or a
-// possibly stuck device could release (Abandon).
+// the communicators with ncclCommAbort (never a collective destroy); every
+// later call fails with the reason, and destruction leaks what only the peers
+// or a possibly stuck device could release (Abandon).
 #ifndef JAX_COMM_GEMM_CONTEXT_H_
 #define JAX_COMM_GEMM_CONTEXT_H_
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <string>
 #include <vector>
 
-#include <cuda_runtime_api.h>
-#include <nccl.h>
+#include <library_types.h>
 
-#include "call_tracker.h"
-#include "cuda_wait.h"
-#include "handles.h"
-#include "plan.h"
+#include "constants.h"
+#include "library.h"
+#include "pipelined.h"
 #include "plan_key.h"
-#include "status.h"
 
 namespace jax_comm_gemm {
+
+// One comm-GEMM call, in the row-major (JAX) terms of one shard:
+//   AllGather:      y[n, m/P] = AG(x[n/P, k]) @ w[k, m/P]   (w[m/P, k] if transpose_w)
+//   ReduceScatter:  y[n/P, m] = RS(x[n, k/P] @ w[k/P, m])   (w[m, k/P] if transpose_w)
+// FP8: x and w are E4M3/E5M2, w is [m/P | m, k] (transpose_w: the TN form,
+// the only one Hopper's FP8 GEMMs take), y is wider, and
+//   y = (x8 . w8^T) * x_scale * w_scale
+// with the dequantizing scales one float each on the device, applied by the
+// GEMM through its scale pointers. The gathered x is then FP8 bytes.
+struct MatmulCall {
+  CommOp op = CommOp::kAllGather;
+  cudaDataType_t x_type = CUDA_R_32F, w_type = CUDA_R_32F, y_type = CUDA_R_32F;
+  const void* x_scale = nullptr;  // FP8 only, as are w_scale and fast_accum
+  const void* w_scale = nullptr;
+  bool fast_accum = false;  // Hopper's fast accumulation
+  bool transpose_w = false;
+  int64_t algorithm = CUBLASMP_MATMUL_ALGO_TYPE_DEFAULT;  // constants.h
+  const void* x = nullptr;
+  int64_t x_rows = 0, x_cols = 0;
+  const void* w = nullptr;
+  int64_t w_rows = 0, w_cols = 0;
+  void* y = nullptr;
+  // AllGather only: where to copy the gathered x ([n, k]), or null; its size
+  // and where cuBLASMp leaves it.
+  void* gathered = nullptr;
+  size_t gathered_bytes = 0;
+  GatheredLayout layout = GatheredLayout::kFront;
+
+  bool fp8() const { return x_scale != nullptr; }
+
+  PlanKey key() const {
+    return {op,     x_type, w_type, y_type, transpose_w, algorithm,
+            x_rows, x_cols, w_rows, w_cols, fast_accum};
+  }
+};
+
+// cuBLASMp 0.10 ends the gathered operand this many bytes before the end of
+// the workspace it was given (measured: docs/design.md#the-gathered-operand-and-its-layout).
+inline constexpr size_t kTailPadding = 16;
+
+// The byte offset of a `gathered_bytes` gathered operand in a cuBLASMp
+// workspace of `workspace_bytes` (the size the call asked for, not the size of
+// the possibly larger buffer), or FailedPrecondition if it cannot fit there.
+// Pure: tests/cpp/test_layout.cc.
+inline Status GatheredOffset(GatheredLayout layout, size_t gathered_bytes, size_t workspace_bytes,
+                             size_t* offset) {
+  const std::string sizes = "the gathered operand (" + std::to_string(gathered_bytes) +
+                            " bytes) and a " + std::to_string(workspace_bytes) +
+                            "-byte cuBLASMp workspace";
+  switch (layout) {
+    case GatheredLayout::kFront:
+      if (gathered_bytes > workspace_bytes) {
+        return Status::FailedPrecondition("the 'front' layout does not hold here: " + sizes +
+                                          ": the operand is larger than the workspace");
+      }
+      *offset = 0;
+      return Status();
+    case GatheredLayout::kTail:
+      // Compared without subtracting, so that sizes near SIZE_MAX cannot wrap.
+      if (gathered_bytes > workspace_bytes || workspace_bytes - gathered_bytes < kTailPadding) {
+        return Status::FailedPrecondition(
+            "the 'tail' layout does not hold here: " + sizes + ": the operand and the " +
+            std::to_string(kTailPadding) + "-byte tail padding do not fit");
+      }
+      *offset = workspace_bytes - gathered_bytes - kTailPadding;
+      return Status();
+  }
+  return Status::InvalidArgument("unknown gathered layout " +
+                                 std::to_string(static_cast<int64_t>(layout)));
+}
+
+// What is made once per PlanKey and then reused.
+struct Plan {
+  PipelinedPlan pipelined;      // pipelined_ce's; empty for cuBLASMp's
+  int64_t m = 0, n = 0, k = 0;  // cuBLASMp's global problem
+  MatrixDescriptor a, b, d;
+  MatmulDescriptor matmul;
+  size_t device_bytes = 0, host_bytes = 0;
+};
+
+// Device memory whose allocation and release are collective: cuBLASMp's
+// workspace (cublasMpMalloc, registered with NCCL symmetric memory on both
+// grids as TransformerEngine does; without the registration cuBLASMp silently
+// falls back to NO_OVERLAP), or pipelined_ce's window (ncclMemAlloc'd and
+// registered as a symmetric window on one communicator, on which NCCL runs its
+// collectives with copy engines under the zero-CTA policy).
+class CollectiveBuffer {
+ public:
+  CollectiveBuffer() = default;
+  CollectiveBuffer(const CollectiveBuffer&) = delete;
+  CollectiveBuffer& operator=(const CollectiveBuffer&) = delete;
+  ~CollectiveBuffer() { Release(); }
+
+  // Each frees any previous buffer first.
+  Status AllocateCublasMp(cublasMpGrid_t grid, cublasMpGrid_t other_grid, size_t size);
+  Status AllocateWindow(ncclComm_t comm, size_t size);
+  void Release() {
+    if (release_) release_();
+    Abandon();
+  }
+  // Forgets the buffer without the collective release (after a peer failed).
+  void Abandon() { release_ = nullptr, ptr_ = nullptr, size_ = 0; }
+
+  char* data() const { return static_cast<char*>(ptr_); }
+  size_t size() const { return size_; }
+
+ private:
+  std::function<void()> release_;  // what undoes the steps that succeeded
+  void* ptr_ = nullptr;
+  size_t size_ = 0;
+};
 
 struct ContextOptions {
   int64_t group = 0;  // the Registry's key for the group, for messages
   int device = 0, nranks = 1, rank = 0;
   double call_timeout_s = 300;  // JAX_COMM_GEMM_TIMEOUT
-  // The own algorithms' block GEMMs take the fastest of cuBLASLt's candidates,
+  // pipelined_ce's block GEMMs take the fastest of cuBLASLt's candidates,
   // timed at their plan's first call; else its first choice (JAX_COMM_GEMM_AUTOTUNE=off).
   bool time_gemms = true;
 };
@@ -69,7 +180,7 @@ class Context {
   Status Run(cudaStream_t stream, const MatmulCall& call) noexcept;
 
   // Any thread, any time; the first reason wins. Waits a few seconds at most
-  // for a library call on the communicator to return before freeing it.
+  // for a library call on the communicators to return before freeing them.
   void Abort(const std::string& reason) noexcept;
 
   // The watchdog's poll: aborts the context on an NCCL asynchronous error or
@@ -85,7 +196,7 @@ class Context {
   int rank() const { return options_.rank; }
   // These never wait for a call in flight (Registry::Describe polls them).
   size_t workspace_bytes() const { return workspace_bytes_.load(); }
-  // The own algorithms' buffers: cuBLASLt workspace, window.
+  // pipelined_ce's buffers: cuBLASLt workspace, window.
   size_t own_buffer_bytes() const { return own_buffer_bytes_.load(); }
   size_t plan_count() const { return plan_count_.load(); }
   // Calls run, and the host time they took (from taking the context's lock
@@ -104,20 +215,23 @@ class Context {
   Status RunLocked(cudaStream_t stream, const MatmulCall& call, Clock::time_point start);
   Status AgreeOnPlan(const PlanKey& key, Clock::time_point deadline);
   Status EnqueueKeyExchange(const PlanKey& key);
-  Status EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
-  Status WaitForStream(cudaStream_t stream, Clock::time_point deadline, const char* what);
-  Status Barrier(cudaStream_t stream);
   // `stream` is XLA's, `run` the one the call's work goes on (RunLocked).
-  Status MakePlanFor(const MatmulCall& call, cudaStream_t stream, cudaStream_t run,
-                     Clock::time_point deadline, Plan* plan);
-  Status EnsureWindow(size_t bytes, cudaStream_t stream,
-                      Clock::time_point deadline);  // pipelined_ce
-  void CountOwnBuffers();  // own_buffer_bytes_, after one of them changed
-  // Enqueues the call's own work on `run`: cuBLASMp's or the pipelined one.
+  Status MakePlan(const MatmulCall& call, cudaStream_t stream, cudaStream_t run,
+                  Clock::time_point deadline, Plan* plan);
+  Status MakeCublasMpPlan(const MatmulCall& call, Plan* plan);
+  // Grow a buffer to hold `bytes`, once earlier calls are done with it (collective).
+  Status EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
+  Status EnsureWindow(size_t bytes, cudaStream_t stream, Clock::time_point deadline);
+  Status EnsureLtWorkspace();
+  void CountBuffers();
+  // Enqueues the call's own work on `run`: cuBLASMp's or pipelined_ce's.
   Status Enqueue(const MatmulCall& call, const Plan& plan, size_t gathered_offset,
                  cudaStream_t run);
-  Status Join(cudaStream_t waiter, cudaStream_t signaller, cudaEvent_t event);
-  // Runs `body` (library calls that may touch the communicator) under
+  Status Barrier(cudaStream_t stream);
+  // Waits on the host until `streams` get here, up to `deadline` or an abort.
+  Status WaitForStreams(std::initializer_list<cudaStream_t> streams, Clock::time_point deadline,
+                        const char* what);
+  // Runs `body` (library calls that may touch the communicators) under
   // comm_lock_, shared, unless the context was aborted.
   template <typename Body>
   Status WithComm(Body&& body);
@@ -126,25 +240,29 @@ class Context {
   std::string AsyncNcclError() const;
   // Aborts the context for `error` and returns it, saying so.
   Status AbortFor(Status error) noexcept;
-  std::string Where() const;       // "group 7, device 0, rank 1 of 2"
+  std::string Where() const;        // "group 7, device 0, rank 1 of 2"
   std::string PeerTimeout() const;  // "a peer did not answer within 300 s (...)"
   void Abandon() noexcept;
+  // The watchdog's record of calls: an event recorded after a call's last
+  // operation, with the host time it was enqueued (calls_mu_ held for both).
+  Status RecordCompletion(cudaStream_t stream, Clock::time_point enqueued);
+  std::optional<Status> CheckCalls(Clock::time_point now);
+  void ReapLocked();
 
   static constexpr size_t kMaxPlans = 64;
-  Status EnsureLtWorkspace();
-  // cuBLASLt's workspace for the own GEMMs (XLA gives its own 32 MiB).
+  // cuBLASLt's workspace for pipelined_ce's GEMMs (XLA gives its own 32 MiB).
   static constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
 
   const ContextOptions options_;
   const Clock::duration call_timeout_;
 
   // Locks, in the one order they may be taken (never the other way round):
-  //   mu_ -> comm_lock_ -> state_mu_ / the CallTracker's mutex (leaves).
+  //   mu_ -> comm_lock_ -> state_mu_ / calls_mu_ (leaves).
   // mu_ is held through a whole call, across blocking collectives, so nothing
   // that must stay responsive takes it: Abort, Watch and the queries above do
   // not. Abort takes comm_lock_ exclusively (with a timeout) so that it frees
-  // the communicator only when no library call is using it. Registry::mu_ is
-  // never held while any of these is taken.
+  // the communicators only when no library call is using them. Registry::mu_
+  // is never held while any of these is taken.
   std::mutex mu_;  // one call at a time per context
   std::shared_timed_mutex comm_lock_;
   mutable std::mutex state_mu_;
@@ -157,11 +275,22 @@ class Context {
   std::atomic<size_t> plan_count_{0};
   std::atomic<uint64_t> calls_{0};
   std::atomic<uint64_t> host_ns_{0};
-  CallTracker tracker_;
+
+  // The watchdog's view of the calls, guarded by calls_mu_: since when one has
+  // been running on the host, and those whose device work may not be done
+  // (finished events are recycled through spare_).
+  struct Pending {
+    CudaEvent event;
+    Clock::time_point enqueued;
+  };
+  std::mutex calls_mu_;
+  std::optional<Clock::time_point> host_since_;
+  std::deque<Pending> pending_;
+  std::vector<CudaEvent> spare_;
 
   // Declared in creation order: members are destroyed in reverse, so the
   // workspace goes before the descriptors, the grids, the handle and the comm.
-  // comm_ never changes after Init, so threads may read it without a lock.
+  // The comms never change after Init, so threads may read them without a lock.
   NcclComm comm_;      // cuBLASMp's (its grids)
   NcclComm own_comm_;  // split from comm_: the project's barrier and plan agreement
   NcclComm ce_comm_;   // split from comm_ with NCCL's zero-CTA policy (pipelined_ce)
@@ -174,16 +303,16 @@ class Context {
   DeviceBuffer barrier_word_;       // the one float the barrier all-reduces
   DeviceBuffer keys_device_;        // plan agreement: this rank's key, then all ranks'
   PinnedHostBuffer keys_host_;      // pinned, so the copies never block the host
-  // The pipelined algorithm's: its transfers run on comm_stream_.
+  // pipelined_ce's: its transfers run on comm_stream_ (PipelineTarget).
   LtHandle lt_;
   CudaStream comm_stream_;
   CudaEvent started_;
-  std::vector<CudaEvent> arrived_;  // max(nranks, kMaxChunks + 1): see PipelineTarget
-  std::vector<CudaEvent> computed_;  // kMaxChunks: see PipelineTarget
-  DeviceBuffer lt_workspace_;       // allocated with the first plan of a cuBLASLt GEMM
-  SymmetricWindow window_;          // pipelined_ce's, on ce_comm_
+  std::vector<CudaEvent> arrived_;   // max(nranks, kMaxChunks + 1)
+  std::vector<CudaEvent> computed_;  // kMaxChunks
+  DeviceBuffer lt_workspace_;        // allocated with the first pipelined plan
+  CollectiveBuffer window_;          // on ce_comm_
   std::map<PlanKey, Plan> plans_;
-  Workspace workspace_;
+  CollectiveBuffer workspace_;
   std::vector<char> host_workspace_;
 };
 

@@ -1,3 +1,4 @@
+// The cuBLASLt pieces the project's own GEMMs share (cublaslt.h).
 #include "cublaslt.h"
 
 #include <algorithm>
@@ -5,16 +6,6 @@
 #include <vector>
 
 namespace jax_comm_gemm {
-namespace {
-
-template <typename T>
-Status SetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
-                    const T& value) {
-  JCG_CUBLASLT(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
-  return Status();
-}
-
-}  // namespace
 
 Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out) {
   cublasLtMatrixLayout_t layout = nullptr;

@@ -13,9 +13,7 @@
 #include <cuda_runtime_api.h>
 #include <library_types.h>
 
-#include "handles.h"
-#include "library_status.h"
-#include "status.h"
+#include "library.h"
 #include "timed_pick.h"
 
 namespace jax_comm_gemm {

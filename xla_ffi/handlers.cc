@@ -1,9 +1,11 @@
-// The XLA FFI handlers. They check what Python cannot (the buffers XLA hands
-// over against the group size of the context) and run the call on the context
-// that the `comm_id` attribute names for this device. Every body runs inside
-// FfiGuard: no C++ exception reaches XLA. They are not marked command-buffer
-// compatible: they run NCCL collectives and may grow the registered workspace,
-// which must not happen inside a CUDA-graph capture.
+// The comm-GEMM FFI handlers, the first half of a call's path: they decode
+// the buffers and attributes XLA hands over into a MatmulCall, check what
+// Python cannot (the buffers against the group size of the context), and run
+// the call on the context that the `comm_id` attribute names for this device
+// (context.cc). Every body runs inside FfiGuard: no C++ exception reaches XLA.
+// They are not marked command-buffer compatible: they run NCCL collectives and
+// may grow the registered workspace, which must not happen inside a CUDA-graph
+// capture.
 #include "handlers.h"
 
 #include <algorithm>
@@ -15,15 +17,10 @@
 
 #include <cuda_runtime_api.h>
 
-#include "algorithms.h"
 #include "constants.h"
 #include "context.h"
-#include "ffi_status.h"
-#include "ffi_types.h"
-#include "plan.h"
-#include "plan_key.h"
+#include "library.h"
 #include "registry.h"
-#include "status.h"
 
 namespace ffi = xla::ffi;
 
@@ -44,7 +41,7 @@ Status WideTypes(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y, MatmulCal
   return Status();
 }
 
-// The element types and scales of an FP8 call (plan.h): x and w FP8, w in the
+// The element types and scales of an FP8 call (MatmulCall): x and w FP8, w in the
 // TN form, y wider, each scale one float32.
 Status Fp8Types(bool transpose_w, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer y,
                 ffi::AnyBuffer x_scale, ffi::AnyBuffer w_scale, bool fast_accum,
@@ -177,7 +174,7 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t device, int64_t 
   });
 }
 
-// The FP8 comm-GEMMs (plan.h): the same calls with FP8 x and w and their
+// The FP8 comm-GEMMs (MatmulCall): the same calls with FP8 x and w and their
 // scales. No fused weight gradient: the FP8 one needs the gathered x
 // transposed, which XLA makes from the gathered result (fp8/steps.py).
 ffi::Error Fp8AllGatherMatmulImpl(cudaStream_t stream, int32_t device, int64_t comm_id,

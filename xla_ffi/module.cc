@@ -20,10 +20,9 @@
 #include "nanobind/stl/vector.h"
 
 #include "constants.h"
-#include "fp8_gemm.h"
 #include "handlers.h"
+#include "library.h"
 #include "registry.h"
-#include "status.h"
 
 namespace nb = nanobind;
 
@@ -107,7 +106,7 @@ NB_MODULE(_comm_gemm, m) {
 
   m.def("types", [] {
     nb::dict state;
-    state["type_id"] = nb::capsule(reinterpret_cast<void*>(&jcg::Fp8GemmState::id));
+    state["type_id"] = nb::capsule(reinterpret_cast<void*>(jcg::Fp8GemmStateTypeId()));
     state["type_info"] =
         nb::capsule(const_cast<void*>(static_cast<const void*>(jcg::Fp8GemmTypeInfo())));
     nb::dict d;

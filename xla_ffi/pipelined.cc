@@ -1,12 +1,10 @@
+// pipelined_ce, the project's own comm-GEMMs (pipelined.h): its plan, made
+// once per problem, and the enqueueing of one call on a context's resources.
 #include "pipelined.h"
 
 #include <string>
 
-#include "algorithms.h"
-#include "cublaslt.h"
-#include "library_status.h"
-#include "plan.h"
-#include "plan_key.h"
+#include "context.h"
 
 namespace jax_comm_gemm {
 namespace {
@@ -84,7 +82,7 @@ Status EnqueueCopyEngine(const PipelineTarget& g, const PipelinedPlan& plan,
 }
 
 // GEMM+ReduceScatter on copy engines. The window holds the partial sums to
-// send, then those received, each [n, m] in chunks.h's block order, so that
+// send, then those received, each [n, m] in ReduceScatterBlocks's order, so that
 // the P blocks of one chunk are contiguous: one exchange per chunk. This
 // rank's own block of a chunk is left out of the send half (it would be sent to
 // itself) and computed last, adding what the peers sent.
@@ -174,9 +172,9 @@ size_t WindowBytes(const PipelinedPlan& plan, int nranks) {
   return plan.x_shard_bytes * static_cast<size_t>(nranks);
 }
 
-// cuBLASLt sees column-major matrices, as cuBLASMp does (plan.cc): the block's
+// cuBLASLt sees column-major matrices, as cuBLASMp does (context.cc): the block's
 // y[r, m] = x[r, k] @ w is D (m x r) = op(A) (m x k) * B (k x r), A being w.
-// FP8 (plan.h): A = w8 transposed, B = x8, the TN form; the scale pointers are
+// FP8 (MatmulCall): A = w8 transposed, B = x8, the TN form; the scale pointers are
 // the call's (EnqueuePipelined points them again at each call).
 Status MakePipelinedPlan(cublasLtHandle_t lt, const MatmulCall& c, int nranks,
                          size_t workspace_bytes, const GemmTrial* trial, PipelinedPlan* plan) {

@@ -7,7 +7,7 @@
 // asked for.
 // GEMM+ReduceScatter: x's rows are cut into blocks, a
 // chunk of every destination rank's rows at a time, in one order on every rank
-// (chunks.h); XLA's psum_scatter instead waits for the whole GEMM, then moves
+// (ReduceScatterBlocks); XLA's psum_scatter instead waits for the whole GEMM, then moves
 // everything. The peers' blocks of a chunk are computed first into a symmetric
 // window and swapped on the zero-CTA communicator (copy engines): an
 // ncclAlltoAll, or for two ranks an in-place ncclAllGather, which copies
@@ -31,14 +31,54 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "chunks.h"
 #include "cublaslt.h"
-#include "handles.h"
-#include "status.h"
+#include "library.h"
 
 namespace jax_comm_gemm {
 
-struct MatmulCall;  // plan.h
+struct MatmulCall;  // context.h
+
+// How the GEMM+ReduceScatter splits x's rows into blocks. Pure and inline:
+// tests/cpp/test_chunks.cc checks it on the CPU. A rank's rows make at most
+// kMaxChunks chunks, each of at least kMinChunkRows rows (smaller GEMMs lose
+// efficiency), and four only where one block's GEMM does at least
+// kMinFourChunkBlockFlop: its GPU time must outlast the host's enqueueing of a
+// chunk (an NCCL call and the cuBLASLt launches), or the calls are host-bound
+// (measured: docs/design.md#gemmreducescatter, docs/performance.md).
+inline constexpr int64_t kMinChunkRows = 256;
+inline constexpr int kMaxChunks = 4;
+inline constexpr double kMinFourChunkBlockFlop = 4e10;
+
+// How many chunks a destination rank's `rows` rows make (1, 2 or 4; always
+// a divisor of `rows`), each block's GEMM being rows/chunks x k x m.
+inline int ChunksFor(int64_t rows, int64_t k, int64_t m) {
+  auto fits = [&](int chunks) { return rows % chunks == 0 && rows / chunks >= kMinChunkRows; };
+  const double block_flop = 2.0 * static_cast<double>(rows / kMaxChunks) * k * m;
+  if (fits(kMaxChunks) && block_flop >= kMinFourChunkBlockFlop) return kMaxChunks;
+  return fits(2) ? 2 : 1;
+}
+
+struct RowBlock {
+  int dest;       // the rank that owns the sums of these rows
+  int64_t x_row;  // first row in x [n, k/P]
+  int64_t y_row;  // first row in the owner's y [n/P, m]
+};
+
+// The blocks of `rows` = n rows over `nranks` ranks, `chunks` per rank, each
+// n / (nranks * chunks) rows, in the order every rank enqueues them (each
+// chunk's exchange is collective): chunk 0 of every destination, then chunk 1,
+// ..., so the P blocks of one chunk are contiguous (one exchange per chunk).
+inline std::vector<RowBlock> ReduceScatterBlocks(int64_t rows, int nranks, int chunks) {
+  const int64_t per_rank = rows / nranks, per_block = per_rank / chunks;
+  std::vector<RowBlock> blocks;
+  blocks.reserve(static_cast<size_t>(nranks) * chunks);
+  for (int j = 0; j < chunks; ++j) {
+    for (int dest = 0; dest < nranks; ++dest) {
+      blocks.push_back({dest, dest * per_rank + j * per_block, j * per_block});
+    }
+  }
+  return blocks;
+}
 
 // The per-block GEMM, made once per plan: y_block[r, m] = x_block[r, k] @ w. A
 // block is one shard of x (AllGather) or one chunk of a destination's rows
@@ -51,12 +91,11 @@ struct PipelinedPlan {
   size_t x_shard_bytes = 0, y_shard_bytes = 0;  // one block's
   size_t x_row_bytes = 0, y_row_bytes = 0;
   int chunks = 1;                // ReduceScatter: blocks per destination rank
-  std::vector<RowBlock> blocks;  // ReduceScatter: in enqueue order (chunks.h)
+  std::vector<RowBlock> blocks;  // ReduceScatter: in enqueue order
   LtTransformDesc add;       // ReduceScatter, groups over 2: y += received
   size_t partial_bytes = 0;  // ReduceScatter: the partial sums of all rows, [n, m]
   ncclDataType_t nccl_type = ncclFloat32;
 };
-
 
 // What a pipelined call runs on: the context's.
 struct PipelineTarget {

@@ -5,7 +5,6 @@
 
 #include <library_types.h>
 
-#include "algorithms.h"
 #include "constants.h"
 
 namespace jax_comm_gemm {

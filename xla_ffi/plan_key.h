@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "status.h"
+#include "library.h"
 
 namespace jax_comm_gemm {
 
@@ -20,10 +20,10 @@ enum class CommOp : int64_t { kAllGather = 0, kReduceScatter = 1 };
 struct PlanKey {
   CommOp op = CommOp::kAllGather;
   // cudaDataType_t of x, w and y: all one for bf16/f16/f32; FP8 x and w, a
-  // wider y (plan.h).
+  // wider y (MatmulCall).
   int64_t x_type = 0, w_type = 0, y_type = 0;
   bool transpose_w = false;
-  int64_t algorithm = 0;  // algorithms.h: cuBLASMp's enum value, or the own one's
+  int64_t algorithm = 0;  // constants.h: cuBLASMp's enum value, or the own one's
   int64_t x_rows = 0, x_cols = 0, w_rows = 0, w_cols = 0;
   bool fast_accum = false;  // FP8 only: Hopper's fast accumulation
 
@@ -55,7 +55,7 @@ Status CheckPlanAgreement(const std::vector<PlanKey>& keys);
 // leaves), then checks them as above.
 Status CheckGatheredPlanKeys(const unsigned char* gathered, int nranks);
 
-// Whether `op` runs algorithm `algorithm` (algorithms.h): InvalidArgument,
+// Whether `op` runs algorithm `algorithm` (constants.h): InvalidArgument,
 // naming the number and the algorithms `op` takes, for a number that is no
 // algorithm of the project's.
 Status CheckAlgorithm(CommOp op, int64_t algorithm);

@@ -1,5 +1,6 @@
 // Registry: the project's one piece of global state. It owns every Context,
-// keyed by (tensor-parallel group, device), maps the `comm_id` attribute of a
+// keyed by (tensor-parallel group, device), creates and destroys them (both
+// collective, on threads of their own), maps the `comm_id` attribute of a
 // custom call plus the executing device to the context to run on, and owns the
 // watchdog that polls the contexts.
 //
@@ -10,22 +11,68 @@
 #ifndef JAX_COMM_GEMM_REGISTRY_H_
 #define JAX_COMM_GEMM_REGISTRY_H_
 
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include <nccl.h>
 
 #include "context.h"
-#include "status.h"
-#include "watchdog.h"
+#include "library.h"
 
 namespace jax_comm_gemm {
+
+// One thread that calls `poll` every `interval` until the object is destroyed
+// (the Registry's: started at the first connect, stopped at shutdown). Plain
+// C++, inline: tests/cpp/test_watchdog.cc checks it on the CPU.
+class Watchdog {
+ public:
+  // `poll` must not throw; an exception from it is dropped, not propagated.
+  Watchdog(std::function<void()> poll, std::chrono::milliseconds interval)
+      : poll_(std::move(poll)), interval_(interval), thread_([this] { Loop(); }) {}
+  // Stops and joins the thread: never destroy it while holding a lock that
+  // `poll` takes.
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  Watchdog(const Watchdog&) = delete;
+  Watchdog& operator=(const Watchdog&) = delete;
+
+ private:
+  void Loop() noexcept {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!wake_.wait_for(lock, interval_, [this] { return stop_; })) {
+      lock.unlock();  // a poll may take long (an abort waits for a library call)
+      try {
+        poll_();
+      } catch (...) {
+        // Nothing to report to here; the next poll tries again.
+      }
+      lock.lock();
+    }
+  }
+
+  const std::function<void()> poll_;
+  const std::chrono::milliseconds interval_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool stop_ = false;   // guarded by mu_
+  std::thread thread_;  // last: starts once the members above exist
+};
 
 struct GroupSpec {
   int64_t key;                                     // identifies the group's devices

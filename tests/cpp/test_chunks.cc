@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "check.h"
-#include "chunks.h"
+#include "pipelined.h"
 
 using jax_comm_gemm::ChunksFor;
 using jax_comm_gemm::kMaxChunks;

@@ -6,7 +6,6 @@
 
 #include <cublasmp.h>
 
-#include "algorithms.h"
 #include "check.h"
 #include "constants.h"
 #include "plan_key.h"

@@ -5,8 +5,8 @@
 #include <string>
 
 #include "check.h"
-#include "ffi_status.h"
-#include "status.h"
+#include "handlers.h"
+#include "library.h"
 
 namespace ffi = xla::ffi;
 using jax_comm_gemm::CallName;

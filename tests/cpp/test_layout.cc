@@ -4,7 +4,7 @@
 
 #include "check.h"
 #include "constants.h"
-#include "layout.h"
+#include "context.h"
 
 using jax_comm_gemm::GatheredLayout;
 using jax_comm_gemm::GatheredOffset;

@@ -6,7 +6,7 @@
 #include <cublasmp.h>
 #include <library_types.h>
 
-#include "algorithms.h"
+#include "constants.h"
 #include "check.h"
 #include "plan_key.h"
 

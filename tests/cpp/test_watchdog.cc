@@ -6,7 +6,7 @@
 #include <thread>
 
 #include "check.h"
-#include "watchdog.h"
+#include "registry.h"
 
 using jax_comm_gemm::Watchdog;
 using std::chrono::milliseconds;
