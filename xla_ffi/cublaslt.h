@@ -27,8 +27,6 @@ inline size_t ElementBytes(cudaDataType_t t) {
   }
 }
 
-inline bool IsFp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
-
 // A column-major rows x cols matrix with leading dimension `ld`.
 Status CreateLayout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld, LtLayout* out);
 

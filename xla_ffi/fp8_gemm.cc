@@ -145,10 +145,7 @@ Status Describe(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyB
                                    " must be [m, k] and [n, k]");
   }
   s->m = ad[0], s->n = bd[0], s->k = ad[1];
-  if (dd.size() != 2 || dd[0] != s->m || dd[1] != s->n) {
-    return Status::InvalidArgument("d has shape " + Dims(dd) + ", expected [" +
-                                   std::to_string(s->m) + ", " + std::to_string(s->n) + "]");
-  }
+  JCG_RETURN_IF_ERROR(ExpectShape("d", dd, s->m, s->n));
   if (sa.element_type() != ffi::DataType::F32 || sb.element_type() != ffi::DataType::F32) {
     return Status::InvalidArgument("the scales must be float32");
   }

@@ -8,12 +8,10 @@
 // capture.
 #include "handlers.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -66,21 +64,6 @@ Status Fp8Types(bool transpose_w, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBu
   return Status();
 }
 
-Status Expect(const char* what, ffi::AnyBuffer::Dimensions d, std::vector<int64_t> want) {
-  if (d.size() == want.size() && std::equal(want.begin(), want.end(), d.begin())) return Status();
-  std::string w = "[";
-  for (size_t i = 0; i < want.size(); ++i) w += (i ? ", " : "") + std::to_string(want[i]);
-  return Status::InvalidArgument(std::string(what) + " has shape " + Dims(d) + ", expected " +
-                                 w + "]");
-}
-
-Status Layout(int64_t number, GatheredLayout* out) {
-  const std::optional<GatheredLayout> l = LayoutByNumber(number);
-  if (!l) return Status::InvalidArgument("unknown gathered layout " + std::to_string(number));
-  *out = *l;
-  return Status();
-}
-
 // Fills `call` from the buffers and checks them against the context's group
 // size; the element types are filled and checked before (WideTypes, Fp8Types).
 Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_w,
@@ -100,13 +83,13 @@ Status Prepare(CommOp op, const Context& ctx, int64_t algorithm, bool transpose_
                                    Dims(wd) + (transpose_w ? " (transposed)" : ""));
   }
   if (op == CommOp::kAllGather) {
-    JCG_RETURN_IF_ERROR(Expect("the result", y.dimensions(), {xd[0] * P, m}));
+    JCG_RETURN_IF_ERROR(ExpectShape("the result", y.dimensions(), xd[0] * P, m));
   } else {
     if (xd[0] % P != 0) {
       return Status::InvalidArgument("x " + Dims(xd) + ": its " + std::to_string(xd[0]) +
                                      " tokens do not split over " + std::to_string(P) + " ranks");
     }
-    JCG_RETURN_IF_ERROR(Expect("the result", y.dimensions(), {xd[0] / P, m}));
+    JCG_RETURN_IF_ERROR(ExpectShape("the result", y.dimensions(), xd[0] / P, m));
   }
   call->op = op;
   call->transpose_w = transpose_w;
@@ -127,9 +110,11 @@ Status PrepareGathered(const Context& ctx, int64_t layout, ffi::AnyBuffer x,
   if (g.element_type() != x.element_type()) {
     return Status::InvalidArgument("the gathered result must have x's dtype");
   }
-  JCG_RETURN_IF_ERROR(
-      Expect("the gathered result", g.dimensions(), {call->x_rows * ctx.nranks(), call->x_cols}));
-  JCG_RETURN_IF_ERROR(Layout(layout, &call->layout));
+  JCG_RETURN_IF_ERROR(ExpectShape("the gathered result", g.dimensions(),
+                                  call->x_rows * ctx.nranks(), call->x_cols));
+  const std::optional<GatheredLayout> l = LayoutByNumber(layout);
+  if (!l) return Status::InvalidArgument("unknown gathered layout " + std::to_string(layout));
+  call->layout = *l;
   call->gathered = g.untyped_data();
   call->gathered_bytes = g.size_bytes();
   return Status();

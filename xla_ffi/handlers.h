@@ -91,6 +91,14 @@ inline std::string Dims(xla::ffi::AnyBuffer::Dimensions d) {
   return s + "]";
 }
 
+// InvalidArgument unless `what`'s dimensions `d` are [rows, cols].
+inline Status ExpectShape(const char* what, xla::ffi::AnyBuffer::Dimensions d, int64_t rows,
+                          int64_t cols) {
+  if (d.size() == 2 && d[0] == rows && d[1] == cols) return Status();
+  return Status::InvalidArgument(std::string(what) + " has shape " + Dims(d) + ", expected [" +
+                                 std::to_string(rows) + ", " + std::to_string(cols) + "]");
+}
+
 }  // namespace jax_comm_gemm
 
 #endif  // JAX_COMM_GEMM_HANDLERS_H_
