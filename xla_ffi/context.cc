@@ -1,8 +1,9 @@
-// A group's resources on one device and the comm-GEMM call on them (context.h):
-// set-up, the plan cache and its agreement across ranks, cuBLASMp's plan and
-// its cublasMpMatmul call (or pipelined_ce's, pipelined.cc), the collective
-// buffers, and how a context fails: Abort, the watchdog's checks (Watch) and
-// Abandon.
+// A group's resources on one device and the comm-GEMM call on them (context.h),
+// the second half of a call's path, in order: set-up; the call (Run,
+// RunLocked): the plan cache and its agreement across ranks, cuBLASMp's plan
+// and its cublasMpMatmul (or pipelined_ce's, pipelined.cc), the collective
+// buffers; then how a context fails: the watchdog's record of calls, Abort,
+// Watch and Abandon.
 #include "context.h"
 
 #include <algorithm>
@@ -185,6 +186,81 @@ Context::~Context() {
   }
   // In-flight work may still read the workspace; members are destroyed on this device.
   if (cudaSetDevice(options_.device) == cudaSuccess) (void)cudaDeviceSynchronize();
+}
+
+Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
+  return CatchExceptions("jax_comm_gemm", [&]() -> Status {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::FailedPrecondition("jax_comm_gemm was shut down");
+    if (aborted_) return AbortedStatus();
+    const Clock::time_point start = Clock::now();
+    {
+      std::lock_guard<std::mutex> calls_lock(calls_mu_);
+      host_since_ = start;
+    }
+    Status s = CatchExceptions("jax_comm_gemm", [&] { return RunLocked(stream, call, start); });
+    {
+      std::lock_guard<std::mutex> calls_lock(calls_mu_);
+      host_since_.reset();
+    }
+    host_ns_ += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
+    ++calls_;
+    switch (s.code()) {
+      case Status::Code::kOk:
+      case Status::Code::kAborted:  // already aborted; s says why
+        return s;
+      case Status::Code::kInvalidArgument:
+      case Status::Code::kFailedPrecondition:  // alike on every rank: still in step
+        s.message() = "jax_comm_gemm: " + s.message() + " (" + Where() + ")";
+        return s;
+      default:
+        return AbortFor(std::move(s));
+    }
+  });
+}
+
+Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c, Clock::time_point start) {
+  const Clock::time_point deadline = start + call_timeout_;
+  DeviceScope scope;
+  JCG_RETURN_IF_ERROR(scope.Enter(options_.device));
+  // The call runs on the context's own stream_, joined by events to XLA's
+  // `stream`: after everything XLA enqueued before it and before anything XLA
+  // enqueues after it (docs/design.md#ordering-against-xla-the-fence).
+  // pipelined_ce needs no cross-rank barrier, but runs on stream_ too: XLA may
+  // hand two calls different compute streams, and the calls of one context
+  // share its scratch (cuBLASLt workspace, window, events), which one stream
+  // keeps in order.
+  cudaStream_t run = stream_.get();
+  const PlanKey key = c.key();
+  auto it = plans_.find(key);
+  if (it == plans_.end()) {
+    JCG_RETURN_IF_ERROR(AgreeOnPlan(key, deadline));
+    // Shapes churn: start over. Every rank agreed on every plan, so every
+    // rank's cache is the same and all start over at the same call.
+    if (plans_.size() >= kMaxPlans) plans_.clear();
+    Plan plan;
+    JCG_RETURN_IF_ERROR(MakePlan(c, stream, run, deadline, &plan));
+    it = plans_.emplace(key, std::move(plan)).first;
+    plan_count_ = plans_.size();
+  }
+  const Plan& plan = it->second;
+  size_t gathered_offset = 0;
+  if (!IsPipelined(c.algorithm)) {
+    if (c.gathered != nullptr) {  // before any collective: fails alike
+      JCG_RETURN_IF_ERROR(
+          GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
+    }
+    JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
+    if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
+  }
+  JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
+    JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
+    return Enqueue(c, plan, gathered_offset, run);
+  }));
+  // The watchdog times the call up to here, its last operation on `run`.
+  JCG_RETURN_IF_ERROR(RecordCompletion(run, start));
+  return Join(stream, run, event_out_.get());
 }
 
 template <typename Body>
@@ -393,81 +469,6 @@ Status Context::Enqueue(const MatmulCall& c, const Plan& plan, size_t gathered_o
   // pipelined_ce returns above without one: it writes no workspace of a
   // peer's, and NCCL orders its transfers within the call.
   return Barrier(run);
-}
-
-Status Context::Run(cudaStream_t stream, const MatmulCall& call) noexcept {
-  return CatchExceptions("jax_comm_gemm", [&]() -> Status {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return Status::FailedPrecondition("jax_comm_gemm was shut down");
-    if (aborted_) return AbortedStatus();
-    const Clock::time_point start = Clock::now();
-    {
-      std::lock_guard<std::mutex> calls_lock(calls_mu_);
-      host_since_ = start;
-    }
-    Status s = CatchExceptions("jax_comm_gemm", [&] { return RunLocked(stream, call, start); });
-    {
-      std::lock_guard<std::mutex> calls_lock(calls_mu_);
-      host_since_.reset();
-    }
-    host_ns_ += static_cast<uint64_t>(
-        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count());
-    ++calls_;
-    switch (s.code()) {
-      case Status::Code::kOk:
-      case Status::Code::kAborted:  // already aborted; s says why
-        return s;
-      case Status::Code::kInvalidArgument:
-      case Status::Code::kFailedPrecondition:  // alike on every rank: still in step
-        s.message() = "jax_comm_gemm: " + s.message() + " (" + Where() + ")";
-        return s;
-      default:
-        return AbortFor(std::move(s));
-    }
-  });
-}
-
-Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c, Clock::time_point start) {
-  const Clock::time_point deadline = start + call_timeout_;
-  DeviceScope scope;
-  JCG_RETURN_IF_ERROR(scope.Enter(options_.device));
-  // The call runs on the context's own stream_, joined by events to XLA's
-  // `stream`: after everything XLA enqueued before it and before anything XLA
-  // enqueues after it (docs/design.md#ordering-against-xla-the-fence).
-  // pipelined_ce needs no cross-rank barrier, but runs on stream_ too: XLA may
-  // hand two calls different compute streams, and the calls of one context
-  // share its scratch (cuBLASLt workspace, window, events), which one stream
-  // keeps in order.
-  cudaStream_t run = stream_.get();
-  const PlanKey key = c.key();
-  auto it = plans_.find(key);
-  if (it == plans_.end()) {
-    JCG_RETURN_IF_ERROR(AgreeOnPlan(key, deadline));
-    // Shapes churn: start over. Every rank agreed on every plan, so every
-    // rank's cache is the same and all start over at the same call.
-    if (plans_.size() >= kMaxPlans) plans_.clear();
-    Plan plan;
-    JCG_RETURN_IF_ERROR(MakePlan(c, stream, run, deadline, &plan));
-    it = plans_.emplace(key, std::move(plan)).first;
-    plan_count_ = plans_.size();
-  }
-  const Plan& plan = it->second;
-  size_t gathered_offset = 0;
-  if (!IsPipelined(c.algorithm)) {
-    if (c.gathered != nullptr) {  // before any collective: fails alike
-      JCG_RETURN_IF_ERROR(
-          GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
-    }
-    JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
-    if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);
-  }
-  JCG_RETURN_IF_ERROR(WithComm([&]() -> Status {
-    JCG_RETURN_IF_ERROR(Join(run, stream, event_in_.get()));
-    return Enqueue(c, plan, gathered_offset, run);
-  }));
-  // The watchdog times the call up to here, its last operation on `run`.
-  JCG_RETURN_IF_ERROR(RecordCompletion(run, start));
-  return Join(stream, run, event_out_.get());
 }
 
 // Calls finish in the order they were enqueued (on one stream), so the first

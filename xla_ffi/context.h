@@ -1,12 +1,10 @@
-// Context: everything one device needs to run comm-GEMMs within one
-// tensor-parallel group, and the call itself. It owns (RAII) the group's NCCL
-// communicator (cuBLASMp's) and two split from it (the project's own
-// collectives; pipelined_ce), a cuBLASMp handle and the two 1-D process grids,
-// a plan per problem (cuBLASMp's descriptors, or pipelined_ce's cuBLASLt plan),
-// the registered device workspace, the pipelined algorithm's cuBLASLt handle,
-// stream, events and window, and what the watchdog needs to tell whether its
-// calls finish. One per (group, device), shared (std::shared_ptr) by the
-// Registry, the watchdog and each call in flight, so that none outlives it.
+// Context: one device's share of a tensor-parallel group, and the comm-GEMM
+// call on it (Run). It owns, RAII, everything a call runs on: the group's NCCL
+// communicators, cuBLASMp's handle and grids, a plan per problem, the
+// collective buffers, pipelined_ce's cuBLASLt handle, streams and events, and
+// what the watchdog needs to tell whether calls finish (the members below).
+// One per (group, device), shared (std::shared_ptr) by the Registry, the
+// watchdog and each call in flight, so that none outlives it.
 //
 // A context is healthy until Abort(reason): a call that failed in a way that
 // may leave the group out of step (a library error, a wait past the deadline),

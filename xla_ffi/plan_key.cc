@@ -1,3 +1,4 @@
+// PlanKey's wire form and the messages of a plan that the ranks do not agree on (plan_key.h).
 #include "plan_key.h"
 
 #include <string>

@@ -1,3 +1,4 @@
+// The timed pick's choice from its samples (timed_pick.h).
 #include "timed_pick.h"
 
 #include <algorithm>
