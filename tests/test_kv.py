@@ -132,7 +132,8 @@ def test_autotune_step_takes_process_0s_decision_from_the_slowest_times(job):
   decides, and every process returns the same plan and reason."""
   times = [{"xla": 1.00, "pipelined_ce": 0.90}, {"xla": 1.10, "pipelined_ce": 0.95},
            {"xla": 1.00, "pipelined_ce": 0.99}]
-  got = job.run(lambda p: tuning.agree_on_step(9, 1, times[p], timeout=5))
+  got = job.run(lambda p: tuning.agreed_choice(9, 1, ("step",), times[p], 5, {},
+                                                       tuning.decide_step))
   assert got[0] == got[1] == got[2]
   plan, why = got[0]
   assert plan == "pipelined_ce" and "all pipelined_ce 990.000 ms" in why

@@ -397,10 +397,8 @@ _TAGS = itertools.count(1)  # makes each problems_of trace's plan a new one
 
 def problems_of(step, *args) -> list[Problem]:
   """The problems `step(*args)` meets that ``backend="auto"`` chooses for, in
-  order: `step` is traced (``jax.eval_shape``) under a copy of the plan in
-  force that no trace saw before, which lists them, so the library's
-  trace-time code runs even where `step` was traced already, and programs
-  traced outside it stay as they are.
+  order: `step` is traced (``jax.eval_shape``) under a copy of the plan in force
+  that no trace saw before and that lists them; nothing else is traced again.
 
   >>> import jax.numpy as jnp
   >>> problems_of(lambda x: x + 1, jnp.zeros(2))  # no collective matmul
@@ -415,11 +413,10 @@ def problems_of(step, *args) -> list[Problem]:
 def autotune(mesh, axis_name: str = "tp", problems=(), *,
              seconds_per_problem: float = 1.0) -> dict[Problem, tuple[str, str]]:
   """Measures `problems` (``problems_of`` lists a step's) on `axis_name` and
-  publishes a routing plan with the choices (collective: every process calls
-  it; see the module docstring). Programs traced after it take the choices;
-  those traced before keep their routes (tracing warned of that). Returns
-  the choices made; does nothing where nothing can be tuned (no cuBLASMp,
-  ``JAX_COMM_GEMM_AUTOTUNE`` other than "on", an axis of size 1).
+  publishes a routing plan with the choices (collective). Programs traced after
+  it take them; those traced before keep their routes. Returns the choices;
+  does nothing where nothing can be tuned (no cuBLASMp, measuring off, an axis
+  of size 1).
 
   >>> import jax, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -459,18 +456,10 @@ def measure(mesh, axis_name: str, problems, plan, *,
   for index, (q, _) in enumerate(work["measure"]):
     p = Problem(**q)
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(work["measure"]))
-    runs = _runnables(mesh, axis_name, p, seconds_per_problem)
-    agree = UnionOfFailures(ident, attempt, "autotune", index, "failed", timeout=timeout)
-    mine = time_candidates(runs, rounds=10, warmup_rounds=WARMUP_ROUNDS, agree=agree,
-                           verify=against_xla())
-
-    def decided(times, failures=agree.failed):
-      chosen, why = decide({name: [t[name] for t in times] for name in times[0]})
-      return [chosen, with_failures(why, failures)]
-
-    choice = kv.leader_decides(ident, attempt, "autotune", index, value=mine,
-                               timeout_s=timeout, decide=decided)
-    choices[p] = tuple(choice)
+    parts = ("autotune", index)
+    mine, failed = timed(ident, attempt, parts, _runnables(mesh, axis_name, p,
+                                                           seconds_per_problem), 10, timeout)
+    choices[p] = agreed_choice(ident, attempt, parts, mine, timeout, failed, decide)
   measured = {Problem(**q).text(): list(choices[Problem(**q)]) for q, _ in work["measure"]}
   remember(path, section, measured)
   return choices
@@ -485,6 +474,28 @@ def remember(path: str, section: str, entries: dict) -> None:
     save_cache(path, cache)
 
 
+def timed(ident, attempt, parts: tuple, runs: dict, rounds: int,
+          timeout: float) -> tuple[dict[str, float], dict[str, str]]:
+  """(this process's time per candidate of `runs`, the failures every process
+  agreed on), under key `parts` (each tuner's exchanges have their own)."""
+  agree = UnionOfFailures(ident, attempt, *parts, "failed", timeout=timeout)
+  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
+                         verify=against_xla())
+  return mine, agree.failed
+
+
+def agreed_choice(ident, attempt, parts: tuple, mine: dict[str, float], timeout: float,
+                  failures: dict[str, str], decide_) -> tuple[str, str]:
+  """Process 0's `decide_` from every process's times, naming the `failures`
+  (the same in every process); every process takes it."""
+  def decided(times):
+    choice, why = decide_({name: [t[name] for t in times] for name in mine})
+    return [choice, with_failures(why, failures)]
+
+  return tuple(kv.leader_decides(ident, attempt, *parts, value=mine, timeout_s=timeout,
+                                 decide=decided))
+
+
 # --- autotune_step: the whole step ----------------------------------------------------------
 
 # A plan other than XLA is taken only if the step is this much faster with it,
@@ -496,19 +507,12 @@ TUNED, XLA = "tuned", "xla"
 
 @dataclasses.dataclass(frozen=True)
 class TunedStep:
-  """A step function that carries its routing decisions.
-
-  Calling it runs `step` jitted (or as given, if it is already a jitted
-  function) under ``routes``, the plan that holds the decisions; ``lower``
-  lowers it alike. The process's own plan, and the programs compiled under
-  it, are not touched.
-
-  Attributes:
-    step: the step function, as given to ``autotune_step``.
-    routes: the routing plan its calls run under.
-    plan: which plan was kept: ``"tuned"`` (the per-op choices), ``"xla"``,
-      or the one implementation every op runs.
-    why: the measurement, or why nothing was measured.
+  """A step function that carries its routing decisions: calling it (or
+  ``lower``) runs `step` jitted under ``routes``, the plan that holds them;
+  the process's own plan and its compiled programs are not touched. ``plan``
+  says which plan was kept (``"tuned"``: the per-op choices, ``"xla"``, or the
+  one implementation every op runs) and ``why``: the measurement, or why
+  nothing was measured.
 
   >>> import jax.numpy as jnp
   >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "tuned", "nothing to choose")
@@ -537,11 +541,10 @@ class TunedStep:
 
 
 def step_plans(problems, chosen: dict, implementations=None) -> dict[str, dict]:
-  """Each plan to time, as {plan: {problem: (implementation, why)}}: the
-  per-op choices (``tuned``), and every op on one implementation, for each of
-  `implementations` (default: all) that can run every op of the step, XLA
-  always among them. Where the per-op choices are all one implementation,
-  that plan is timed once, under the implementation's name."""
+  """{plan: {problem: (implementation, why)}} to time: the per-op choices
+  (``tuned``), and every op on one implementation, for each of
+  `implementations` (default: all) that runs every op of the step, XLA always;
+  per-op choices of one implementation are timed once, under its name."""
   names = _plan_names(implementations)
   ops = {p.op for p in problems}
   plans = {name: {p: (name, "step-level comparison") for p in problems}
@@ -581,16 +584,13 @@ def decide_step(times: dict[str, list[float]],
 
 def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds: int = 10,
                   seconds_per_problem: float = 1.0, implementations=None) -> TunedStep:
-  """Tunes every op `step(*args)` meets (as ``autotune`` does), then times the
-  step under each plan of ``step_plans`` (`implementations` limits the plans
-  of one implementation for every op: each costs a compile of the step), and
-  returns the step with the plan taken, as a :class:`TunedStep`. The plan is
-  kept in autotune's disk cache, keyed by the step's problems and plans, and
-  taken from it without compiling or timing the next time. Where there is
-  nothing to choose (no cuBLASMp, measuring off, an axis of size 1, a step
-  with no op to choose for), the step comes back with the plan in force and
-  the reason. Call it in every process: it is collective. It leaves the
-  process's plan, and every program compiled under it, as they were.
+  """Tunes every op `step(*args)` meets (as ``autotune`` does), times the step
+  under each plan of :func:`step_plans` (`implementations` limits the plans of
+  one implementation for every op: each costs a compile of the step) and
+  returns the step with the plan kept, a :class:`TunedStep`. Collective. The
+  plan goes into autotune's disk cache, keyed by the step's problems and plans.
+  Where there is nothing to choose, the step comes back under the plan in force,
+  with the reason.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -634,41 +634,22 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
 
 def _measure(ident, attempt, routes: dict[str, Plan], step, args, iterations, rounds,
              timeout) -> tuple[str, str]:
-  """Compiles the step under each plan, times them all interleaved, and
-  returns process 0's decision. Every process learns of every plan that
-  failed in any (to compile, to run, to match XLA's result, while timed)
-  before the next plan runs, and skips it; where every plan failed, every
-  process raises the same RuntimeError naming each plan's failure."""
+  """Compiles the step under each plan, times them all, and returns process
+  0's decision; where every plan failed, every process raises alike."""
   runs = {}
   jitted = step if hasattr(step, "lower") else jax.jit(step)
   # XLA's step first: the others' results are checked against its (against_xla).
   for name, plan in sorted(routes.items(), key=lambda item: item[0] != XLA):
     runs[name] = build(lambda plan=plan: _compiled(jitted, plan, args),
                        lambda compiled: compiled(*args), iterations)
-  agree = UnionOfFailures(ident, attempt, "step", "failed", timeout=timeout)
-  mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
-                         verify=against_xla())
-  if all(name in agree.failed for name in mine):
+  mine, failed = timed(ident, attempt, ("step",), runs, rounds, timeout)
+  if all(name in failed for name in mine):
     raise RuntimeError("jax_comm_gemm.autotune_step: every plan of the step failed: " + ", ".join(
-        f"{name} ({why})" for name, why in agree.failed.items()))
-  return agree_on_step(ident, attempt, mine, timeout, agree.failed)
+        f"{name} ({why})" for name, why in failed.items()))
+  return agreed_choice(ident, attempt, ("step",), mine, timeout, failed, decide_step)
 
 
 def _compiled(jitted, plan: Plan, args):
   """The step compiled ahead of time under `plan`: the executable keeps its choices."""
   with plan_lib.use(plan):
     return jitted.lower(*args).compile()
-
-
-def agree_on_step(ident, attempt, mine: dict[str, float], timeout: float,
-                  failures: dict[str, str] | None = None) -> tuple[str, str]:
-  """Process 0 decides from every process's times (``decide_step``), naming
-  the plans that failed (`failures`, the same in every process); all take
-  its decision."""
-  def decided(times):
-    plan, why = decide_step({name: [t[name] for t in times] for name in mine})
-    return [plan, with_failures(why, failures or {})]
-
-  plan, why = kv.leader_decides(ident, attempt, "step", value=mine, timeout_s=timeout,
-                                decide=decided)
-  return plan, why
