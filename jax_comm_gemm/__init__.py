@@ -1,24 +1,13 @@
 """jax-comm-gemm: cuBLASMp's overlapped AllGather+GEMM and GEMM+ReduceScatter
 for sequence-parallel dense layers in JAX, with an XLA fallback.
 
-The folders are the layers, from the top (each imports only those below it):
-
-* ``flax/``: the Flax linen and NNX modules (public names ``jax_comm_gemm.linen``
-  and ``jax_comm_gemm.nnx``).
-* ``layers/``: the dense layers on local shards (``local``, inside shard_map)
-  and on global arrays (``sharded``, wraps shard_map), the transformer block.
-* ``collective_matmul.py``: the differentiable collective matmuls (custom_vjps).
-* ``backends/``: how one op runs (XLA, the ring, cuBLASMp's and the project's
-  algorithms through the custom calls, jax's Pallas kernel), the one place
-  that routes it (``backends/routes.py``), and autotuning.
-* ``fp8/``: the FP8 recipes, GEMMs and collective matmuls.
-* ``runtime/``: the extension, ``connect`` (communicators, agreement, the
-  self-test), the routing plan and the one registry.
-* ``diagnostics/``: collective counts in compiled HLO, the per-layer report.
-
-The top-level ``linen``, ``nnx``, ``sharded``, ``dense`` and ``hlo`` modules are
-public names that hand on what the folders define.
-"""
+The folders, from the top (each imports only those below it): ``flax/`` (the
+linen and NNX modules), ``layers/`` (the dense layers, local and global, and
+the transformer block), ``collective_matmul.py`` (the custom_vjps),
+``backends/`` (how one op runs, the one place that routes it, autotuning),
+``fp8/``, ``runtime/`` (the extension, ``connect``, the routing plan, the
+registry) and ``diagnostics/``. The top-level ``linen``, ``nnx``, ``sharded``,
+``dense`` and ``hlo`` modules are public names for what the folders define."""
 
 import re
 

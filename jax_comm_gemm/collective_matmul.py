@@ -1,25 +1,14 @@
-"""Differentiable collective matmuls along the token dimension, inside shard_map.
-
-``all_gather_matmul`` is the column-parallel product ``AG(x) @ w``;
-``matmul_reduce_scatter`` is the row-parallel product ``RS(x @ w)``. Each is a
-``jax.custom_vjp`` whose backward runs the other fused op for the input
-gradient. How both run is one value, ``backends.routes.op_route``'s
-:class:`OpRoute`, decided where the op is called: the backend of each op
-(``backend="auto"``'s choices made) and where the weight gradient's gathered
-operand comes from:
-
-* in ``matmul_reduce_scatter``'s backward, from the AllGather+GEMM that computes
-  the input gradient (its gathered grad_output), where the backend can hand it
-  out (a verdict cached at connect and read at trace time), else from a
-  regular ``lax.all_gather``;
-* in ``all_gather_matmul``'s backward, from the forward when
-  ``keep_gathered_input=True`` (N*K memory per layer), else from a regular
-  ``lax.all_gather`` of the input.
-
-With ``config.fp8`` set, both ops run :mod:`jax_comm_gemm.fp8`'s custom_vjps
-(``routes.fp8_route``). No exception is raised or caught on this path: the
-routing is a trace-time branch on the routing plan (runtime/plan.py).
-"""
+"""Differentiable collective matmuls along the token dimension, inside shard_map:
+``all_gather_matmul`` (column-parallel, ``AG(x) @ w``) and
+``matmul_reduce_scatter`` (row-parallel, ``RS(x @ w)``), each a
+``jax.custom_vjp`` whose backward runs the other op for the input gradient.
+How both run is one value decided where the op is called, ``routes.op_route``'s
+:class:`OpRoute`: the backend of each op (``auto``'s choices made) and where
+each weight gradient's gathered operand comes from: in the row-parallel
+backward from the AllGather+GEMM of the input gradient where the backend hands
+it out (the self-test's verdict), in the column-parallel backward from the
+forward with ``keep_gathered_input``; else from a ``lax.all_gather``. With
+``config.fp8`` both run :mod:`jax_comm_gemm.fp8`'s custom_vjps (``routes.fp8_route``)."""
 
 from __future__ import annotations
 

@@ -13,15 +13,10 @@ from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.runtime.constants import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
 from jax_comm_gemm.runtime.settings import BACKENDS
 
-# How the cuBLASMp backend runs GEMM+ReduceScatter: XLA's dot + psum_scatter, a
-# ring of GEMMs and ppermutes in XLA, or a fused algorithm (cuBLASMp's or the
-# project's pipelined_ce).
+# How the fused backends run GEMM+ReduceScatter.
 REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
 _FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
-# The backends an FP8 config may name: its fused steps run on XLA's collectives,
-# the ring, or the extension's fused FP8 ops ("cublasmp": the config's
-# algorithms, one scale per tensor); "auto" picks per problem among the three
-# (docs/fp8.md).
+# The backends an FP8 config may name (docs/fp8.md).
 FP8_BACKENDS = ("auto", "xla", "ring", "cublasmp")
 
 
@@ -33,35 +28,23 @@ class CommGemmConfig:
   Attributes:
     backend: ``"auto"`` (per op and shape, the implementation measured
       fastest, on connected axes; XLA elsewhere), ``"cublasmp"`` (always the
-      fused ops; an error where they cannot run), ``"xla"``, ``"ring"``
-      (both ops as rings of per-shard GEMMs and ``lax.ppermute`` that XLA
-      overlaps; runs everywhere), or a
-      :class:`~jax_comm_gemm.backends.Backend` instance. The environment
-      variable ``JAX_COMM_GEMM_BACKEND`` overrides it, for A/B runs.
+      fused ops; an error where they cannot run), ``"xla"``, ``"ring"`` (rings
+      of per-shard GEMMs and ``lax.ppermute``; runs everywhere), or a
+      :class:`~jax_comm_gemm.backends.Backend`. ``JAX_COMM_GEMM_BACKEND``
+      overrides it, for A/B runs.
     all_gather_algorithm: the fused AllGather+GEMM where ``auto`` has no
       measurement and for ``"cublasmp"``: cuBLASMp's ``"split_p2p"`` or
-      ``"default"``, or the project's own ``"pipelined_ce"`` (a cuBLASLt GEMM
-      per shard beside NCCL transfers on its copy engines), which spends a
-      fraction of cuBLASMp's host time per call:
-      docs/design.md#the-projects-own-algorithms.
+      ``"default"``, or the project's ``"pipelined_ce"``
+      (docs/design.md#the-projects-own-algorithms).
     reduce_scatter: how the fused backends run GEMM+ReduceScatter: ``"xla"``
-      (dot, then ``lax.psum_scatter``; the default, because inside a training
-      step XLA overlaps it with other GEMMs), ``"ring"``, cuBLASMp's
-      ``"split_p2p"`` / ``"default"``, or the project's ``"pipelined_ce"``:
-      docs/design.md#gemmreducescatter.
-    reuse_gathered: ``None`` reuses the operand that a fused AllGather+GEMM
-      gathered wherever the self-test's verdict passes; ``False`` always
-      gathers again with ``lax.all_gather`` (for A/B runs and debugging).
-    fp8: ``None`` (the GEMMs run in the inputs' dtype) or an
-      :class:`~jax_comm_gemm.fp8.Fp8Recipe`: the GEMMs run in FP8 (E4M3
-      forward, E5M2 gradients, current scaling agreed over the axis), FP8
-      bytes are all-gathered, and the row-parallel backward reuses the
-      gathered FP8 grad_output (docs/fp8.md). FP8 runs with ``backend``
-      "xla" (XLA's collectives), "ring" (per-shard FP8 GEMMs overlapped with
-      ppermutes), "cublasmp" (the extension's fused FP8 ops on
-      ``all_gather_algorithm`` and ``reduce_scatter``; one scale per tensor)
-      or "auto" (per problem, as autotune measured among those three; XLA's
-      collectives where nothing was measured).
+      (the default), ``"ring"``, or one of the algorithms above
+      (docs/design.md#gemmreducescatter).
+    reuse_gathered: ``None`` reuses the operand a fused AllGather+GEMM gathered
+      wherever the self-test passed; ``False`` always gathers again.
+    fp8: ``None``, or an :class:`~jax_comm_gemm.fp8.Fp8Recipe`: the GEMMs run
+      in FP8 with FP8 bytes on the wire, on ``backend`` "xla", "ring",
+      "cublasmp" (the fused FP8 ops, one scale per tensor) or "auto"
+      (docs/fp8.md).
 
   >>> CommGemmConfig().backend
   'auto'

@@ -1,20 +1,9 @@
 """The ring: a collective matmul as per-shard GEMMs and ``lax.ppermute`` (the
 collective-matmul pattern of JAX's shard_map documentation), one for bf16
-(``backends.xla.RingBackend``) and FP8 (``fp8.steps``). The next shard
-travels while this shard's GEMM runs, and XLA schedules the two at once.
-
-* :func:`all_gather_gemm`: ``gemm(AG(x), AG(scales))`` as P GEMMs, one per
-  arriving shard; the gathered operand is assembled in place as the shards
-  pass, for the weight gradient to reuse. With per-row scales each shard's
-  scales travel in the same ppermute as its rows.
-* :func:`gemm_reduce_scatter`: ``RS(gemm(x, scales))`` as P chunked GEMMs whose
-  partial sums (in the output dtype, as XLA's reduce-scatter moves them) travel
-  the ring.
-
-``gemm(x, scales)`` is the layer's GEMM with its other operand bound: the same
-GEMM per shard as on XLA's collectives, so the result equals theirs up to the
-order of the sums. `scales` is None for bf16, one scale per tensor (the same
-on every rank) or, with `row_scales`, one per row of x.
+(``backends.xla.RingBackend``) and FP8 (``fp8.steps``): the next shard travels
+while this shard's GEMM runs. ``gemm(x, scales)`` is the layer's GEMM with its
+other operand bound; `scales` is None for bf16, one scale per tensor, or with
+`row_scales` one per row of x (travelling with its rows).
 
 >>> import jax, jax.numpy as jnp, numpy as np
 >>> from jax.sharding import Mesh, PartitionSpec as P

@@ -1,10 +1,7 @@
-"""Argument checks, run at trace time before any device work.
-
-Every error names the argument and says what is allowed. The module imports
-no other module of the package, so that every layer, the FP8 ops included,
-checks through it. Longer than 300 lines because it is the one home of the
-package's argument checks, each with an example.
-"""
+"""Argument checks, run at trace time before any device work: every error names
+the argument and says what is allowed. The module imports no other module of
+the package, so that every layer, the FP8 ops included, checks through it.
+Longer than 300 lines: it is the one home of the package's argument checks."""
 
 from __future__ import annotations
 
@@ -70,11 +67,7 @@ def bound_axis_size(op: str, axis_name) -> int:
 
 
 def mesh_axis_size(op: str, mesh, axis_name) -> int:
-  """The size of `axis_name` in `mesh`, or a clear error.
-
-  >>> mesh_axis_size("f", jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",)), "tp")
-  1
-  """
+  """The size of `axis_name` in `mesh`, or a clear error."""
   check_axis_name(op, axis_name)
   if axis_name not in mesh.axis_names:
     raise ValueError(
@@ -84,10 +77,7 @@ def mesh_axis_size(op: str, mesh, axis_name) -> int:
 
 
 def check_dtype(op: str, name: str, value) -> None:
-  """`value`'s dtype must be one the layers run.
-
-  >>> check_dtype("f", "x", np.ones(2, np.float32))
-  """
+  """`value`'s dtype must be one the layers run."""
   dtype = jnp.result_type(value)
   if dtype not in SUPPORTED_DTYPES:
     raise TypeError(
@@ -109,11 +99,7 @@ def check_rank(op: str, name: str, value, rank: int, what: str) -> None:
 
 
 def check_not_empty(op: str, name: str, value) -> None:
-  """No dimension of `value` may be 0: a layer of no tokens or no features has
-  nothing to compute, and the collectives cannot split nothing.
-
-  >>> check_not_empty("f", "x", np.ones((2, 3)))
-  """
+  """No dimension of `value` may be 0: the collectives cannot split nothing."""
   if 0 in np.shape(value):
     raise ValueError(
         f"{op}: `{name}` has shape {np.shape(value)}, with a dimension of size 0; "
@@ -133,8 +119,8 @@ def _precisions(precision):
 
 
 def check_precision(op: str, precision):
-  """`precision` as ``lax.dot_general`` takes it, returned (a list pair as a
-  tuple: jit keys on it); else a ValueError.
+  """`precision` as ``lax.dot_general`` takes it (a list pair as a tuple: jit
+  keys on it), else a ValueError.
 
   >>> check_precision("f", ("highest", "default"))
   ('highest', 'default')
@@ -187,14 +173,7 @@ def check_callable(op: str, name: str, value) -> None:
 
 def check_matmul(op: str, x, w, *, transpose_w, x_name: str = "x",
                  w_name: str = "w") -> tuple[int, int]:
-  """Checks a local x [tokens, k] against w [k, m] (or [m, k] when transposed).
-
-  Returns (k, m).
-
-  >>> check_matmul("f", np.ones((2, 3), np.float32), np.ones((3, 4), np.float32),
-  ...              transpose_w=False)
-  (3, 4)
-  """
+  """A local x [tokens, k] against w [k, m] (or [m, k] when transposed); returns (k, m)."""
   if not isinstance(transpose_w, (bool, np.bool_)):
     raise TypeError(f"{op}: transpose_w must be a bool, got {transpose_w!r}")
   check_rank(op, x_name, x, 2, "[tokens, features]")
@@ -238,10 +217,7 @@ def check_inner(op: str, x_name: str, k: int, w_name: str, w_k: int, w_shape) ->
 
 def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,
                     axis_size: int, hint: str = "") -> None:
-  """`size` (of `name`'s `what`) must split evenly over the axis.
-
-  >>> check_divisible("f", "x", "tokens", 8, "tp", 2)
-  """
+  """`size` (of `name`'s `what`) must split evenly over the axis."""
   if size % axis_size:
     raise ValueError(
         f"{op}: `{name}` has {size} {what}, which is not divisible by the "
@@ -249,10 +225,7 @@ def check_divisible(op: str, name: str, what: str, size: int, axis_name: str,
 
 
 def check_tokens(op: str, name: str, shape, axis_name: str, shards: int) -> None:
-  """The first dimension holds the tokens and must split over `shards`.
-
-  >>> check_tokens("f", "x", (8, 3), "tp", 2)
-  """
+  """The first dimension holds the tokens and must split over `shards`."""
   hint = ""
   if len(shape) > 2:
     hint = (f". The first dimension is the tokens: for [batch, seq, features] "
@@ -277,8 +250,8 @@ def check_activations(op: str, name: str, value) -> None:
 
 
 def check_bias(names: Names, bias, features: int, x=None) -> None:
-  """`bias` is None, or ``[features]`` of `x`'s dtype (where `x` is given): a
-  bias of a wider dtype would silently widen the layer's output.
+  """`bias` is None, or ``[features]`` of `x`'s dtype: a wider bias would
+  silently widen the layer's output.
 
   >>> check_bias(Names("f"), np.ones(4, np.float32), 4, np.ones((2, 3), np.float16))
   Traceback (most recent call last):
@@ -312,13 +285,8 @@ def check_type(where: str, name: str, value, cls) -> None:
 
 def check_fp8_histories(where: str, config, fp8_histories, layers: tuple[str, ...],
                         how: str):
-  """`fp8_histories`, which a "delayed" FP8 config needs (a dict of an
-  AmaxHistory for each of `layers`; `how` says where to get one) and the
-  others refuse; None where there are none.
-
-  >>> from jax_comm_gemm.config import CommGemmConfig
-  >>> check_fp8_histories("f", CommGemmConfig(), None, ("fc1",), "")
-  """
+  """`fp8_histories`: a dict of an AmaxHistory for each of `layers` where the
+  config's FP8 recipe is "delayed" (`how` says where to get one), else None."""
   fp8 = getattr(config, "fp8", None)
   delayed = fp8 is not None and fp8.scaling == "delayed"
   if fp8_histories is None and not delayed:
@@ -334,10 +302,9 @@ def check_fp8_histories(where: str, config, fp8_histories, layers: tuple[str, ..
 
 
 def check_op_options(where: str, config, fp8_history, precision):
-  """The options a collective matmul routes by: `precision` as jax takes it
-  (returned), the default only with FP8, whose GEMMs it would not reach; an
-  FP8 amax history only where the config's recipe is "delayed" (the FP8 op
-  checks the history itself, and that a delayed recipe has one).
+  """The options a collective matmul routes by, checked: `precision` (returned;
+  only the default with FP8, whose GEMMs it would not reach), and an FP8 amax
+  history only where the recipe is "delayed".
 
   >>> from jax_comm_gemm.config import CommGemmConfig
   >>> check_op_options("f", CommGemmConfig(), None, "highest")
@@ -376,9 +343,8 @@ def check_config(where: str, config) -> None:
 
 
 def check_flag(where: str, name: str, value) -> bool:
-  """Returns `value` as a Python bool if it is a bool or a numpy bool, else
-  raises TypeError naming the argument (``0``, ``"no"`` and ``None`` are
-  refused: a truthy string would switch the option on).
+  """`value` as a Python bool where it is a bool or a numpy bool, else a
+  TypeError naming the argument (a truthy ``"no"`` must not switch it on).
 
   >>> check_flag("f", "keep_gathered_input", np.True_)
   True

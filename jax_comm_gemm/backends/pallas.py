@@ -1,18 +1,9 @@
-"""jax's own Pallas Mosaic GPU AllGather+GEMM (``all_gather_lhs_matmul``) as
-one more implementation ``auto`` may choose.
-
-It is one kernel: while it multiplies a shard it sends that shard on to the
-next rank from shared memory, so a call launches nothing else and pays no
-host time per transfer. That is where the project's handler loses at small
-GEMMs, and where this kernel led every other implementation
-(docs/performance.md, where it ran as a peer). Everything else about a call, the other op and the weight
-gradient, stays XLA's.
-
-Where the kernel cannot run (:func:`supports` says why) the backend runs
-XLA's all_gather and dot instead, as the cuBLASMp backend does on a group of
-one; ``auto`` measures it only where it can run (the axis over every GPU of
-the job, among other limits).
-"""
+"""jax's own Pallas Mosaic GPU AllGather+GEMM (``all_gather_lhs_matmul``) as one
+more implementation ``auto`` may choose: one kernel that sends each shard on
+from shared memory while it multiplies it, so a call pays no host time per
+transfer (where it leads: docs/performance.md). The other op and the weight
+gradient stay XLA's, and so does the AllGather+GEMM where the kernel cannot
+run (:func:`supports` says why)."""
 
 from __future__ import annotations
 
@@ -27,12 +18,9 @@ from jax_comm_gemm.runtime.capability import Capability
 
 NAME = "pallas_mgpu"
 DTYPES = ("bfloat16", "float16")
-# The tile configuration: of the four the benchmark's peer tried, the two
-# with 256-row tiles need more shared memory than a Hopper SM has, and of the
-# other two this one (the grid's minor dimension along M) was as fast or
-# nearly at the benchmark's shapes (benchmarks/peers/pallas_mgpu.py). Its
-# tiles set what a shape must divide: a CTA computes 128 rows
-# by 2 x 128 columns (two warpgroups along the columns), stepping 64 along k.
+# The tile configuration (of those benchmarks/peers/pallas_mgpu.py tried, the
+# fastest that fits a Hopper SM's shared memory): a CTA computes 128 rows by
+# 2 x 128 columns, stepping 64 along k, which sets what a shape must divide.
 TILE_M, TILE_N, TILE_K = 128, 128, 64
 ROWS_DIVIDE, COLUMNS_DIVIDE = TILE_M, 2 * TILE_N
 

@@ -260,19 +260,15 @@ def choose_backend(config, axis_name: str, mesh=None, precision=None) -> Choice:
   """
   choice = _choose(config, axis_name, mesh, current_plan(), precision)
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
-    unused = [f"{name}={getattr(config, name)!r}" for name, default in fused_defaults()
-              if getattr(config, name) != default]
+    # The options only the fused ops read: CublasMpBackend's fields, whose
+    # defaults CommGemmConfig takes too.
+    unused = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(CublasMpBackend)
+              if getattr(config, f.name) != f.default]
     if unused:
       warnings.warn(f"jax_comm_gemm: CommGemmConfig({', '.join(unused)}) has no effect: "
                     f"the layers run on XLA's collectives ({choice.reason})",
                     RuntimeWarning, stacklevel=3)
   return choice
-
-
-def fused_defaults() -> tuple[tuple[str, object], ...]:
-  """(field, default) of the options only the fused ops read: the fields of
-  ``CublasMpBackend``, whose defaults ``CommGemmConfig`` takes too."""
-  return tuple((f.name, f.default) for f in dataclasses.fields(CublasMpBackend))
 
 
 def _choose(config, axis_name, mesh, plan, precision) -> Choice:
@@ -410,11 +406,8 @@ class Fp8Route:
 
 
 def fp8_route(config) -> Fp8Route:
-  """Whether `config`'s ops run in FP8 under the plan in force: where it holds
-  a recipe. FP8's fused steps run on XLA's collectives, the ring or the
-  extension's fused FP8 ops (:func:`fp8_collectives`), so a backend that
-  ``JAX_COMM_GEMM_BACKEND`` forces and that is none of them is an error here
-  (``CommGemmConfig`` refuses such a ``backend`` itself).
+  """Whether `config`'s ops run in FP8 (where it holds a recipe), and why; a
+  ``JAX_COMM_GEMM_BACKEND`` that FP8 cannot run on is an error here.
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
@@ -450,11 +443,9 @@ def _fp8_backend(config) -> str:
 
 def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
                     gathered: bool = False) -> tuple[Any, str]:
-  """(collectives, why) for FP8 op `op` (``backends.AG`` or ``RS``) on
-  `x` and `w`: "xla" or "ring", or for backend "cublasmp" a CublasMpBackend of
-  the config's algorithms (the extension's fused FP8 ops), as the backend
-  names it, else as ``backend="auto"`` chooses for the problem, whose key
-  carries the recipe (autotune's measurement in the plan, or XLA's).
+  """(collectives, why) for FP8 op `op` on `x` and `w`: "xla", "ring", or the
+  fused FP8 ops (a CublasMpBackend of the config's algorithms), as the backend
+  names it or, for "auto", as :func:`choose` picks for the problem.
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe

@@ -1,11 +1,7 @@
 """Which path a layer takes and why, and how many all-gathers a training step
-should hold.
-
-For reports (the example) and tests: what the design promises, to set beside
-what :func:`jax_comm_gemm.diagnostics.hlo.compiled_collectives` counts in a
-compiled program. Both questions are answered by the functions that decide at
-trace time (``backends.routes``): nothing is re-derived here.
-"""
+should hold, for reports (the example) and tests, to set beside what
+:func:`jax_comm_gemm.diagnostics.hlo.compiled_collectives` counts. Both come
+from the functions that decide at trace time (``backends.routes``)."""
 
 from __future__ import annotations
 
@@ -49,14 +45,10 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                keep_gathered_input: bool = False,
                path_reason: str | None = None) -> LayerPath:
   """How a layer's AllGather+GEMM runs on `axis_name` of `mesh`, and where its
-  weight gradient gets the gathered operand from.
-
-  A row-parallel layer (``reduce_scatter_layer=True``) gathers grad_output in
-  its backward AllGather+GEMM (with the transposed kernel) and can reuse it; a
-  column-parallel layer can reuse its forward's gathered input only with
-  ``keep_gathered_input``, and otherwise gathers it again. `path_reason` is a
-  module's own reason to run on XLA (``module.path_reason()``: an injected
-  ``dot_general``, say), which comes first.
+  weight gradient gets the gathered operand: a row-parallel layer
+  (`reduce_scatter_layer`) can reuse the grad_output its backward gathers, a
+  column-parallel one its forward's input only with `keep_gathered_input`.
+  `path_reason` (``module.path_reason()``) comes first.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
@@ -120,35 +112,21 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
 @dataclasses.dataclass(frozen=True)
 class ExpectedCounts:
   """Collectives in one forward + backward, as
-  :func:`jax_comm_gemm.diagnostics.hlo.count_collectives` counts them.
-
-  ``standalone_all_gathers`` are ``all-gather`` ops in the compiled program
-  (those over groups of one device left out); ``fused_all_gather_matmuls``
-  are cuBLASMp AllGather+GEMM custom calls.
-  """
+  :func:`jax_comm_gemm.diagnostics.hlo.count_collectives` counts them:
+  standalone ``all-gather`` ops (over groups of more than one device) and
+  fused AllGather+GEMM custom calls."""
   standalone_all_gathers: int
   fused_all_gather_matmuls: int
 
 
 def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                          keep_gathered_input: bool = False) -> ExpectedCounts:
-  """The all-gathers of one SP-MLP block's forward + backward (a training step).
-
-  On an axis of size 1 there are none: nothing is gathered from a group of
-  one (XLA's CPU compiler still emits ``all-gather`` ops over groups of one
-  device, which the counts leave out; its GPU compiler removes them).
-
-  With cuBLASMp, two AllGather+GEMMs run fused (fc1's forward, fc2's dgrad),
-  and the weight gradients add a standalone ``lax.all_gather`` each unless the
-  operand is reused: 2 standalone without reuse, 1 with reuse (fc2's), 0 when
-  fc1 also keeps its forward's gathered input.
-
-  With the XLA fallback every gather is an ``all-gather`` op: fc1's forward
-  gather and fc2's dgrad gather, 2 in all (fc1's backward gather of the same
-  input is merged with the forward's by XLA's CSE, as with plain autodiff).
-  FP8 on the ring gathers by ppermute; only fc1's backward gathers its input
-  again (1; 0 with ``keep_gathered_input``).
-  """
+  """The all-gathers of one SP-MLP block's forward + backward: none on an axis of
+  size 1; with the fused ops two fused (fc1's forward, fc2's dgrad) and a
+  standalone one per weight gradient that does not reuse its operand (2, 1 with
+  fc2's reuse, 0 when fc1 keeps its input too); on XLA's collectives 2 (XLA's
+  CSE merges fc1's backward gather with its forward's); FP8 on the ring 1
+  (fc1's backward; 0 with `keep_gathered_input`)."""
   if int(mesh.shape[axis_name]) == 1:
     return ExpectedCounts(0, 0)
   fc1 = layer_path(config, mesh, axis_name, dtype, keep_gathered_input=keep_gathered_input)
@@ -164,12 +142,9 @@ def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
 def expected_block_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                                keep_gathered_input: bool = False,
                                remat: bool = False) -> ExpectedCounts:
-  """The all-gathers of one transformer block's forward + backward
-  (``layers.transformer``): twice the SP-MLP block's, since attention is a
-  column-parallel layer (QKV) then a row-parallel one (out-proj) as well.
-  With ``remat`` (``jax.checkpoint`` around the block) the backward pass
-  reruns QKV's and fc1's forward gathers: 2 more, fused where the forward's
-  are. None on an axis of size 1."""
+  """The all-gathers of one transformer block's forward + backward: twice the
+  SP-MLP block's; with `remat` QKV's and fc1's forward gathers run again (2
+  more, fused where the forward's are)."""
   mlp = expected_all_gathers(config, mesh, axis_name, dtype,
                              keep_gathered_input=keep_gathered_input)
   standalone, fused = 2 * mlp.standalone_all_gathers, 2 * mlp.fused_all_gather_matmuls

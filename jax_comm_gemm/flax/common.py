@@ -1,12 +1,8 @@
-"""What the linen and NNX modules share: the table of their options and
-defaults, the checks of those options, why a dense layer leaves the fused
-path, and :func:`run`, the one local-or-global dispatch to the layers.
-
-The options common to every module live once, in :class:`Options`: the linen
-modules inherit them as keyword-only dataclass fields (:class:`LinenOptions`,
-built from ``dataclasses.fields(Options)``), and the NNX modules fill their
-``**options`` from the same table (:func:`nnx_options`).
-"""
+"""What the linen and NNX modules share: the table of their options
+(:class:`Options`, inherited by the linen modules as keyword-only fields and
+filled into the NNX modules' ``**options``), the checks of those options, why a
+dense layer leaves the fused path, and :func:`run`, the one local-or-global
+dispatch to the layers."""
 
 from __future__ import annotations
 
@@ -69,11 +65,7 @@ DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(Optio
 
 
 def kw_only(default):
-  """A keyword-only linen field with `default`.
-
-  >>> kw_only(1).kw_only
-  True
-  """
+  """A keyword-only linen field with `default`."""
   return dataclasses.field(default=default, kw_only=True)
 
 
@@ -87,11 +79,7 @@ LinenOptions = type("LinenOptions", (nn.Module,), {
 
 
 def options_of(module) -> dict:
-  """The table's options as `module` (linen or NNX) holds them.
-
-  >>> options_of(Options(axis_name="model"))["axis_name"]
-  'model'
-  """
+  """The table's options as `module` (linen or NNX) holds them."""
   return {name: getattr(module, name) for name in DEFAULTS}
 
 
@@ -159,11 +147,8 @@ def check_split(subject: str, value: int, axis_name: str, size: int) -> None:
 
 
 def check_token_inputs(owner: str, inputs, where: dense.Placement) -> None:
-  """A module whose `inputs` are sharded along tokens: at least 2-D, and the
-  tokens split over every shard (globally) or gather cleanly (locally).
-
-  >>> check_token_inputs("M", jnp.ones((3, 4)), dense.Placement(True, "tp", 2))
-  """
+  """A module's `inputs`, sharded along tokens: at least 2-D, and globally the
+  tokens split over every shard."""
   validation.check_activations(owner, "inputs", inputs)
   if not where.local:
     validation.check_tokens(owner, "inputs", jnp.shape(inputs),
@@ -193,18 +178,8 @@ def path_reason(kind: str, injected: str | None, preferred_element_type=None) ->
 
 
 def run(kind: str, where: dense.Placement, names: Names, *operands, **options):
-  """Runs layer `kind` ("column", "row" or "block") where `where`
-  (``dense.place``) says: on local shards inside the caller's
-  ``jax.shard_map``, or on global arrays. The functional API calls the same
-  entries.
-
-  >>> import numpy as np
-  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  >>> run("column", dense.Placement(False, "tp", 1, mesh), Names("f"),
-  ...     np.ones((2, 3), np.float32), np.ones((3, 4), np.float32), None,
-  ...     keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG).shape
-  (2, 4)
-  """
+  """Runs layer `kind` ("column", "row" or "block") where `where` says: on local
+  shards inside the caller's ``jax.shard_map``, or on global arrays."""
   if kind == "column" and where.local:
     return dense.column_local(names, *operands, where=where, **options)
   if kind == "column":

@@ -1,47 +1,27 @@
-"""Flax linen modules for sequence-parallel dense layers.
+"""Flax linen modules for sequence-parallel dense layers: ``ColumnParallelDense``
+(fc1, QKV), ``RowParallelDense`` (fc2, out-proj) and ``SequenceParallelMLP``,
+used like :class:`flax.linen.Dense` over the last dimension, the tokens first.
 
-``ColumnParallelDense`` (fc1, QKV), ``RowParallelDense`` (fc2, out-proj) and
-``SequenceParallelMLP`` (the two around an activation) work like
-:class:`flax.linen.Dense` over the last dimension; the first dimension holds the
-tokens, sharded over the tensor-parallel mesh axis ``axis_name`` between layers.
+A call runs in one of two modes, decided at trace time
+(:func:`jax_comm_gemm.layers.dense.place`):
 
-Each module runs in one of two modes, decided at trace time:
-
-* **global** (the usual one): under ``jax.jit``, outside any ``shard_map`` over
-  ``axis_name``. Parameters have their global shapes (a column-parallel kernel
-  is ``[K, F]``) and the call goes through :mod:`jax_comm_gemm.layers.dense` (global arrays), over
-  ``mesh`` or the mesh set by ``jax.set_mesh``. Initialise the parameters
-  sharded by their partitioning metadata::
+* **global**: under ``jax.jit``, outside any ``shard_map`` over ``axis_name``;
+  parameters have their global shapes, created sharded from their
+  partitioning metadata::
 
     abstract = jax.eval_shape(model.init, key, x)
-    shardings = nn.get_sharding(abstract, mesh)
-    params = jax.jit(model.init, out_shardings=shardings)(key, x)
+    params = jax.jit(model.init, out_shardings=nn.get_sharding(abstract, mesh))(key, x)
 
-* **local**: inside the caller's own ``jax.shard_map`` over a mesh with
-  ``axis_name``. Parameters have local shapes (``[K, F/P]``): pass the shards
-  that the same partition specs (``nn.get_partition_spec``) cut from the
-  global parameters, and the call goes through :mod:`jax_comm_gemm.layers.dense` (local shards).
-  Initialise in global mode: an init inside the shard_map would give every
-  shard the same random values.
+* **local**: inside the caller's ``jax.shard_map``; pass the parameter shards
+  that ``nn.get_partition_spec`` cuts from the global ones (initialise in
+  global mode: an init inside the shard_map gives every shard the same values).
 
-The options every module shares (``axis_name``, ``mesh``, ``data_axes``,
-``use_bias``, ``dtype``, ``param_dtype``, ``precision``, ``kernel_init``,
-``bias_init``, ``config``) are keyword-only, as described in
-:class:`jax_comm_gemm.flax.common.Options`. The dense modules also take what
-:class:`flax.linen.Dense` takes, with its meaning: ``promote_dtype``,
-``dot_general`` and ``dot_general_cls`` (how Flax's FP8 ops are injected). An
-injected dot product cannot run inside the fused kernels, so such a layer runs
-on XLA's collectives around it; :meth:`ColumnParallelDense.path_reason` says so.
-
-Partitioning metadata (``nn.Partitioned``, mesh axis names):
-
-=====================  ======================  ==============
-module                 kernel                  bias
-=====================  ======================  ==============
-ColumnParallelDense    ``(None, axis_name)``   ``(axis_name,)``
-RowParallelDense       ``(axis_name, None)``   ``(None,)``
-=====================  ======================  ==============
-"""
+Partitioning: a column-parallel kernel ``(None, axis_name)`` and bias
+``(axis_name,)``; a row-parallel kernel ``(axis_name, None)`` and bias
+``(None,)``. The shared options are :class:`~jax_comm_gemm.flax.common.Options`;
+the dense modules also take Flax Dense's ``promote_dtype``, ``dot_general`` and
+``dot_general_cls``, whose injected dot runs on XLA's collectives
+(:meth:`ColumnParallelDense.path_reason`)."""
 
 from __future__ import annotations
 

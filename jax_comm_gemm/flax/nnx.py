@@ -1,48 +1,27 @@
-"""Flax NNX modules for sequence-parallel dense layers.
+"""Flax NNX modules for sequence-parallel dense layers: the NNX counterparts of
+:mod:`jax_comm_gemm.linen`, built like :class:`flax.nnx.Linear`. Parameters are
+created with their global shapes and ``out_sharding`` metadata (the linen
+modules' partitioning), placed on the mesh where one is given.
 
-The NNX counterparts of :mod:`jax_comm_gemm.linen`: ``ColumnParallelDense``,
-``RowParallelDense`` and ``SequenceParallelMLP``, built like
-:class:`flax.nnx.Linear`. Parameters are created with their global shapes and
-``out_sharding`` metadata naming the tensor-parallel mesh axis, as the linen
-modules' partitioning table says (see :func:`flax.nnx.get_partition_spec`).
+The shared options are :class:`~jax_comm_gemm.flax.common.Options`; the dense
+modules also take Linear's ``dot_general``, ``promote_dtype``,
+``preferred_element_type``, ``kernel_metadata`` and ``bias_metadata`` (metadata
+naming ``out_sharding`` is refused); an injected ``dot_general`` or a
+``preferred_element_type`` runs on XLA's collectives
+(:meth:`ColumnParallelDense.path_reason`).
 
-With a mesh (``mesh=`` or ``jax.set_mesh``) the parameters are placed on it
-when they are created (flax's eager sharding); without one they are left
-unplaced, with the metadata, for the caller to place.
+Global and local mode as in the linen modules; locally, split the state by
+its partition specs::
 
-The options every module shares are keyword-only and described in
-:class:`jax_comm_gemm.flax.common.Options`. The dense modules also take what
-:class:`flax.nnx.Linear` takes, with its meaning: ``dot_general``,
-``promote_dtype``, ``preferred_element_type``, ``kernel_metadata`` and
-``bias_metadata`` (the layer sets ``out_sharding`` itself; metadata naming it
-is refused). An injected ``dot_general``, or a ``preferred_element_type``,
-cannot run inside the fused kernels: such a layer runs on XLA's collectives
-around the dot, and :meth:`ColumnParallelDense.path_reason` says so.
+  graphdef, state = nnx.split(model)
+  step = lambda state, x: nnx.merge(graphdef, state)(x)
+  jax.shard_map(step, mesh=mesh, in_specs=(nnx.get_partition_spec(state), P("tp")),
+                out_specs=P("tp"))
 
-A call runs in one of two modes, decided at trace time:
-
-* **global**: outside any ``shard_map`` over ``axis_name`` (typically under
-  ``jax.jit``); goes through :mod:`jax_comm_gemm.layers.dense` (global arrays).
-* **local**: inside the caller's ``jax.shard_map`` over ``axis_name``, with the
-  module's state split into local shards by its partition specs::
-
-    graphdef, state = nnx.split(model)
-    specs = nnx.get_partition_spec(state)
-
-    def step(state, x):
-      return nnx.merge(graphdef, state)(x)
-
-    jax.shard_map(step, mesh=mesh, in_specs=(specs, P("tp")), out_specs=P("tp"))
-
-  and goes through :mod:`jax_comm_gemm.layers.dense` (local shards) on the local parameter values.
-
-With FP8 "delayed" scaling (``config=CommGemmConfig(fp8=Fp8Recipe("delayed"))``)
-each dense layer that runs the FP8 ops holds its amax history,
-``fp8_amax_history``: an :data:`~jax_comm_gemm.nnx.OverwriteWithGradient`
-variable ``[3, amax_history]`` (rows: ``AmaxHistory``'s x, w, dy; replicated,
-``out_sharding`` ``(None, None)``), zeros at construction. Its gradient is the
-next history: the train step replaces it (:mod:`jax_comm_gemm.flax.nnx_fp8`).
-"""
+With FP8 "delayed" scaling each dense layer holds its amax history,
+``fp8_amax_history``, an :data:`~jax_comm_gemm.nnx.OverwriteWithGradient`
+variable that the train step replaces with its gradient
+(:mod:`jax_comm_gemm.flax.nnx_fp8`)."""
 
 from __future__ import annotations
 
@@ -203,19 +182,16 @@ class _ParallelDense(nnx.Module):
 
 
 class ColumnParallelDense(_ParallelDense):
-  """``all_gather(x) @ kernel + bias`` over the last dimension (fc1, QKV).
-
-  Input ``[n, ..., in_features]`` sharded along tokens over
-  ``(*data_axes, axis_name)``; output ``[n, ..., out_features]`` sharded along
-  features over ``axis_name``. Locally: ``[n/P, ..., K]`` to ``[n, ..., F/P]``.
+  """``all_gather(x) @ kernel + bias`` over the last dimension (fc1, QKV), as
+  :class:`jax_comm_gemm.linen.ColumnParallelDense`: input ``[n, ..., in_features]``
+  sharded along tokens, output ``[n, ..., out_features]`` sharded along features.
 
   Args:
     in_features: the number of input features.
     out_features: the number of output features, divisible by the size of
       ``axis_name``.
     rngs: random number generators.
-    keep_gathered_input: keep the gathered input for the weight gradient
-      instead of gathering it again in the backward pass (``n*K`` memory).
+    keep_gathered_input: keep the gathered input for the weight gradient.
     dot_general, promote_dtype, preferred_element_type, kernel_metadata,
       bias_metadata: as :class:`flax.nnx.Linear` (see the module docstring).
     the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only.
@@ -228,15 +204,10 @@ class ColumnParallelDense(_ParallelDense):
 
 
 class RowParallelDense(_ParallelDense):
-  """``reduce_scatter(h @ kernel) + bias`` over the last dimension (fc2, out-proj).
-
-  Input ``[n, ..., in_features]`` sharded along features over ``axis_name``;
-  output ``[n, ..., out_features]`` sharded along tokens over
-  ``(*data_axes, axis_name)``. Locally: ``[n, ..., F/P]`` to ``[n/P, ..., K]``.
-
-  Args: as :class:`ColumnParallelDense`, without ``keep_gathered_input``;
-  ``in_features`` must be divisible by the size of ``axis_name``, and the bias
-  (``[out_features]``) is replicated.
+  """``reduce_scatter(h @ kernel) + bias`` over the last dimension (fc2,
+  out-proj), as :class:`jax_comm_gemm.linen.RowParallelDense`. Args: as
+  :class:`ColumnParallelDense`, without ``keep_gathered_input``; ``in_features``
+  must be divisible by the size of ``axis_name``.
 
   >>> import numpy as np, jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -248,19 +219,16 @@ class RowParallelDense(_ParallelDense):
 
 
 class SequenceParallelMLP(nnx.Module):
-  """``fc2(activation(fc1(x)))``: a column-parallel then a row-parallel dense.
-
-  Input and output ``[n, ..., in_features]`` sharded along tokens; the hidden
-  activations ``[n, ..., hidden_features]`` are sharded along features.
+  """``fc2(activation(fc1(x)))``: a column-parallel then a row-parallel dense, as
+  :class:`jax_comm_gemm.linen.SequenceParallelMLP`.
 
   Args:
     in_features: the width of the input and the output.
     hidden_features: fc1's output width, divisible by the size of ``axis_name``.
     rngs: random number generators.
-    activation: applied elementwise between fc1 and fc2 (default: gelu).
+    activation: applied between fc1 and fc2 (default: gelu).
     keep_gathered_input: passed to fc1.
-    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only,
-      passed to both submodules.
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, passed to both.
 
   >>> import numpy as np, jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))

@@ -1,21 +1,10 @@
-"""The NNX home of FP8 "delayed" scaling state: :class:`OverwriteWithGradient`, the
-Variable type of the amax histories, and :func:`overwrite_with_gradient`, the update.
-
-A history is state whose gradient is its next value, to replace it with, not to
-apply (:class:`jax_comm_gemm.fp8.AmaxHistory`). Flax linen keeps such state in the
-``_overwrite_with_gradient`` collection (``flax.linen.fp8_ops``), which
-``flax.training.train_state.TrainState`` replaces with its gradient. Flax NNX
-(0.12) has no FP8 ops and no such Variable class; it maps linen collection
-names to Variable types in a registry (``nnx.variable_type_from_name``), which
-``nnx.bridge`` uses for a wrapped linen FP8 module's state and MaxText's NNX
-trainer filters on. :data:`OverwriteWithGradient` is the type registered under
-that name: one registered before this module was imported (by ``nnx.bridge``, a
-trainer, or a later flax), else this module's class, registered here. So one
-train step serves these modules and linen FP8 modules wrapped by ``nnx.bridge``.
-
-The train step differentiates with respect to the parameters AND the histories,
-replaces the histories with their gradients and hands the rest to the
-optimizer (an ``nnx.Optimizer`` with ``wrt=nnx.Param`` never sees them)::
+"""The NNX home of FP8 "delayed" scaling state: :class:`OverwriteWithGradient`,
+the Variable type of the amax histories, and :func:`overwrite_with_gradient`,
+the update. A history's gradient is its next value, to replace it with, not to
+apply (:class:`jax_comm_gemm.fp8.AmaxHistory`), as Flax linen's
+``_overwrite_with_gradient`` collection. :data:`OverwriteWithGradient` is the
+type flax's registry holds under that name (``nnx.bridge`` and trainers filter
+on it), else this module's class, registered here. A train step::
 
   diff = nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))
 
@@ -25,9 +14,8 @@ optimizer (an ``nnx.Optimizer`` with ``wrt=nnx.Param`` never sees them)::
     optimizer.update(model, overwrite_with_gradient(model, grads))
     return loss
 
-A history serves one call per step. Gradients accumulated over micro-batches
-must combine histories with ``jnp.maximum``, not a sum.
-"""
+A history serves one call per step; micro-batches combine them with
+``jnp.maximum``, not a sum."""
 
 from __future__ import annotations
 

@@ -1,37 +1,14 @@
-"""The sequence-parallel transformer block as a Flax linen module.
+"""The sequence-parallel transformer block as a Flax linen module:
+``SequenceParallelTransformerBlock``, the pre-LayerNorm block of
+:mod:`jax_comm_gemm.layers.transformer` (activations ``[seq, batch, features]``,
+the sequence sharded over ``axis_name`` between blocks, heads split over it).
 
-``SequenceParallelTransformerBlock`` is a pre-LayerNorm block in Megatron's
-sequence-parallel arrangement (see :mod:`jax_comm_gemm.layers.transformer`):
-activations ``[seq, batch, features]``, the sequence sharded over the
-tensor-parallel axis between blocks, QKV and fc1 column-parallel, the
-out-projection and fc2 row-parallel, attention heads split over the axis.
-
-Like the dense modules of :mod:`jax_comm_gemm.linen` it runs in one of two
-modes, decided at trace time:
-
-* **global**: under ``jax.jit``, outside any ``shard_map`` over ``axis_name``.
-  Inputs ``[seq, batch, d]`` are sharded ``P(axis_name, data_axes, None)``
-  (the batch over the data axes: data parallelism); parameters have global
-  shapes. The whole block runs in one ``jax.shard_map`` over ``mesh`` (or the
-  mesh of ``jax.set_mesh``).
-* **local**: inside the caller's ``jax.shard_map``: inputs
-  ``[seq/P, batch_local, d]``, parameters cut by ``nn.get_partition_spec``.
-
-Parameters (``nn.Partitioned``, mesh axis names)::
-
-  ln_1, ln_2       scale, bias              (None,)
-  attention/qkv    kernel [d, 3d], bias     (None, axis_name), (axis_name,)
-  attention/out    kernel [d, d],  bias     (axis_name, None), (None,)
-  mlp/fc1          kernel [d, F],  bias     (None, axis_name), (axis_name,)
-  mlp/fc2          kernel [F, d],  bias     (axis_name, None), (None,)
-
-The options shared with the dense modules (``axis_name``, ``mesh``,
-``data_axes``, ``use_bias``, ``dtype``, ``param_dtype``, ``precision``,
-``kernel_init``, ``bias_init``, ``config``) are keyword-only: see
-:class:`jax_comm_gemm.flax.common.Options`. The QKV kernel's columns are ordered ``(head, {q, k, v}, head_dim)``. It works
-under ``nn.remat`` and ``nn.scan`` (give ``nn.scan`` a module whose
-``__call__`` takes and returns the carry, as usual).
-"""
+Like the dense modules it runs in global mode (under ``jax.jit``: the whole
+block in one ``jax.shard_map``, the batch sharded over ``data_axes``) or in
+local mode (inside the caller's ``jax.shard_map``, parameters cut by
+``nn.get_partition_spec``); the parameters' partitioning is
+:func:`~jax_comm_gemm.layers.transformer.param_layout`'s. It works under
+``nn.remat`` and ``nn.scan``."""
 
 from __future__ import annotations
 
@@ -98,20 +75,13 @@ class SequenceParallelTransformerBlock(LinenOptions):
   ``h + fc2(activation(fc1(LN(h))))``. Input and output ``[seq, batch, d]``.
 
   Attributes:
-    num_heads: attention heads in all; divisible by the size of ``axis_name``
-      (each shard computes whole heads), and dividing ``d``.
+    num_heads, activation, causal, epsilon, keep_gathered_input,
+      attention_implementation: as
+      :class:`~jax_comm_gemm.layers.transformer.BlockOptions`.
     hidden_features: the MLP's hidden width, divisible by the size of ``axis_name``.
-    activation: the MLP's activation.
-    causal: mask attention to earlier positions (a decoder).
-    epsilon: the LayerNorms' epsilon.
     scale_init: initializer of the LayerNorm scales (their biases start at 0).
-    keep_gathered_input: QKV and fc1 keep their gathered input for the weight
-      gradient instead of gathering it again (``seq*batch*d`` memory each).
-    attention_implementation: passed to ``jax.nn.dot_product_attention``
-      (None: jax chooses; ``"xla"`` or ``"cudnn"``).
     the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only;
-      ``data_axes`` shard the batch, ``precision`` reaches every dense GEMM
-      (attention's own products run at jax's default precision).
+      ``data_axes`` shard the batch.
 
   >>> import jax, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))

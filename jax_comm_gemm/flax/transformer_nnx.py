@@ -1,24 +1,8 @@
-"""The sequence-parallel transformer block as a Flax NNX module.
-
-The NNX counterpart of :mod:`jax_comm_gemm.flax.transformer_linen`, built from
-the NNX dense modules (their parameters, initialisers and ``out_sharding``
-metadata): ``attention.qkv`` and ``mlp.fc1`` are
-:class:`~jax_comm_gemm.nnx.ColumnParallelDense`, ``attention.out`` and
-``mlp.fc2`` :class:`~jax_comm_gemm.nnx.RowParallelDense`, and the LayerNorms
-hold a replicated ``scale`` and ``bias``. Activations are
-``[seq, batch, features]``, the sequence sharded over ``axis_name`` between
-blocks and, in global mode, the batch over ``data_axes``.
-
-A call runs in global mode (outside any ``shard_map`` over ``axis_name``: the
-whole block in one ``jax.shard_map`` over the mesh) or in local mode (inside
-the caller's ``shard_map``, with the state split by
-``nnx.get_partition_spec``), as the dense modules do. It works under
-``nnx.remat`` and ``nnx.scan``. Its arguments are those of
-:class:`jax_comm_gemm.linen.SequenceParallelTransformerBlock`, plus
-``in_features`` (the model width) and ``rngs``. With FP8 "delayed" scaling each
-of its four dense layers holds its amax history (``fp8_amax_history``, as the
-dense modules do; the linen block's and ``init_fp8_histories``' four).
-"""
+"""The sequence-parallel transformer block as a Flax NNX module: the NNX
+counterpart of :mod:`jax_comm_gemm.flax.transformer_linen`, built from the NNX
+dense modules (``attention.qkv``, ``attention.out``, ``mlp.fc1``, ``mlp.fc2``)
+and two LayerNorms of replicated ``scale`` and ``bias``. It runs in global or
+local mode as the dense modules do, and under ``nnx.remat`` and ``nnx.scan``."""
 
 from __future__ import annotations
 
@@ -44,13 +28,8 @@ BLOCK_DEFAULTS = MappingProxyType(dict(
 
 
 class LayerNormParams(nnx.Module):
-  """A LayerNorm's replicated ``scale`` and ``bias`` (``out_sharding`` ``(None,)``);
-  the block applies them (``transformer.layer_norm``, flax's LayerNorm numerics).
-
-  >>> LayerNormParams(4, param_dtype="float32", scale_init=initializers.ones_init(),
-  ...                 mesh=None, rngs=nnx.Rngs(0)).scale[...].shape
-  (4,)
-  """
+  """A LayerNorm's replicated ``scale`` and ``bias``; the block applies them
+  (``transformer.layer_norm``, flax's LayerNorm numerics)."""
 
   def __init__(self, num_features: int, *, param_dtype: Dtype, scale_init: Initializer,
                mesh, rngs: nnx.Rngs):
@@ -62,11 +41,7 @@ class LayerNormParams(nnx.Module):
 
 class Attention(nnx.Module):
   """The block's attention parameters: ``qkv`` (column-parallel, columns
-  ``(head, {q, k, v}, head_dim)``) and ``out`` (row-parallel).
-
-  >>> Attention(8, rngs=nnx.Rngs(0), keep_gathered_input=False).qkv.kernel[...].shape
-  (8, 24)
-  """
+  ``(head, {q, k, v}, head_dim)``) and ``out`` (row-parallel)."""
 
   def __init__(self, features: int, *, rngs: nnx.Rngs, keep_gathered_input: bool,
                **common):

@@ -1,27 +1,14 @@
-"""The FP8 GEMM in the form XLA's GPU compiler runs as one cuBLASLt FP8 call.
+"""The FP8 GEMM in the TN form (both operands contract on their last axis), the
+one layout Hopper's FP8 GEMMs take: XLA compiles it to one cuBLASLt FP8 call
+with no transpose in front, so the weight's FP8 copies are cast in the layout
+each GEMM wants (:func:`weight_copies`). Two forms (``Fp8Recipe.gemm_form``):
 
-Hopper's FP8 GEMMs take one layout: both operands contract on their LAST axis
-("TN"). Written so, ``lax.dot_general(a8, b8, (((1,), (1,)), ((), ())),
-preferred_element_type=...)`` compiles to one ``__cublas$lt$matmul$f8`` with no
-transpose feeding it; a weight stored ``[k, n]`` instead adds an FP8 transpose
-per call, which is slower (docs/fp8.md has the measurement). So the
-weight's FP8 copies are made by the cast, in the layout each GEMM wants
-(:func:`weight_copies`), once per call of the layer.
-
-Two forms, switchable (``Fp8Recipe.gemm_form``):
-
-* ``"direct"`` (default): the dot of the FP8 operands, accumulated into the
-  output dtype (bf16; float32 for any other), times ``scale_inv_a * scale_inv_b``.
-  This is the fastest form measured (docs/fp8.md). Per-row scales factor out of the contraction the
-  same way (``y[i, j] * inv_a[i] * inv_b[j]``): the only form for them.
-* ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``): one
-  cuBLASLt FP8 GEMM that applies both scales itself (scale pointers, per tensor,
-  per row, or per 1 x 128 / 128 x 128 block) in f32 before the one rounding to
-  the output, with the fastest
-  of cuBLASLt's candidate algorithms, timed at the call site's first call.
-  Where it cannot run (no GPU or no extension; k or n not a multiple of 16,
-  cuBLASLt's FP8 alignment; two E5M2 operands) the ``"direct"`` form runs
-  instead, with the same result up to the output's rounding.
+* ``"direct"``: the dot of the FP8 operands, times the inverse scales (per
+  tensor or per row: they factor out of the contraction);
+* ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``), which
+  applies the scales itself (per tensor, row or block) with a timed algorithm;
+  ``"direct"`` runs where it cannot (no extension, dims not multiples of 16,
+  two E5M2 operands). Measurements: docs/fp8.md.
 
 >>> import jax.numpy as jnp
 >>> from jax_comm_gemm.fp8.quantize import quantize_tensor

@@ -1,15 +1,7 @@
-"""FP8 collective matmuls, inside ``jax.shard_map``.
-
-``fp8_all_gather_matmul`` is ``AG(x) @ w`` (column-parallel: fc1, QKV) and
-``fp8_matmul_reduce_scatter`` is ``RS(x @ w)`` (row-parallel: fc2, out-proj),
-each a ``jax.custom_vjp`` whose GEMMs are FP8 in the TN form
-(:mod:`jax_comm_gemm.fp8.gemm`). FP8 bytes are on the wire: each rank
-quantizes its shard, then ``lax.all_gather`` moves the FP8 array (and, for
-``"row"`` scaling, its per-row scales in the same call). Forward operands are
-``recipe.forward_dtype`` (E4M3), output gradients ``recipe.backward_dtype``
-(E5M2); outputs come back in x's dtype, weight gradients in w's.
-
-Data flow (``n`` tokens, ``P`` ranks; ``8`` marks an FP8 operand)::
+"""FP8 collective matmuls, inside ``jax.shard_map``: ``fp8_all_gather_matmul``
+(``AG(x) @ w``, column-parallel) and ``fp8_matmul_reduce_scatter``
+(``RS(x @ w)``, row-parallel), each a ``jax.custom_vjp`` of FP8 GEMMs in the TN
+form (:mod:`jax_comm_gemm.fp8.gemm`), with FP8 bytes on the wire::
 
   column  fwd  y  = AG(x8) . w8_fwd                  gathered x8 kept if asked
           bwd  dx = RS(dy8 . w8_bwd)    dw = AG(x8).T . dy8   (x8 re-gathered,
@@ -18,25 +10,12 @@ Data flow (``n`` tokens, ``P`` ranks; ``8`` marks an FP8 operand)::
           bwd  dx = AG(dy8) . w8_bwd    dw = x8.T . AG(dy8)   (the SAME gathered
                                                        dy8: one all-gather)
 
-The weight gradient contracts over the tokens, so its TN operands are the
-gathered activation/gradient transposed. With ``"tensor"`` scaling that is
-the transposed copy of the gathered bytes under the same scale: exact. With
-``"row"`` scaling the gathered rows carry per-token scales, which do not factor
-out of a sum over tokens; the gathered tensor is dequantized (float32) and
-requantized per column (per feature) locally. That costs one more rounding
-(the tests' "row" weight-gradient tolerance includes it) but no communication:
-the reuse, and ``keep_gathered_input``, keep bf16's all-gather counts, where
-re-gathering column-scaled data (TransformerEngine's choice) would add an
-all-gather and an amax all-reduce per layer.
-
-The all-gathers that feed a GEMM (the forward's of x, the row-parallel
-backward's of dy: what a fused AllGather+GEMM does) go through ``gather``
-(default ``lax.all_gather``) under the named scope :data:`FUSED_SCOPE`; a
-standalone re-gather uses ``lax.all_gather`` under :data:`STANDALONE_SCOPE`.
-With ``collectives="ring"`` or a fused backend, each fused step runs there
-instead (:mod:`jax_comm_gemm.fp8.steps`). A group of one communicates nothing
-and runs the same FP8 GEMMs.
-"""
+With ``"row"`` scaling the weight gradient's gathered operand is requantized
+per column locally, so bf16's all-gather counts hold. The gathers that feed a
+GEMM go through ``gather`` under :data:`FUSED_SCOPE`, a standalone re-gather
+under :data:`STANDALONE_SCOPE`; with ``collectives="ring"`` or a fused backend
+each fused step runs there (:mod:`jax_comm_gemm.fp8.steps`). Why:
+docs/fp8.md#on-the-wire-and-the-reuse."""
 
 from __future__ import annotations
 

@@ -16,60 +16,23 @@ ACCUMULATIONS = ("fast", "fast_forward", "precise")
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
   """How the FP8 collective matmuls quantize: current scaling, E4M3 forward,
-  E5M2 gradients.
+  E5M2 gradients. Only the GEMM operands are FP8, cast at each call; master
+  weights, outputs and gradients stay in the caller's dtypes.
 
-  Only the GEMM operands are FP8, made by a cast at each call; the master
-  weights stay in the caller's float32/bfloat16, and every output and gradient
-  comes back in its primal's dtype.
-
-  Fields:
-    scaling: ``"tensor"``: one scale per tensor. The amax of the local shard is
-      reduced with ``lax.pmax`` over the tensor-parallel axis, so every rank
-      quantizes with ONE scale and the gathered bytes are those of the whole
-      tensor quantized at once. ``"row"``: one scale per token row of the
-      activation (and of the gradient), one per output column of each weight
-      copy (per row of the GEMM's TN operand, cuBLASMp's ``OUTER_VEC_FP32``);
-      these scales are local to the rank that holds the row, and they travel
-      in the same ``lax.all_gather`` call as the FP8 rows. ``"delayed"``: one
-      scale per tensor as ``"tensor"``, but from the largest amax of the last
-      `amax_history` steps (kept by the caller: :class:`AmaxHistory`), so the
-      cast does not wait for this step's amax; this step's agreed amax enters
-      the history. An empty history (all zeros: the first step) scales with
-      this step's amax.
-    forward_dtype: the FP8 type of the forward operands (activations and
-      weights); default ``float8_e4m3fn`` (max 448, 3 mantissa bits).
-    backward_dtype: the FP8 type of the output gradient; default
-      ``float8_e5m2`` (max 57344, 2 mantissa bits). The weight-gradient GEMM
-      takes the forward's activation in ``forward_dtype``.
-    margin: an int >= 0: ``scale = fp8_max / amax / 2**margin``, headroom
-      against values growing between the amax and the cast (0: none).
-    gemm_form: how a per-tensor-scaled GEMM is written for XLA
-      (:func:`jax_comm_gemm.fp8.gemm.fp8_gemm_tn`): ``"direct"`` (FP8
-      operands, the scales' product applied to the output; the default) or
-      ``"cublaslt"`` (the
-      project's FP8 GEMM custom call: cuBLASLt applies the scales, and its
-      algorithm is timed at the first call; "direct" where it cannot run).
-    amax_history: ``"delayed"`` only: how many steps' amaxes a history keeps
-      (an int >= 1).
-    accumulation: Hopper's FP8 fast accumulation (partial sums along k kept in
-      the tensor core's reduced precision instead of promoted to f32), for
-      ``"fast"`` every GEMM (XLA's default for an FP8 dot), ``"fast_forward"``
-      the forward GEMM only, the two gradient GEMMs promoted (the split
-      TransformerEngine makes: their sums run over more terms and E5M2 values),
-      ``"precise"`` none.
-
-  Saturation: a value beyond the FP8 range after scaling (possible only with a
-  scale not computed from this tensor's amax, or when rounding lands above)
-  is clipped to +-max; E4M3 has no infinity, and a plain cast would make NaN.
-
-  NaN and inf: the amax of a tensor that holds a NaN is NaN, of one that holds
-  an inf is inf, and its scale is then NaN or 0; every value that scale
-  dequantizes is NaN. So an output that bf16 makes non-finite is NaN in FP8
-  too: with ``"row"`` exactly the outputs bf16 spoils (the tokens' rows, or
-  the weight column's outputs), except the column-parallel weight gradient,
-  whose operand is requantized per column from row-scaled data: all NaN; with
-  ``"tensor"`` every output that the tensor's scale touches (the whole GEMM
-  output, and through ``pmax`` the other ranks' too). Nothing is clipped away.
+  Fields (docs/fp8.md#recipes-fp8recipe says more, and how saturation, NaN
+  and inf come out):
+    scaling: ``"tensor"`` (one scale per tensor, its amax agreed over the
+      tensor-parallel axis), ``"row"`` (per token row; per output column of a
+      weight copy), ``"delayed"`` (per tensor, from an :class:`AmaxHistory` of
+      the last `amax_history` steps) or ``"block"`` (1x128 / 128x128 blocks).
+    forward_dtype: the forward operands' FP8 type (``float8_e4m3fn``).
+    backward_dtype: the output gradient's FP8 type (``float8_e5m2``).
+    margin: an int >= 0: ``scale = fp8_max / amax / 2**margin``.
+    gemm_form: ``"direct"`` (FP8 dot, the scales on the output) or
+      ``"cublaslt"`` (the project's FP8 GEMM custom call).
+    accumulation: Hopper's fast accumulation in every GEMM (``"fast"``), in
+      the forward GEMM only (``"fast_forward"``) or in none (``"precise"``).
+    amax_history: ``"delayed"`` only: how many steps' amaxes a history keeps.
 
   >>> Fp8Recipe.from_key(Fp8Recipe(margin=1).key) == Fp8Recipe(margin=1)
   True

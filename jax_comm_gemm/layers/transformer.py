@@ -1,34 +1,23 @@
 """A sequence-parallel transformer block (Megatron's arrangement): the local
 core, inside ``jax.shard_map``, and its global-array wrapper.
+Longer than 300 lines because every public function carries a runnable example.
 
-Longer than 300 lines because every public function carries a runnable
-example, each building a mesh and parameters.
+Activations are ``[seq, batch, features]``, the sequence sharded over the
+tensor-parallel axis between blocks (and, globally, the batch over the data
+axes)::
 
-Activations are ``[seq, batch, features]``. Between blocks the sequence is
-sharded over the tensor-parallel axis (size P) and, on global arrays, the
-batch over the data axes; a block is::
+  x -> LayerNorm -> QKV (column-parallel) -> attention over this shard's heads
+    -> out-proj (row-parallel) -> + x = h
+  h -> LayerNorm -> fc1 (column-parallel) -> activation -> fc2 (row-parallel) -> + h
 
-  x -> LayerNorm -> QKV  (column-parallel: AllGather+GEMM)  [seq, b, 3d/P]
-    -> causal attention over this shard's heads (whole sequences)
-    -> out-proj (row-parallel: GEMM+ReduceScatter) -> + x = h  [seq/P, b, d]
-  h -> LayerNorm -> fc1 (column-parallel) -> activation
-    -> fc2 (row-parallel) -> + h                              [seq/P, b, d]
-
-LayerNorm and the residuals work per token, so they run on the token shards
-without communication. The QKV kernel's columns are ordered
-``(head, {q, k, v}, head_dim)``, so a column shard holds whole heads with their
-q, k and v, whatever P is; the out-proj kernel's rows are ordered
-``(head, head_dim)`` to match. An unsharded model that splits its QKV output
-the same way (``reshape(..., heads, 3, head_dim)``) has the same parameters.
-
-Parameters, with their global shapes and partitioning (:func:`param_layout`)::
+The QKV kernel's columns are ordered ``(head, {q, k, v}, head_dim)``, so a
+column shard holds whole heads whatever P is. Parameters (:func:`param_layout`)::
 
   ln_1, ln_2           scale, bias [d]           replicated
   attention/qkv        kernel [d, 3d], bias [3d]  over axis_name along 3d
   attention/out        kernel [d, d],  bias [d]   kernel along its rows
   mlp/fc1              kernel [d, F],  bias [F]   over axis_name along F
-  mlp/fc2              kernel [F, d],  bias [d]   kernel along its rows
-"""
+  mlp/fc2              kernel [F, d],  bias [d]   kernel along its rows"""
 
 from __future__ import annotations
 
@@ -184,17 +173,7 @@ def transformer_block(x, params, *, axis_name: str, options: BlockOptions,
 
 def block_local(names: Names, x, params, *, where: Placement, options: BlockOptions,
                 fp8_histories=None):
-  """:func:`transformer_block` for a known placement: checks, then runs.
-
-  >>> import numpy as np; from jax.sharding import PartitionSpec as P
-  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
-  >>> f = jax.shard_map(lambda x, p: block_local(
-  ...     Names("f"), x, p, where=Placement(True, "tp", 1), options=BlockOptions(2)),
-  ...     mesh=mesh, in_specs=(P("tp"), partition_specs(params, "tp")), out_specs=P("tp"))
-  >>> jax.jit(f)(jnp.ones((4, 1, 8)), params).shape
-  (4, 1, 8)
-  """
+  """:func:`transformer_block` for a known placement: checks, then runs."""
   check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
@@ -202,16 +181,7 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
 
 
 def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None):
-  """:func:`transformer_block` for callers that validated the arguments.
-
-  >>> import numpy as np; from jax.sharding import PartitionSpec as P
-  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
-  >>> f = jax.shard_map(lambda x, p: block(x, p, axis_name="tp", options=BlockOptions(2)),
-  ...     mesh=mesh, in_specs=(P("tp"), partition_specs(params, "tp")), out_specs=P("tp"))
-  >>> jax.jit(f)(jnp.ones((4, 1, 8)), params).shape
-  (4, 1, 8)
-  """
+  """:func:`transformer_block` for callers that checked the arguments."""
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
   heads = o.num_heads // jax.lax.axis_size(axis_name)
@@ -311,14 +281,7 @@ def sharded_transformer_block(x, params, *, mesh=None, axis_name: str = "tp",
 
 def block_global(names: Names, x, params, *, where: Placement, options: BlockOptions,
                  fp8_histories=None):
-  """:func:`sharded_transformer_block` for a known placement: checks, then runs.
-
-  >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))
-  >>> block_global(Names("f"), jnp.ones((4, 1, 8)), params,
-  ...              where=Placement(False, "tp", 1, mesh), options=BlockOptions(2)).shape
-  (4, 1, 8)
-  """
+  """:func:`sharded_transformer_block` for a known placement: checks, then runs."""
   op, data = names.op, where.data_axes
   check_block(op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=False)

@@ -1,14 +1,9 @@
 """May a weight gradient take the operand that a fused AllGather+GEMM left in
-cuBLASMp's workspace? The verdict, and the self-test behind it.
-
-The cuBLASMp version says where the operand should be (the layout); the
-self-test then runs small AllGather+GEMMs on a known pattern and compares the
-operand they expose with ``lax.all_gather``'s, bit for bit, for every
-(algorithm, dtype, transpose) that the layers may ask for, at an aligned shape
-and at one that is not a multiple of 128. It runs once, inside ``connect`` (a
-collective step), never while tracing; the custom_vjp rules only read the
-cached verdicts (runtime.registry). No exception is raised or caught per call.
-"""
+cuBLASMp's workspace? The verdict, and the self-test behind it: ``connect``
+runs small AllGather+GEMMs on a known pattern for every (algorithm, dtype,
+transpose) the layers may ask for, at an aligned shape and one that is not,
+and compares the exposed operand with ``lax.all_gather``'s bit for bit. The
+custom_vjps only read the cached verdicts."""
 
 from __future__ import annotations
 
@@ -37,11 +32,7 @@ class Capability:
 
 @dataclasses.dataclass(frozen=True)
 class VerdictKey:
-  """What the layout of the gathered operand may depend on.
-
-  >>> VerdictKey(2, "split_p2p", "bfloat16", False, "front").axis_size
-  2
-  """
+  """What the layout of the gathered operand may depend on."""
   axis_size: int
   algorithm: str
   dtype: str
@@ -51,13 +42,8 @@ class VerdictKey:
 
 @dataclasses.dataclass(frozen=True)
 class WorkspaceKey:
-  """Whether cuBLASMp got its workspace on groups of `axis_size`: connect's
-  probe, agreed by every process, kept beside the layout verdicts (keyed by
-  group size as they are: trace time knows an axis by its size).
-
-  >>> WorkspaceKey(2).axis_size
-  2
-  """
+  """Whether cuBLASMp got its workspace on groups of `axis_size` (connect's probe),
+  kept beside the layout verdicts and keyed by group size as they are."""
   axis_size: int
 
 
@@ -162,12 +148,10 @@ def _gathered(case: VerdictKey, x, w, axis_size: int, comm_id: int, layout: str)
 
 def self_test(mesh, axis_name: str, comm_id: int, layout: str, version: int,
               workspace: Capability) -> dict[VerdictKey, Capability]:
-  """Runs the probe for `layout` on every device of `mesh` (collective: every
-  process calls it) and returns a verdict per case. One program per
-  algorithm; where one fails (cuBLASMp refuses a case alike on every rank,
-  without aborting the group), its cases run one program each, so that one
-  refused case does not condemn the others. cuBLASMp's algorithms do not
-  run where `workspace` (connect's probe) refused them: their verdicts say why."""
+  """Runs the probe for `layout` on every device of `mesh` (collective) and
+  returns a verdict per case: one program per algorithm, and where one fails,
+  one per case, so that a refused case does not condemn the others. cuBLASMp's
+  algorithms do not run where `workspace` refused them."""
   verdicts = {}
   cases = _cases(int(mesh.shape[axis_name]), layout)
   for algorithm in SELF_TESTED_ALGORITHMS:

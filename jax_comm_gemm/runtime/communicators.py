@@ -1,24 +1,11 @@
-"""Communicators: ``connect``, the one collective set-up step of the cuBLASMp backend.
-
-For one mesh axis it makes the NCCL communicators of the tensor-parallel groups
-that the axis forms (one per group and local device, owned by the C++
-registry), after checking that every process agrees on its settings; learns,
-agreed by every process, whether cuBLASMp can get its workspace on them; and
-then runs the layout self-test of the algorithms that can run. Every process
-calls it for the same mesh axis, before the first program that uses the axis
-runs.
-
-Why here, and not while lowering or in the FFI handler's instantiate/prepare
-stage (docs/design.md#explicit-set-up-connect): set-up is collective, so it
-must run exactly when every process runs it. Lowering and compiling are not
-that: one process may lower alone (to dump HLO), and it then waited for peers
-that never came. The handler stages run inside XLA without jax.distributed's
-key-value store, through which the NCCL unique id travels. ``connect`` is
-explicit, runs outside any trace and outside CUDA-graph capture, and serves
-one process per GPU and one per host alike. Tracing, lowering and
-``jax.eval_shape`` only read what it recorded (``comm_id`` below is a pure
-function of the mesh).
-"""
+"""Communicators: ``connect``, the one collective set-up step of the cuBLASMp
+backend. For one mesh axis it checks that every process agrees on its settings,
+makes the NCCL communicators of the axis's tensor-parallel groups (one per
+group and local device, owned by the C++ registry), learns whether cuBLASMp can
+get its workspace on them, and runs the layout self-test. It is explicit and
+runs outside any trace: tracing and lowering only read what it recorded
+(``comm_id`` is a pure function of the mesh). Why not while lowering or in the
+handler's stages: docs/design.md#explicit-set-up-connect."""
 
 from __future__ import annotations
 
@@ -80,34 +67,23 @@ def fingerprint(settings: Settings, native=None) -> dict[str, str]:
 
 def connect(mesh, axis_name: str = "tp", *, config=None,
             registry: Registry = REGISTRY) -> Capability:
-  """Sets up the cuBLASMp backend on `axis_name` of `mesh` (collective).
+  """Sets up the cuBLASMp backend on `axis_name` of `mesh` (collective): call it
+  once in every process, with the same mesh, after ``jax.distributed.initialize()``
+  and before the programs that use the axis run. Without it ``backend="auto"``
+  runs XLA and ``backend="cublasmp"`` raises.
 
-  Call it once in every process, with the same mesh, after
-  ``jax.distributed.initialize()`` and before running programs that use the
-  cuBLASMp backend on that axis; again for each other mesh axis. Without it
-  ``backend="auto"`` runs XLA and ``backend="cublasmp"`` raises.
+  On every platform it first checks the ``JAX_COMM_GEMM_*`` settings (a
+  ValueError naming the variable) and compares them and the versions across the
+  processes (a ``DisagreementError`` naming the setting and the processes).
+  Where cuBLASMp can run, it then makes the communicators, learns whether
+  cuBLASMp gets its workspace on them (where not, ``auto`` leaves cuBLASMp's
+  algorithms out), runs the layout self-test, and publishes a new routing plan,
+  which programs traced after it take. `config`, a ``CommGemmConfig`` the layers
+  will run with, is checked against what can run on the axis.
 
-  On every platform it first reads the ``JAX_COMM_GEMM_*`` settings (a bad
-  value is a ValueError naming the variable) and compares them, with the
-  versions, across the processes that hold the mesh's devices (a
-  ``DisagreementError`` naming the setting and the processes), before any
-  collective. Then, where cuBLASMp can run, it makes the communicators,
-  learns whether cuBLASMp can get its workspace on them (where it cannot,
-  ``auto`` leaves cuBLASMp's algorithms out and runs the project's own, the
-  ring or XLA) and runs the layout self-test. It publishes a new routing plan:
-  programs traced after it take it, those traced before keep their routes
-  (docs/design.md#routing-plan).
-
-  `config`, a ``CommGemmConfig`` the layers will run with, is checked against
-  what can run on the axis: ``backend="cublasmp"`` with one of cuBLASMp's
-  algorithms where cuBLASMp cannot get its workspace is a RuntimeError that
-  says why (the axis stays connected for the project's own algorithms).
-
-  Returns whether the axis can use the fused ops and why not: where cuBLASMp
-  cannot run (no GPU, no extension) it does nothing more and says so; where
-  only its own algorithms cannot, the reason says that. Raises TimeoutError
-  when a peer does not come, RuntimeError when NCCL or cuBLASMp fail (with
-  the library's message). A failed connect can be called again.
+  Returns whether the axis can use the fused ops, and why not. Raises
+  TimeoutError when a peer does not come, RuntimeError when NCCL or cuBLASMp
+  fail (with their message); a failed connect can be called again.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))

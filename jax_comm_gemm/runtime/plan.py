@@ -1,20 +1,10 @@
-"""The routing plan: everything that decides how a layer runs, as one immutable value.
-
-A layer's route (XLA, the ring, a cuBLASMp or own algorithm, whether the weight
-gradient reuses the gathered operand) is decided while jax traces it, from:
-
-* the settings (``settings.Settings``, read and checked once);
-* whether cuBLASMp can run here, and where it leaves the gathered operand;
-* the mesh axes that ``connect`` set up, and the self-test's verdicts;
-* the choices ``autotune`` measured per problem.
-
-A :class:`Plan` holds all of them and nothing else. The registry keeps the
-process's plan (``REGISTRY.plan()``); ``connect`` and ``autotune`` replace it
-there, which no ``jax.jit`` keys on: a program already traced keeps the route
-it was traced with, and nothing else in the process compiles again. A
-:func:`use` scope runs code under a plan of its own (``autotune_step``'s tuned
-step), and only programs traced inside such a scope key on its plan: that is
-how a tuned step carries its decisions. Why: docs/design.md#routing-plan.
+"""The routing plan: everything that decides how a layer runs, as one immutable
+value: the settings, whether cuBLASMp can run and where it leaves the gathered
+operand, the connected axes and the self-test's verdicts, and the choices
+``autotune`` measured. The registry keeps the process's plan, which no
+``jax.jit`` keys on; a :func:`use` scope runs code under a plan of its own
+(``autotune_step``'s tuned step), and only programs traced inside it key on
+that plan. Why: docs/design.md#routing-plan.
 
 >>> plan = Plan(Settings(), Capability(False, "no GPU"), "front")
 >>> plan.decision("a problem") is None

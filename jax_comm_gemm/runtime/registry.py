@@ -1,19 +1,8 @@
-"""The registry: the project's one piece of global state (``REGISTRY``).
-
-It holds what this process knows about the cuBLASMp runtime, and nothing else:
-
-* the C++ extension, loaded once (``native.py``), and whether cuBLASMp can run
-  here at all (``library_status``; ``cublasmp_status`` adds where connect
-  found that cuBLASMp cannot get its workspace);
-* the NCCL groups that ``connect`` made (the communicators themselves live in
-  the C++ registry, which owns every context);
-* the process's routing plan (``plan``, ``plan.py``): what ``connect`` and
-  ``autotune`` learnt, as one immutable value that each replaces; no
-  ``jax.jit`` keys on it, so a program already traced keeps its route.
-
-Tracing, lowering and ``jax.eval_shape`` only read it, and never touch NCCL.
-Everything collective happens in ``communicators.connect``.
-"""
+"""The registry: the project's one piece of global state (``REGISTRY``): the C++
+extension, loaded once, and whether cuBLASMp can run here; the NCCL groups
+``connect`` made (the communicators live in the C++ registry); and the
+process's routing plan, which ``connect`` and ``autotune`` replace and no
+``jax.jit`` keys on. Tracing and lowering only read it."""
 
 from __future__ import annotations
 
