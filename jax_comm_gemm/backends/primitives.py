@@ -2,17 +2,11 @@
 (cuBLASMp's algorithms and the project's own pipelined_ce): the custom calls as
 JAX primitives, and :class:`CublasMpBackend`, the Backend that calls them.
 
-Each op is a primitive rather than a bare ``jax.ffi.ffi_call`` because its
-lowering must know the physical devices of the tensor-parallel groups: the
-lowering rule reads the concrete mesh of the enclosing shard_map and passes
-``runtime.comm_id(mesh, axis)`` as an attribute (a pure hash: lowering never
-touches NCCL). At run time the handler finds the context that ``connect`` made
-for that id on its device, or fails with an error that says to connect.
-
-Lowered for another platform (a program traced where GPUs are the default but
-compiled for CPU devices), the ops fall back to XLA's collectives. Under
-``jax.vmap`` they run once per batch element.
-"""
+A primitive rather than a bare ``jax.ffi.ffi_call``: its lowering reads the
+concrete mesh of the enclosing shard_map and passes ``comm_id(mesh, axis)`` (a
+pure hash), by which the handler finds the context ``connect`` made. Lowered
+for another platform the ops run XLA's collectives; under ``jax.vmap``, once
+per batch element."""
 
 from __future__ import annotations
 
@@ -113,37 +107,19 @@ def _comm_id(ctx, axis_name: str) -> np.int64:
   return np.int64(comm_id(mesh, axis_name))
 
 
-def _ag_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, return_gathered,
-                 algorithm, layout):
-  del axis_size, return_gathered  # visible in the result types
-  return jax.ffi.ffi_lowering(TARGETS["all_gather_matmul"])(
-      ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
-      transpose_w=bool(transpose_w), layout=np.int64(layout))
+# The attributes the handlers take (xla_ffi/handlers.cc), from the primitives' params.
+_ATTRIBUTES = {"algorithm": np.int64, "transpose_w": bool, "layout": np.int64,
+               "fast_accum": bool}
 
 
-def _rs_lowering(ctx, x, w, *, axis_name, axis_size, transpose_w, algorithm):
-  del axis_size
-  return jax.ffi.ffi_lowering(TARGETS["matmul_reduce_scatter"])(
-      ctx, x, w, comm_id=_comm_id(ctx, axis_name), algorithm=np.int64(algorithm),
-      transpose_w=bool(transpose_w))
-
-
-# The FP8 ops always take w in the TN form [features, k] (transpose_w).
-def _fp8_ag_lowering(ctx, x8, w8, x_inv, w_inv, *, axis_name, axis_size, out_dtype,
-                     return_gathered, algorithm, layout, fast_accum):
-  del axis_size, out_dtype, return_gathered  # visible in the result types
-  return jax.ffi.ffi_lowering(TARGETS["fp8_all_gather_matmul"])(
-      ctx, x8, w8, x_inv, w_inv, comm_id=_comm_id(ctx, axis_name),
-      algorithm=np.int64(algorithm), transpose_w=True, fast_accum=bool(fast_accum),
-      layout=np.int64(layout))
-
-
-def _fp8_rs_lowering(ctx, x8, w8, x_inv, w_inv, *, axis_name, axis_size, out_dtype,
-                     algorithm, fast_accum):
-  del axis_size, out_dtype
-  return jax.ffi.ffi_lowering(TARGETS["fp8_matmul_reduce_scatter"])(
-      ctx, x8, w8, x_inv, w_inv, comm_id=_comm_id(ctx, axis_name),
-      algorithm=np.int64(algorithm), transpose_w=True, fast_accum=bool(fast_accum))
+def _lowering(target: str, **fixed):
+  """The CUDA lowering of FFI target `target`: the group's comm_id, the params
+  the handler takes as attributes, and `fixed` ones (the FP8 ops' w is TN)."""
+  def lower(ctx, *operands, axis_name, **params):
+    attributes = {k: cast(params[k]) for k, cast in _ATTRIBUTES.items() if k in params}
+    return jax.ffi.ffi_lowering(TARGETS[target])(
+        ctx, *operands, comm_id=_comm_id(ctx, axis_name), **attributes, **fixed)
+  return lower
 
 
 def _fp8_ag_elsewhere(x8, w8, x_inv, w_inv, *, axis_name, out_dtype, return_gathered,
@@ -193,40 +169,33 @@ def _eager(*args, **kwargs):
   raise ValueError("jax_comm_gemm's cuBLASMp ops run inside jax.shard_map only")
 
 
-def _primitive(target: str, abstract_eval, lowering, elsewhere, multiple_results: bool):
-  """The primitive of FFI target `target` (its name too): `lowering` on CUDA,
+def _primitive(target: str, abstract_eval, elsewhere, multiple_results: bool, **fixed):
+  """The primitive of FFI target `target` (its name too): the custom call on CUDA,
   `elsewhere` (XLA's collectives) on other platforms, once per batch element
   under vmap, an error outside shard_map."""
   p = Primitive(TARGETS[target])
   p.multiple_results = multiple_results
   p.def_abstract_eval(abstract_eval)
   p.def_impl(_eager)
-  mlir.register_lowering(p, lowering, platform="cuda")
+  mlir.register_lowering(p, _lowering(target, **fixed), platform="cuda")
   mlir.register_lowering(p, mlir.lower_fun(elsewhere, multiple_results=multiple_results))
   batching.primitive_batchers[p] = _per_element(p)
   return p
 
 
-_ag_p = _primitive("all_gather_matmul", _ag_abstract_eval, _ag_lowering, _ag_elsewhere, True)
-_rs_p = _primitive("matmul_reduce_scatter", _rs_abstract_eval, _rs_lowering, _rs_elsewhere,
-                   False)
-_fp8_ag_p = _primitive("fp8_all_gather_matmul", _fp8_ag_abstract_eval, _fp8_ag_lowering,
-                       _fp8_ag_elsewhere, True)
-_fp8_rs_p = _primitive("fp8_matmul_reduce_scatter", _fp8_rs_abstract_eval, _fp8_rs_lowering,
-                       _fp8_rs_elsewhere, False)
+_ag_p = _primitive("all_gather_matmul", _ag_abstract_eval, _ag_elsewhere, True)
+_rs_p = _primitive("matmul_reduce_scatter", _rs_abstract_eval, _rs_elsewhere, False)
+_fp8_ag_p = _primitive("fp8_all_gather_matmul", _fp8_ag_abstract_eval, _fp8_ag_elsewhere, True,
+                       transpose_w=True)
+_fp8_rs_p = _primitive("fp8_matmul_reduce_scatter", _fp8_rs_abstract_eval, _fp8_rs_elsewhere,
+                       False, transpose_w=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class CublasMpBackend(Backend):
-  """The fused ops on the communicators that ``connect`` set up.
-
-  Its fields are the fused ops' options, and their defaults are the
-  project's: ``CommGemmConfig`` takes its own defaults from here
-  (config.py), so each is written once.
-
-  Attributes:
-    all_gather_algorithm: algorithm of the AllGather+GEMM (config.py).
-    reduce_scatter: ``"xla"``, ``"ring"``, or an algorithm (config.py).
+  """The fused ops on the communicators that ``connect`` set up. Its fields are
+  the fused ops' options with the project's defaults, which ``CommGemmConfig``
+  takes from here: ``all_gather_algorithm`` and ``reduce_scatter`` (config.py).
 
   >>> CublasMpBackend().all_gather_algorithm
   'split_p2p'
