@@ -56,10 +56,10 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
     return_gathered: also return the gathered ``x``, ``[n, k]``.
     keep_gathered_input: keep the gathered ``x`` for the weight gradient
       instead of gathering it again in the backward pass (N*K memory).
-    precision: as ``lax.dot_general`` takes it, for every GEMM; refused where it would
-      be ignored (FP8, backend "cublasmp"), and backend "auto" runs it on XLA.
+    precision: as ``lax.dot_general`` takes it, for every GEMM; refused where it
+      would be ignored (FP8, backend "cublasmp"); "auto" runs it on XLA.
     config: backend and algorithm choices.
-    fp8_history: a ``"delayed"`` ``config.fp8``'s AmaxHistory; its gradient: the next.
+    fp8_history: a ``"delayed"`` recipe's AmaxHistory; its gradient: the next.
 
   Returns:
     ``y`` of shape ``[n, m]``, or ``(y, gathered_x)``.
@@ -89,16 +89,9 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
                           precision=None, config: CommGemmConfig = DEFAULT_CONFIG,
                           fp8_history=None):
   """``reduce_scatter(x @ w)`` along tokens (axis 0); call inside ``jax.shard_map``.
-
-  Args:
-    x: all tokens, local features, ``[n, k/P]``.
-    w: local weight, ``[k/P, m]`` (Flax layout), or ``[m, k/P]`` with ``transpose_w``.
-    axis_name: the tensor-parallel mesh axis (size P) to sum and scatter over.
-    precision, fp8_history: as in :func:`all_gather_matmul`.
-    config: backend and algorithm choices.
-
-  Returns:
-    This shard's tokens of the summed product, ``[n/P, m]``.
+  x: all tokens, local features, ``[n, k/P]``; w: ``[k/P, m]``, or ``[m, k/P]``
+  with ``transpose_w``; the other arguments as in :func:`all_gather_matmul`.
+  Returns this shard's tokens of the summed product, ``[n/P, m]``.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import PartitionSpec as P
@@ -133,7 +126,9 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
                    hands_out=return_gathered or keep_gathered_input)
   if keep_gathered_input and config.reuse_gathered is not False and not (
       route.gathered_forward.reuse):
-    _warn_keep_unavailable(route.gathered_forward.reason)
+    warnings.warn("keep_gathered_input=True: the fused op cannot hand out its gathered "
+                  f"input ({route.gathered_forward.reason}); the forward pass all-gathers "
+                  "it with lax.all_gather instead", RuntimeWarning, stacklevel=3)
   static = _Static(axis_name, transpose_w, route, return_gathered, keep_gathered_input,
                    precision, plan=current_plan())
   return _all_gather_matmul_jit(*vma.varying_along(axis_name, x, w), static)
@@ -224,14 +219,6 @@ def _or_zeros(value, shape, dtype, like):
   if value is not None:
     return value
   return vma.pvary(jnp.zeros(shape, dtype), vma.varying_axes(like))
-
-
-def _warn_keep_unavailable(reason: str) -> None:
-  # Python's warning filter shows each distinct message once per call site.
-  warnings.warn(
-      "keep_gathered_input=True: the fused op cannot hand out its gathered "
-      f"input ({reason}); the forward pass all-gathers it with "
-      "lax.all_gather instead", RuntimeWarning, stacklevel=4)
 
 
 # --- matmul_reduce_scatter ---------------------------------------------------

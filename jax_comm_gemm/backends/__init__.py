@@ -1,18 +1,9 @@
 """Backends: how one AllGather+GEMM or GEMM+ReduceScatter runs inside shard_map.
-
-* ``base``: the interface. ``xla``: XLA's collectives, and the rings of
-  per-shard GEMMs and ppermutes (``RingBackend``); both run everywhere.
-* ``primitives``: the extension's fused ops (cuBLASMp's algorithms and the
-  project's pipelined_ce): the custom calls and ``CublasMpBackend``.
-* ``pallas``: jax's Pallas Mosaic GPU AllGather+GEMM kernel, where it can run.
-* ``routes``: every routing decision: which backend a layer takes
-  (``choose_backend``), ``backend="auto"``'s choice per problem
-  (``AutoBackend``), where the gathered operand comes from, FP8's route.
-* ``tuning``: ``autotune`` (each op alone) and ``autotune_step`` (the whole
-  step under each plan), which measure what ``auto`` chooses.
-
-A new backend is one module here implementing ``base.Backend``.
-"""
+``base``: the interface; ``xla``: XLA's collectives and the ring; ``primitives``:
+the extension's fused ops (``CublasMpBackend``); ``pallas``: jax's Pallas
+Mosaic GPU kernel; ``routes``: every routing decision, ``backend="auto"``'s
+included; ``tuning``: ``autotune`` and ``autotune_step``. A new backend is one
+module here implementing ``base.Backend``."""
 
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.pallas import PallasBackend

@@ -1,11 +1,6 @@
 """What a backend is: how one AllGather+GEMM or GEMM+ReduceScatter runs on
-local shards inside ``jax.shard_map``.
-
-Backends are frozen dataclasses: they are static arguments of the custom_vjp
-rules in ``collective_matmul.py``, so they must hash and compare by value. They
-do what they are told; whether to ask for the gathered operand is decided in
-``routes.gathered_route`` alone.
-"""
+local shards inside ``jax.shard_map``. Backends do what they are told; whether
+to ask for the gathered operand is decided in ``routes.gathered_route`` alone."""
 
 from __future__ import annotations
 
@@ -20,16 +15,12 @@ class Backend:
   matmul_reduce_scatter: x [n, k], w [k, m] (or [m, k]) -> y [n/P, m],
     summed over the axis.
   gathered_reuse: whether return_gathered hands out the operand the op
-    gathered anyway (no extra all-gather), for this group size, dtype and
-    transpose. Only then may a caller ask for it.
-  fp8_fused_ops: whether the backend has the extension's fused FP8 ops,
-    ``fp8_all_gather_matmul`` and ``fp8_matmul_reduce_scatter`` (as
-    ``CublasMpBackend`` defines them), which ``fp8/steps.py`` runs for
-    ``collectives=backend``.
-  `precision` is passed to the GEMMs that XLA runs (``lax.dot_general``).
-
-  A backend is a frozen dataclass (it is a static argument of the custom_vjp
-  rules, so it must hash and compare by value):
+    gathered anyway, for this group size, dtype and transpose; only then may
+    a caller ask for it.
+  fp8_fused_ops: whether the backend has the extension's fused FP8 ops
+    (``CublasMpBackend``'s ``fp8_all_gather_matmul``, ``fp8_matmul_reduce_scatter``).
+  `precision` goes to the GEMMs that XLA runs. A backend is a frozen dataclass:
+  a static argument of the custom_vjp rules, it must hash and compare by value.
 
   >>> import dataclasses
   >>> from jax_comm_gemm.backends.xla import XlaBackend

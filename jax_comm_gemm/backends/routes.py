@@ -1,24 +1,13 @@
 """Every routing decision of a collective matmul, made at trace time from the
-routing plan in force (runtime/plan.py): which backend runs a layer
-(:func:`choose_backend`), for ``backend="auto"`` which implementation runs each
-problem (:func:`choose`, :class:`AutoBackend`), where a weight gradient gets its
-gathered operand (:func:`gathered_route`), all of them as one value per op
-(:func:`op_route`), and whether and on what the ops run in FP8
-(:func:`fp8_route`, :func:`fp8_collectives`). The custom_vjps
-(collective_matmul.py) and the per-layer report ask these functions; nothing
-else decides a route, and nothing here writes (``tuning.problems_of`` lists the
-problems of a trace in a list its own plan carries).
-
-``backend="auto"``: a problem is one op at one shape (:class:`Problem`). Its
-implementation is, in order: the one ``JAX_COMM_GEMM_AUTOTUNE`` names (forced);
-the one ``autotune`` measured (in the plan); else a rule of thumb: XLA under
-``FUSED_FROM_FLOP`` per GPU, the configured fused algorithm above. Where connect
-found that cuBLASMp cannot get its workspace on groups of the problem's size,
-neither cuBLASMp's algorithms nor jax's Pallas kernel run (both need NCCL
-symmetric memory). Why, and the measurements behind the rule:
-docs/design.md#backendauto-and-autotuning. Longer than 300 lines: the routing
-is one job, decided in one file.
-"""
+routing plan in force: which backend runs a layer (:func:`choose_backend`),
+for ``backend="auto"`` which implementation runs each problem (:func:`choose`,
+:class:`AutoBackend`), where a weight gradient gets its gathered operand
+(:func:`gathered_route`), all of them as one value per op (:func:`op_route`),
+and FP8's route (:func:`fp8_route`, :func:`fp8_collectives`). Nothing else
+decides a route, and nothing here writes. ``auto``'s order: the implementation
+``JAX_COMM_GEMM_AUTOTUNE`` forces, else autotune's measurement, else XLA under
+``FUSED_FROM_FLOP`` per GPU and the configured fused algorithm above
+(docs/design.md#backendauto-and-autotuning). Longer than 300 lines: the routing is one job."""
 
 from __future__ import annotations
 

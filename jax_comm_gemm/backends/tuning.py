@@ -1,30 +1,16 @@
 """``autotune`` (each op alone) and ``autotune_step`` (the whole step under each
-plan): how candidates are built, checked against XLA, timed and chosen, and how
-every process takes the same choice. Longer than 300 lines: both tuners share
-every step but the last, and those steps live here once.
+plan): how candidates are built, checked against XLA, timed and chosen, and
+how every process takes the same choice. Longer than 300 lines: both tuners share every step but the last.
 
-Collective, like ``connect``: every process calls them, before tracing the
-program for real (a program traced before keeps its routes). Process 0 leads:
-it says what to measure (what its disk cache does not answer); every process
-times every candidate on its devices, interleaved, after untimed rounds of
-load; process 0 takes the slowest process's time per candidate, picks the
-fastest and publishes the choice through the key-value store. The choices go
-into the routing plan (runtime/plan.py) and the disk cache, keyed by GPU model
-and versions. Why these steps: docs/design.md#backendauto-and-autotuning.
-
-Failures are agreed step by step: each candidate is a collective program, so
-every process must run the same ones in the same order. A candidate that
-fails anywhere (to build, to run, to match XLA's result) is reported through
-the key-value store after each step (:class:`UnionOfFailures`), with a timeout,
-and every process drops it before the next program runs.
-
-An op timed alone cannot see how XLA overlaps its own collectives inside a
-step, so ``autotune_step`` times the step itself under each plan
-(:func:`step_plans`) and keeps the fastest only where it leads the all-XLA step
-by more than ``KEEP_MARGIN`` (docs/design.md#whole-step-tuning-autotune_step).
-It returns a :class:`TunedStep`, the step under a plan of its own; the
-process's plan and its compiled programs stay as they were.
-"""
+Both are collective. Process 0 says what to measure (what its disk cache does
+not answer); every process times every candidate, interleaved, after untimed
+rounds of load; process 0 takes the slowest process's time per candidate,
+picks the fastest and publishes it through the key-value store. A candidate
+that fails anywhere (to build, to run, to match XLA's result) is dropped by
+every process before the next program runs (:class:`UnionOfFailures`).
+``autotune_step`` keeps a plan only where it leads the all-XLA step by more
+than ``KEEP_MARGIN``. Why: docs/design.md#backendauto-and-autotuning and
+#whole-step-tuning-autotune_step."""
 
 from __future__ import annotations
 
@@ -63,15 +49,15 @@ CANNOT_RUN = "cannot run here"
 
 def fastest(times: dict[str, list[float]]) -> tuple[str, dict[str, float]]:
   """(the fastest, each one's time) where each one's time is its slowest
-  process's: a collective step runs at the pace of its slowest rank. Ties go
-  to the first name in order, so every process would pick alike."""
+  process's (a collective step runs at its slowest rank's pace); ties go to
+  the first name, alike in every process."""
   worst = {name: max(per_process) for name, per_process in times.items()}
   return min(worst, key=lambda name: (worst[name], name)), worst
 
 
 def decide(times: dict[str, list[float]]) -> tuple[str, str]:
-  """(fastest candidate, why) from each candidate's time (seconds) in every
-  process; a candidate that failed has ``inf``. The slowest process counts.
+  """(fastest candidate, why) from each candidate's seconds in every process
+  (``inf``: failed); the slowest process counts.
 
   >>> decide({"xla": [1e-3, 2e-3], "ring": [1.5e-3, 1.5e-3]})
   ('ring', 'measured: ring 1.500 ms, xla 2.000 ms')
@@ -79,9 +65,14 @@ def decide(times: dict[str, list[float]]) -> tuple[str, str]:
   chosen, worst = fastest(times)
   if not math.isfinite(worst[chosen]):
     return "xla", "every candidate failed to run; XLA is the fallback"
-  parts = ", ".join(f"{name} {t * 1e3:.3f} ms" if math.isfinite(t) else f"{name} failed"
-                    for name, t in sorted(worst.items(), key=lambda kv_: kv_[1]))
-  return chosen, f"measured: {parts}"
+  return chosen, f"measured: {_listing(worst)}"
+
+
+def _listing(worst: dict[str, float], label=str) -> str:
+  """Each candidate's time (or "failed"), fastest first."""
+  return ", ".join(f"{label(name)} {t * 1e3:.3f} ms" if math.isfinite(t) else
+                   f"{label(name)} failed" for name, t in sorted(worst.items(),
+                                                                key=lambda i: i[1]))
 
 
 def with_failures(why: str, failures: dict[str, str]) -> str:
@@ -118,16 +109,12 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
                     verify=lambda name, out: None) -> dict[str, float]:
   """Median seconds per call of each candidate of `runs`, over `rounds`
   interleaved rounds (a b c, then c b a) after `warmup_rounds` alike untimed.
-
-  A value of `runs` is ``(call, iterations)`` for a candidate built already,
-  a string (the error that building it raised), or None (it cannot run here).
-  A timed batch enqueues `iterations` calls and waits once, so the time is the
-  throughput of back-to-back calls, as in a training step. `verify(name,
-  out)` sees each warm-up result and says what is wrong with it, or None.
-  `agree` takes the failures this process saw in one step and returns every
-  process's (:class:`UnionOfFailures`); it is called after building, after
-  each warm-up and after each batch, the same number of times everywhere. A
-  candidate that raised, was wrong or failed elsewhere gets ``inf``.
+  A value of `runs` is ``(call, iterations)`` (a batch enqueues `iterations`
+  calls and waits once: the throughput of back-to-back calls), a string (the
+  error that building it raised), or None (it cannot run here). `verify(name,
+  out)` says what is wrong with a warm-up result, or None. `agree` turns this
+  process's failures of a step into every process's (:class:`UnionOfFailures`),
+  after building, each warm-up and each batch. A failed candidate gets ``inf``.
 
   >>> times = time_candidates({"a": (lambda: 1, 2)}, rounds=3, wait=lambda out: None)
   >>> sorted(times)
@@ -294,9 +281,8 @@ def iterations(p: Problem, seconds: float) -> int:
 
 
 def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
-  """A compiled program per candidate of `p` on random data, as
-  time_candidates takes them: ``(call, iterations)``, the error that building
-  it raised, or None where the candidate cannot run `p`."""
+  """A compiled program per candidate of `p` on random data, as time_candidates
+  takes them: ``(call, iterations)``, the error building it raised, or None."""
   size = p.axis_size
   if p.op == AG:
     x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
@@ -346,7 +332,7 @@ METHOD = 3
 
 
 def signature() -> str:
-  """The disk cache's section for this GPU model, these versions and candidates."""
+  """The disk cache's section: this GPU model, these versions and candidates."""
   native = REGISTRY.native()
   return (f"{jax.devices()[0].device_kind}|timing {METHOD}|jax {jax.__version__}|cuBLASMp "
           f"{native.cublasmp_version()}|NCCL {native.nccl_version()}|"
@@ -576,21 +562,17 @@ def decide_step(times: dict[str, list[float]],
     best, verdict = XLA, f"XLA kept: a lead under {margin:.0%} is noise"
   else:
     verdict = f"{label(best)} kept"
-  parts = ", ".join(f"{label(plan)} {t * 1e3:.3f} ms" if math.isfinite(t) else
-                    f"{label(plan)} failed"
-                    for plan, t in sorted(worst.items(), key=lambda i: i[1]))
-  return best, f"step measured: {parts} ({verdict})"
+  return best, f"step measured: {_listing(worst, label)} ({verdict})"
 
 
 def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds: int = 10,
                   seconds_per_problem: float = 1.0, implementations=None) -> TunedStep:
   """Tunes every op `step(*args)` meets (as ``autotune`` does), times the step
-  under each plan of :func:`step_plans` (`implementations` limits the plans of
-  one implementation for every op: each costs a compile of the step) and
-  returns the step with the plan kept, a :class:`TunedStep`. Collective. The
-  plan goes into autotune's disk cache, keyed by the step's problems and plans.
-  Where there is nothing to choose, the step comes back under the plan in force,
-  with the reason.
+  under each plan of :func:`step_plans` (`implementations` limits those of one
+  implementation for every op: each costs a compile), and returns the step with
+  the plan kept, a :class:`TunedStep` (collective; the plan is cached on disk,
+  keyed by the step's problems and plans). Where there is nothing to choose,
+  the step comes back under the plan in force, with the reason.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))

@@ -1,19 +1,9 @@
 """Counting collectives in compiled HLO: how the routing shows in the program.
-
-XLA may emit a collective synchronously (``all-gather``) or as an async pair
-(``all-gather-start`` / ``all-gather-done``), and its combiner passes merge
-independent collectives into one instruction with several operands: each
-operand counts as one collective. The fused cuBLASMp ops are custom calls to
-the FFI targets named in ``runtime.constants``; jax's Pallas AllGather+GEMM
-(``backends.pallas``) is a Mosaic GPU custom call, counted apart since any
-Mosaic GPU kernel has that target.
-
-A collective over groups of one device moves no data. XLA's CPU compiler keeps
-such ops (an ``all_gather`` over a mesh axis of size 1 compiles to an
-``all-gather`` with ``replica_groups={{0}}``), while its GPU compiler removes
-them; so that a count means the same on every platform, these are left out of
-the collective counts and counted apart (``single_device``).
-"""
+A synchronous collective and an async start count alike, and each operand of a
+combined instruction counts as one. The fused ops are custom calls to the FFI
+targets of ``runtime.constants``; Mosaic GPU custom calls (jax's Pallas kernel
+among them) count apart, as do collectives over groups of one device, which
+XLA's CPU compiler keeps and its GPU compiler removes (``single_device``)."""
 
 from __future__ import annotations
 

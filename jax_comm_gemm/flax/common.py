@@ -33,22 +33,15 @@ class Options:
     axis_name: the tensor-parallel mesh axis.
     mesh: the mesh in global mode; None takes the one set by ``jax.set_mesh``.
     data_axes: mesh axes that also shard the tokens (the batch, for the
-      transformer block): a name or a sequence of names. Every mesh axis of
-      size > 1 other than ``axis_name`` must be among them; a missing one is a
-      ValueError naming ``data_axes`` (the layer would otherwise silently
-      replicate its work over that axis).
+      transformer block): a name or a sequence of names. Every other mesh axis
+      of size > 1 must be among them (else a ValueError naming ``data_axes``).
     use_bias: whether the dense layers add a bias.
     dtype: the dtype of the computation (default: from inputs and params, as
-      Flax's ``promote_dtype``: a float32 bias makes a bfloat16 input's output
-      float32 unless ``dtype`` is set).
+      Flax's ``promote_dtype``).
     param_dtype: the dtype passed to the initializers.
-    precision: as ``lax.dot_general`` takes it, for every GEMM of the layer,
-      the weight-gradient GEMMs included (as in
-      :func:`jax_comm_gemm.all_gather_matmul`).
-    kernel_init: initializer of the kernels (global shapes).
-    bias_init: initializer of the biases.
-    config: a :class:`~jax_comm_gemm.CommGemmConfig`: backend and algorithms.
-  """
+    precision: as ``lax.dot_general`` takes it, for every GEMM of the layer.
+    kernel_init, bias_init: initializers of the kernels (global shapes) and biases.
+    config: a :class:`~jax_comm_gemm.CommGemmConfig`: backend and algorithms."""
   axis_name: str = "tp"
   mesh: jax.sharding.Mesh | None = None
   data_axes: Sequence[str] = ()

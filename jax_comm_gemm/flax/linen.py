@@ -114,19 +114,17 @@ class _ParallelDense(LinenOptions):
 
 
 class ColumnParallelDense(_ParallelDense):
-  """``all_gather(x) @ kernel + bias`` over the last dimension (fc1, QKV).
-
-  Input ``[n, ..., K]`` sharded along tokens over ``(*data_axes, axis_name)``;
-  output ``[n, ..., features]`` sharded along features over ``axis_name`` (and
-  tokens over ``data_axes``). Locally: ``[n/P, ..., K]`` to ``[n, ..., F/P]``.
+  """``all_gather(x) @ kernel + bias`` over the last dimension (fc1, QKV): input
+  ``[n, ..., K]`` sharded along tokens over ``(*data_axes, axis_name)``, output
+  ``[n, ..., features]`` sharded along features (locally ``[n/P, ..., K]`` to
+  ``[n, ..., F/P]``).
 
   Attributes:
-    features: the number of output features (global), divisible by the size
-      of ``axis_name``.
+    features: the number of output features, divisible by the size of
+      ``axis_name``.
     keep_gathered_input: keep the gathered input for the weight gradient
       instead of gathering it again in the backward pass (``n*K`` memory).
-    promote_dtype, dot_general, dot_general_cls: as :class:`flax.linen.Dense`;
-      an injected dot product runs after XLA's ``all_gather``.
+    promote_dtype, dot_general, dot_general_cls: as :class:`flax.linen.Dense`.
     the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only.
 
   >>> import jax, numpy as np
@@ -142,16 +140,12 @@ class ColumnParallelDense(_ParallelDense):
 
 
 class RowParallelDense(_ParallelDense):
-  """``reduce_scatter(h @ kernel) + bias`` over the last dimension (fc2, out-proj).
-
-  Input ``[n, ..., F]`` sharded along features over ``axis_name`` (and tokens
-  over ``data_axes``); output ``[n, ..., features]`` sharded along tokens over
-  ``(*data_axes, axis_name)``. Locally: ``[n, ..., F/P]`` to ``[n/P, ..., K]``.
-  The input features ``F`` must be divisible by the size of ``axis_name``.
-
-  Attributes: as :class:`ColumnParallelDense`, without ``keep_gathered_input``;
-  ``features`` (the output) is not split, the bias is replicated, and an
-  injected dot product runs before XLA's ``psum_scatter``.
+  """``reduce_scatter(h @ kernel) + bias`` over the last dimension (fc2,
+  out-proj): input ``[n, ..., F]`` sharded along features (F divisible by the
+  size of ``axis_name``), output ``[n, ..., features]`` sharded along tokens
+  (locally ``[n, ..., F/P]`` to ``[n/P, ..., K]``). Attributes: as
+  :class:`ColumnParallelDense`, without ``keep_gathered_input``; the bias is
+  replicated.
 
   >>> import jax, numpy as np
   >>> with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))):
@@ -165,18 +159,14 @@ class RowParallelDense(_ParallelDense):
 
 
 class SequenceParallelMLP(LinenOptions):
-  """``fc2(activation(fc1(x)))``: a column-parallel then a row-parallel dense.
-
-  Input and output ``[n, ..., K]`` sharded along tokens; the hidden activations
-  ``[n, ..., hidden_features]`` are sharded along features.
+  """``fc2(activation(fc1(x)))``: a column-parallel then a row-parallel dense;
+  input and output ``[n, ..., K]`` sharded along tokens.
 
   Attributes:
-    hidden_features: the hidden width (fc1's output), divisible by the size of
-      ``axis_name``.
+    hidden_features: fc1's output width, divisible by the size of ``axis_name``.
     activation: applied elementwise between fc1 and fc2.
     keep_gathered_input: passed to fc1.
-    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only,
-      passed to both submodules.
+    the rest: :class:`~jax_comm_gemm.flax.common.Options`, passed to both.
 
   >>> import jax, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))

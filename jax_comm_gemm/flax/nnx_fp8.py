@@ -48,12 +48,9 @@ OverwriteWithGradient = _registered(OverwriteWithGradient)
 
 def overwrite_with_gradient(model: nnx.Module, grads: nnx.State) -> nnx.State:
   """Replaces every :data:`OverwriteWithGradient` variable of `model` with its
-  entry of `grads` (the gradient of a loss with respect to the parameters and
-  those variables); returns the other gradients, for the optimizer.
-
-  A ``ValueError`` names the variables that `grads` lacks: differentiate with
-  ``argnums=nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``. Without
-  them a history would never move on.
+  entry of `grads` and returns the other gradients, for the optimizer. A
+  ``ValueError`` names the variables `grads` lacks (differentiate with
+  ``argnums=nnx.DiffState(0, (nnx.Param, OverwriteWithGradient))``).
 
   >>> import jax.numpy as jnp
   >>> class M(nnx.Module):

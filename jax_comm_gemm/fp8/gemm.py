@@ -43,18 +43,13 @@ TN = (((1,), (1,)), ((), ()))
 def fp8_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, out_dtype, *, form: str = "direct",
                 fast_accum: bool = True):
   """``(a8 @ b8.T) * scale_inv_a * scale_inv_b`` in `out_dtype`, a8 ``[m, k]``
-  and b8 ``[n, k]`` FP8 (both contract on their last axis).
-
-  Scales are scalars (per tensor), vectors: ``scale_inv_a`` ``[m]`` (per
-  row of a), ``scale_inv_b`` ``[n]`` (per row of b, a column of the output),
-  or matrices of blocks (:func:`~jax_comm_gemm.fp8.quantize.quantize_blocks`):
-  ``[rows, k/128]`` (1 x 128) or ``[rows/128, k/128]`` (128 x 128). XLA has no
-  block-scaled FP8 GEMM: block scales run on the custom call ("cublaslt"),
-  elsewhere as a float32 GEMM of the dequantized operands.
-  `fast_accum`: Hopper's FP8 fast accumulation (partial sums along k stay in
-  the tensor core's reduced precision; XLA's default for an FP8 dot); False
-  promotes them to f32 (``lax.Precision.HIGHEST`` for XLA's forms), slower.
-  Block scales always accumulate in f32.
+  and b8 ``[n, k]`` FP8 (both contract on their last axis). Scales are scalars,
+  vectors (``[m]`` per row of a, ``[n]`` per row of b), or blocks
+  (:func:`~jax_comm_gemm.fp8.quantize.quantize_blocks`), which XLA has no FP8
+  GEMM for: they run on the custom call ("cublaslt"), elsewhere as a float32
+  GEMM of the dequantized operands. `fast_accum`: Hopper's FP8 fast
+  accumulation (XLA's default for an FP8 dot); False promotes the partial sums
+  to f32. Block scales always accumulate in f32.
 
   >>> a8 = jnp.ones((2, 4), jnp.float8_e4m3fn)
   >>> fp8_gemm_tn(a8, a8, 0.5, jnp.array([1.0, 2.0]), jnp.float32).tolist()
@@ -241,15 +236,11 @@ def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool
 def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
                   axis_name: str | None = None, amax_w=None):
   """The weight's two FP8 copies, made by one cast: ``(fwd8, fwd_inv, bwd8,
-  bwd_inv)``.
-
-  For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`):
-  ``fwd8`` is ``[n, k]``, the forward GEMM's TN operand, and ``bwd8`` is
-  ``[k, n]``, the input gradient's (``dx = dy @ w.T``). ``"tensor"``: one
-  scale for both (its amax agreed over `axis_name`, or `amax_w` if the caller
-  agreed it already); ``"row"``: per row of each copy, i.e. per output column
-  of the GEMM it feeds; ``"block"``: per 128 x 128 block, the second copy the
-  transpose of the first (same blocks, same scales).
+  bwd_inv)``. For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`)
+  ``fwd8`` ``[n, k]`` feeds the forward GEMM and ``bwd8`` ``[k, n]`` the input
+  gradient's. ``"tensor"``: one scale for both (agreed over `axis_name`, or
+  `amax_w` already agreed); ``"row"``: per row of each copy; ``"block"``: per
+  128 x 128 block, the second copy the first's transpose.
 
   >>> fwd8, fwd_inv, bwd8, bwd_inv = weight_copies(jnp.ones((4, 3)), jnp.float8_e4m3fn,
   ...                                              scaling="row", transpose_w=False)

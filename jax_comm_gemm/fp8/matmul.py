@@ -51,21 +51,18 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
     w: local weight ``[k, m]``, or ``[m, k]`` with `transpose_w`.
     axis_name: the tensor-parallel axis (size P).
     recipe: the :class:`Fp8Recipe`.
-    keep_gathered_input: keep the gathered FP8 x (``n*k`` bytes) for the
-      weight gradient instead of all-gathering it again in the backward.
+    keep_gathered_input: keep the gathered FP8 x for the weight gradient
+      instead of all-gathering it again in the backward.
     return_gathered: also return the gathered x as the GEMM saw it
-      (dequantized, in x's dtype); its gradient is reduce-scattered into x's.
+      (dequantized, in x's dtype).
     gather: ``gather(tree, axis_name)`` for the gathers that feed a GEMM
-      (default :func:`xla_gather`); a backend or a test's stand-in.
-    collectives: ``"xla"`` (an all-gather, then the GEMM; a GEMM, then a
-      reduce-scatter), ``"ring"`` (per-shard FP8 GEMMs overlapped with
-      ``lax.ppermute`` of the FP8 bytes: :mod:`jax_comm_gemm.ring`), or a
+      (default :func:`xla_gather`).
+    collectives: ``"xla"``, ``"ring"`` (:mod:`jax_comm_gemm.ring`), or a
       :class:`~jax_comm_gemm.backends.CublasMpBackend`: the extension's fused
-      FP8 ops on its algorithms (cuBLASMp's, or the project's pipelined_ce;
-      its ``reduce_scatter`` may be "xla" or "ring" too), on a connected axis,
-      one scale per tensor, w's dims multiples of 16.
-    history: the :class:`AmaxHistory` a ``"delayed"`` recipe scales with (its
-      gradient is the next step's history); None for the other recipes.
+      FP8 ops on its algorithms, on a connected axis, one scale per tensor,
+      w's dims multiples of 16.
+    history: the :class:`AmaxHistory` of a ``"delayed"`` recipe (its gradient
+      is the next step's history); None for the other recipes.
 
   Returns:
     ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``.
@@ -100,20 +97,12 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
                               transpose_w: bool = False, reuse_gathered: bool = True,
                               gather: Callable | None = None, collectives="xla",
                               history: AmaxHistory | None = None):
-  """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call
-  inside ``jax.shard_map``.
-
-  Args:
-    x: all tokens, local features, ``[n, ..., k/P]`` (n divisible by P).
-    w: local weight ``[k/P, m]``, or ``[m, k/P]`` with `transpose_w`.
-    axis_name: the tensor-parallel axis (size P).
-    recipe: the :class:`Fp8Recipe`.
-    reuse_gathered: the weight gradient reads the FP8 dy that the input
-      gradient's AllGather+GEMM gathered (default); False gathers it again.
-    gather, collectives, history: as in :func:`fp8_all_gather_matmul`.
-
-  Returns:
-    This rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
+  """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call inside
+  ``jax.shard_map``. x: all tokens, local features, ``[n, ..., k/P]``; w
+  ``[k/P, m]`` (``[m, k/P]`` with `transpose_w`); `reuse_gathered`: the weight
+  gradient reads the FP8 dy that the input gradient's AllGather+GEMM gathered
+  (False: gathers it again); the rest as in :func:`fp8_all_gather_matmul`.
+  Returns this rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import Mesh, PartitionSpec as P

@@ -1,10 +1,7 @@
 """The sequence-parallel dense layers: where they run, their checks, and the
-layers themselves, on local shards (inside the caller's ``jax.shard_map``) and
-on global arrays (one jitted ``shard_map`` around the same cores).
+layers on local shards (inside the caller's ``jax.shard_map``) and on global
+arrays (one jitted ``shard_map`` around the same cores).
 Longer than 300 lines: the layer is one job, and both sides share its checks and cores.
-
-Between layers the activations are sharded along their first dimension (the
-tokens; sequence parallelism); further leading dimensions ride along:
 
 =================  ======================  ==================  ===================
 layer              input (local)           kernel (local)      output (local)
@@ -13,16 +10,9 @@ column-parallel    ``[n/P, ..., K]``       ``[K, F/P]``        ``[n, ..., F/P]``
 row-parallel       ``[n, ..., F/P]``       ``[F/P, K]``        ``[n/P, ..., K]``
 =================  ======================  ==================  ===================
 
-Each entry checks its arguments once, then runs the unchecked cores
-(:func:`column_parallel`, :func:`row_parallel`). Biases are added outside the
-custom_vjp, so autodiff sums their gradients, and must have the input's dtype.
-On global arrays ``data_axes`` are the mesh axes that shard the tokens besides
-``axis_name``; a mesh axis of size > 1 in neither is an error (the layer would
-silently replicate its work over it). An injected ``dot_general`` (Flax's hook,
-e.g. its FP8 ops) cannot run inside the fused kernels: the layer then runs on
-XLA's collectives around it, without a shard_map of its own, so that a Flax
-module passed as the dot_general stays in its scope.
-"""
+Biases are added outside the custom_vjp and must have the input's dtype. An
+injected ``dot_general`` runs on XLA's collectives around it, without a
+shard_map of its own (a Flax module passed as one stays in its scope)."""
 
 from __future__ import annotations
 
@@ -187,22 +177,12 @@ def _mlp_histories(op: str, config, fp8_histories) -> dict:
 def column_parallel_dense(x, kernel, bias=None, *, axis_name: str,
                           keep_gathered_input: bool = False, precision=None,
                           config: CommGemmConfig = DEFAULT_CONFIG, dot_general=None):
-  """``all_gather(x) @ kernel + bias`` (fc1, QKV), on local shards.
-
-  Args:
-    x: ``[n/P, ..., K]``, this shard's tokens.
-    kernel: ``[K, F/P]``, this shard's output features.
-    bias: ``[F/P]`` of x's dtype, or None.
-    axis_name: the tensor-parallel mesh axis.
-    keep_gathered_input: keep the gathered input for the weight gradient
-      (no all-gather in the backward pass, ``n*K`` memory).
-    precision: ``lax.Precision`` of the GEMMs that XLA runs.
-    config: a :class:`~jax_comm_gemm.CommGemmConfig`.
-    dot_general: None (the fused path where the backend has one), or a
-      ``lax.dot_general``-like function run after XLA's ``all_gather``.
-
-  Returns:
-    ``[n, ..., F/P]``.
+  """``all_gather(x) @ kernel + bias`` (fc1, QKV), on local shards: x
+  ``[n/P, ..., K]`` (this shard's tokens), kernel ``[K, F/P]``, bias ``[F/P]``
+  of x's dtype or None; returns ``[n, ..., F/P]``. `keep_gathered_input`,
+  `precision` and `config` as in :func:`jax_comm_gemm.all_gather_matmul`;
+  `dot_general`: None (the fused path where the backend has one), or a
+  ``lax.dot_general``-like function run after XLA's ``all_gather``.
 
   >>> import jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -220,18 +200,11 @@ def column_parallel_dense(x, kernel, bias=None, *, axis_name: str,
 
 def row_parallel_dense(h, kernel, bias=None, *, axis_name: str, precision=None,
                        config: CommGemmConfig = DEFAULT_CONFIG, dot_general=None):
-  """``reduce_scatter(h @ kernel) + bias`` (fc2, out-proj), on local shards.
-
-  Args:
-    h: ``[n, ..., F/P]``, all tokens, this shard's features.
-    kernel: ``[F/P, K]``, this shard's input features.
-    bias: ``[K]`` (replicated) of h's dtype, or None.
-    axis_name, precision, config: as in :func:`column_parallel_dense`.
-    dot_general: None, or a ``lax.dot_general``-like function run before
-      XLA's ``psum_scatter``.
-
-  Returns:
-    ``[n/P, ..., K]``.
+  """``reduce_scatter(h @ kernel) + bias`` (fc2, out-proj), on local shards: h
+  ``[n, ..., F/P]`` (all tokens, this shard's features), kernel ``[F/P, K]``,
+  bias ``[K]`` (replicated) or None; returns ``[n/P, ..., K]``. The options as in
+  :func:`column_parallel_dense`; an injected `dot_general` runs before XLA's
+  ``psum_scatter``.
 
   >>> import jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -251,12 +224,10 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
         axis_name: str, activation: Callable = jax.nn.gelu,
         keep_gathered_input: bool = False, precision=None,
         config: CommGemmConfig = DEFAULT_CONFIG, fp8_histories=None):
-  """A sequence-parallel MLP block, ``fc2(activation(fc1(x)))``, on local shards.
-
-  ``x`` is ``[n/P, ..., K]``, ``fc1_kernel`` ``[K, F/P]``, ``fc2_kernel``
-  ``[F/P, K]``; returns ``[n/P, ..., K]``. `fp8_histories`: for a "delayed"
-  FP8 config, :func:`init_mlp_fp8_histories`'s; the gradient with respect to
-  them is the next step's.
+  """A sequence-parallel MLP block, ``fc2(activation(fc1(x)))``, on local shards:
+  x ``[n/P, ..., K]``, fc1_kernel ``[K, F/P]``, fc2_kernel ``[F/P, K]``; returns
+  ``[n/P, ..., K]``. `fp8_histories`: a "delayed" FP8 config's
+  (:func:`init_mlp_fp8_histories`); their gradient is the next step's.
 
   >>> import jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -288,10 +259,10 @@ def sharded_column_parallel_dense(x, kernel, bias=None, *, mesh=None, axis_name:
                                   config: CommGemmConfig = DEFAULT_CONFIG,
                                   names: Names | None = None, dot_general=None,
                                   fp8_history=None):
-  """``x @ kernel + bias`` for global ``x [n, ..., K]`` sharded along tokens,
-  ``kernel [K, F]`` sharded along F; returns ``[n, ..., F]`` sharded along F
-  (``jcg.sharded.column_parallel_dense``). `names`: what errors call things;
-  `fp8_history`: a "delayed" FP8 recipe's :class:`~jax_comm_gemm.fp8.AmaxHistory`.
+  """``jcg.sharded.column_parallel_dense``: ``x @ kernel + bias`` for global x
+  ``[n, ..., K]`` sharded along tokens and kernel ``[K, F]`` along F; returns
+  ``[n, ..., F]`` sharded along F. `names`: what errors call things;
+  `fp8_history`: a "delayed" recipe's :class:`~jax_comm_gemm.fp8.AmaxHistory`.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> sharded_column_parallel_dense(np.ones((2, 3), np.float32),
@@ -310,9 +281,9 @@ def sharded_row_parallel_dense(h, kernel, bias=None, *, mesh=None, axis_name: st
                                config: CommGemmConfig = DEFAULT_CONFIG,
                                names: Names | None = None, dot_general=None,
                                fp8_history=None):
-  """``h @ kernel + bias`` for global ``h [n, ..., F]`` sharded along F,
-  ``kernel [F, K]`` sharded along F; returns ``[n, ..., K]`` sharded along
-  tokens (``jcg.sharded.row_parallel_dense``).
+  """``jcg.sharded.row_parallel_dense``: ``h @ kernel + bias`` for global h
+  ``[n, ..., F]`` and kernel ``[F, K]``, both sharded along F; returns
+  ``[n, ..., K]`` sharded along tokens.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> sharded_row_parallel_dense(np.ones((2, 4), np.float32),
@@ -331,9 +302,9 @@ def sharded_mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh
                 activation: Callable = jax.nn.gelu, keep_gathered_input: bool = False,
                 precision=None, config: CommGemmConfig = DEFAULT_CONFIG,
                 fp8_histories=None):
-  """The sequence-parallel MLP block on global arrays (``jcg.sharded.mlp``):
-  ``x [n, ..., K]`` in and out, sharded along tokens; ``fc1_kernel [K, F]``,
-  ``fc2_kernel [F, K]``; `fp8_histories` as in :func:`mlp`.
+  """``jcg.sharded.mlp``: the sequence-parallel MLP block on global arrays, x
+  ``[n, ..., K]`` in and out sharded along tokens, fc1_kernel ``[K, F]``,
+  fc2_kernel ``[F, K]``; `fp8_histories` as in :func:`mlp`.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> sharded_mlp(np.ones((2, 3), np.float32), np.ones((3, 8), np.float32),

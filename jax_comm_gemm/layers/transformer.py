@@ -50,7 +50,8 @@ class ParamSpec:
 
 @dataclasses.dataclass(frozen=True)
 class BlockOptions:
-  """The static settings of a block (hashable: jit and shard_map key on them).
+  """The static settings of a block (hashable: jit and shard_map key on them),
+  each checked on construction by an error that names it.
 
   Attributes:
     num_heads: attention heads in all, divisible by the size of the axis.
@@ -58,15 +59,12 @@ class BlockOptions:
     causal: mask attention to earlier positions.
     epsilon: the LayerNorms' epsilon (as ``flax.linen.LayerNorm``).
     dtype: the computation dtype (None: promote the inputs and parameters).
-    precision: ``lax.Precision`` of every dense GEMM that XLA runs (attention's
-      own products run at jax's default precision).
+    precision: of every dense GEMM that XLA runs (not attention's own products).
     keep_gathered_input: QKV and fc1 keep their gathered input for the weight
-      gradient (no all-gather in the backward pass; ``seq*b*d`` memory each).
+      gradient (``seq*b*d`` memory each).
     attention_implementation: ``jax.nn.dot_product_attention``'s
       ``implementation`` (None: jax chooses).
     config: backend and algorithm choices.
-
-  Each is checked on construction, by an error that names it.
 
   >>> BlockOptions(num_heads=4, activation=None)
   Traceback (most recent call last):
@@ -260,12 +258,11 @@ def sharded_transformer_block(x, params, *, mesh=None, axis_name: str = "tp",
                               data_axes: Sequence[str] = (), options: BlockOptions,
                               op: str = "sharded_transformer_block", x_name: str = "x",
                               fp8_histories=None):
-  """The block on global arrays: ``x [seq, batch, d]`` with the sequence
-  sharded over `axis_name` and the batch over `data_axes` (an axis name or a
-  sequence of them; every other mesh axis of size > 1 must be among them);
-  `params` with global shapes, sharded as :func:`partition_specs` says.
-  Returns an array of ``x``'s shape and sharding. `op` and `x_name` are what
-  errors call things; `fp8_histories` as in :func:`transformer_block`.
+  """The block on global arrays: ``x [seq, batch, d]`` with the sequence sharded
+  over `axis_name` and the batch over `data_axes`; `params` with global shapes,
+  sharded as :func:`partition_specs` says. Returns an array of ``x``'s shape and
+  sharding. `op` and `x_name` are what errors call things; `fp8_histories` as
+  in :func:`transformer_block`.
 
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> params = jax.tree.map(lambda s: jnp.ones(s.shape), param_layout(8, 16, "tp"))

@@ -1,13 +1,9 @@
-"""Do the processes of a tensor-parallel group agree on how they will run?
-
-Every setting that changes what a rank enqueues (every ``JAX_COMM_GEMM_*``
-setting, the library versions) is read per process. If two ranks differ,
-the collective calls stop matching and the job hangs, or a peer's workspace is
-written past its end. So at connect every process publishes a fingerprint of
-those settings through the key-value store, reads the others', and a mismatch
-is a Python error naming the setting and the processes, raised before any
-collective runs. (Per-call shapes are checked once per plan on the C++ side.)
-"""
+"""Do the processes of a tensor-parallel group agree on how they will run? Ranks
+that differ in a setting that changes what they enqueue (every
+``JAX_COMM_GEMM_*`` setting, the library versions) would hang or overrun a
+peer's workspace, so at connect every process publishes a fingerprint of them
+through the key-value store, and a mismatch is a :class:`DisagreementError`
+naming the setting and the processes, before any collective runs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""jax.distributed's key-value store: how the processes of a job exchange the
-few bytes that set-up needs (NCCL unique ids, fingerprints, measured times and
-the choices made from them).
-
-Keys carry the connect attempt, so that a retry after a failed connect never
-meets the values of the attempt before it. `gather`, `all_gather` and
-`broadcast` exchange JSON values under keys of their own; in a single process
-they only pass the value through a JSON round trip, so that every process
-sees the same types.
-"""
+"""jax.distributed's key-value store: how the processes of a job exchange the few
+bytes that set-up needs (NCCL unique ids, fingerprints, measured times and the
+choices made from them). Keys carry the attempt, so that a retry never meets
+an older attempt's values; in a single process a value only makes a JSON round
+trip, so that every process sees the same types."""
 
 from __future__ import annotations
 

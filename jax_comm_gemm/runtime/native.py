@@ -1,12 +1,7 @@
-"""Loads the C++ extension, after the libraries it links against.
-
-cuBLASMp, NCCL and the CUDA runtime come from the NVIDIA wheels that the
-``cuda13`` / ``cuda12`` extra installs (or from the system). They are loaded
-here by path, from the ``nvidia`` namespace package that Python can import, so
-no library path has to be set by hand; cuBLASMp's own rpath then finds cuBLAS
-beside it. A machine without a GPU driver cannot load cuBLASMp at all: that is
-reported as the reason the cuBLASMp backend is unavailable, never raised.
-"""
+"""Loads the C++ extension, after the libraries it links against: cuBLASMp, NCCL
+and the CUDA runtime, by path from the NVIDIA wheels' ``nvidia`` namespace
+package (or from the system), so no library path is set by hand. Where they
+cannot load (no GPU driver) the reason is reported, never raised."""
 
 from __future__ import annotations
 

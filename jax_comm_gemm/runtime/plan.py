@@ -38,22 +38,14 @@ def axis_key(mesh, axis_name: str) -> tuple:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
-  """What decides every route; see the module docstring.
-
-  Attributes:
-    settings: the runtime settings in force.
-    cublasmp: whether the cuBLASMp backend can run in this process, and why not.
-    layout: where cuBLASMp leaves the gathered operand ("front" or "tail"),
-      from its version; the self-test's verdicts say whether that held.
-    axes: (axis_key, comm_id) of every connected mesh axis.
-    verdicts: (VerdictKey, Capability) of the layout self-test.
-    decisions: (problem, (implementation, why)) measured by autotune.
-    tag: a number that only makes two otherwise equal plans differ, so that
-      a trace under it runs the library's trace-time code afresh.
-    problems: where tracing under this plan lists the problems it meets
-      (``tuning.problems_of`` passes a list of its own, with a new tag); None
-      everywhere else: tracing writes nothing.
-  """
+  """What decides every route (see the module docstring): the `settings`, whether
+  cuBLASMp can run (`cublasmp`), where it leaves the gathered operand
+  (`layout`), the connected `axes` ((axis_key, comm_id)), the self-test's
+  `verdicts`, and autotune's `decisions` ((problem, (implementation, why))).
+  `tag` only makes two otherwise equal plans differ (a trace under a new tag
+  runs the library's trace-time code afresh); `problems` is the list a trace
+  under this plan appends its problems to (``tuning.problems_of``'s), None
+  everywhere else: tracing writes nothing."""
 
   settings: Settings
   cublasmp: Capability

@@ -1,18 +1,10 @@
 """The sentinel: a thread that ends the process when a communicator was aborted
-and the process does not end by itself.
-
-The C++ watchdog aborts a group's communicator when a peer stops answering
-(JAX_COMM_GEMM_TIMEOUT) and every later call fails with the reason. But
-``ncclCommAbort`` does not release a GPU wait on a dead peer (the survivor
-of a killed peer stays in ``block_until_ready``: docs/design.md#the-sentinel),
-so the main thread
-may never see that error. A job that trains for days must not hang there. So,
-as PyTorch's NCCL watchdog does, this thread prints the aborted context's
-reason and ends the process with exit status 1 if it is still running
-``JAX_COMM_GEMM_ABORT_GRACE`` seconds (default 60) after the abort — time for a
-main thread that did get the error to save what it can and leave.
-``JAX_COMM_GEMM_ON_ABORT=wait`` turns this off.
-"""
+and the process does not end by itself. ``ncclCommAbort`` does not release a
+GPU wait on a dead peer, so after the watchdog aborts a group the main thread
+may never see the error (docs/design.md#the-sentinel). As PyTorch's NCCL
+watchdog does, this thread prints the aborted context's reason and exits with
+status 1 if the process still runs ``JAX_COMM_GEMM_ABORT_GRACE`` seconds after
+the abort; ``JAX_COMM_GEMM_ON_ABORT=wait`` turns it off."""
 
 from __future__ import annotations
 

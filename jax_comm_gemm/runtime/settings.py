@@ -1,13 +1,7 @@
-"""The environment variables that steer the runtime: read, checked and frozen once.
-
-:meth:`Settings.from_environ` reads every ``JAX_COMM_GEMM_*`` variable and
-raises a ValueError that names the first bad one and what it allows (an unknown
-``JAX_COMM_GEMM_*`` name included: a typo must not pass silently). It runs at
-``connect``, which then compares the settings across processes
-(``agreement.py``), or at first use where nothing connects. The result is an
-immutable value inside the routing plan (``plan.py``): nothing reads the
-environment while tracing, so a program's route never depends on when it was
-traced. Why: docs/design.md#routing-plan.
+"""The environment variables that steer the runtime: read, checked and frozen
+once (:meth:`Settings.from_environ`; an unknown ``JAX_COMM_GEMM_*`` name is an
+error too), at ``connect`` or at first use, into the routing plan: nothing
+reads the environment while tracing (docs/design.md#routing-plan).
 
 >>> Settings.from_environ({"JAX_COMM_GEMM_BACKEND": "xla"}).backend
 'xla'
@@ -56,25 +50,11 @@ def _default_cache() -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  """Every runtime setting, validated; hashable, so it can be part of a plan.
-
-  Attributes:
-    backend: ``JAX_COMM_GEMM_BACKEND``: "" (unset) or a backend name that
-      overrides every config's ``backend``, for A/B runs.
-    autotune: ``JAX_COMM_GEMM_AUTOTUNE``: "on" (measure), "off" (a rule of
-      thumb decides, and the own algorithms keep cuBLASLt's first GEMM
-      algorithm), or an implementation that ``backend="auto"`` then takes
-      wherever it can run.
-    autotune_cache: ``JAX_COMM_GEMM_AUTOTUNE_CACHE``: the JSON file of measured
-      choices; "" keeps them in memory.
-    connect_timeout_s: ``JAX_COMM_GEMM_CONNECT_TIMEOUT``: how long ``connect``
-      (and autotune's exchanges) wait for the peers.
-    call_timeout_s: ``JAX_COMM_GEMM_TIMEOUT``: how long a fused call may wait
-      for its peers before the watchdog aborts the group.
-    on_abort: ``JAX_COMM_GEMM_ON_ABORT``: "exit" (the sentinel ends a process
-      left stuck by an abort) or "wait".
-    abort_grace_s: ``JAX_COMM_GEMM_ABORT_GRACE``: seconds between an abort and
-      the sentinel's exit.
+  """Every runtime setting, validated; hashable, so it can be part of a plan. One
+  field per ``JAX_COMM_GEMM_*`` variable (README.md#configuration says what
+  each does): ``backend`` (BACKEND), ``autotune`` and ``autotune_cache``,
+  ``connect_timeout_s`` (CONNECT_TIMEOUT), ``call_timeout_s`` (TIMEOUT),
+  ``on_abort`` and ``abort_grace_s``.
 
   >>> Settings.from_environ({"JAX_COMM_GEMM_AUTOTUNE": " OFF "}).measuring
   False
