@@ -137,8 +137,8 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
     return _or_xla(*decided, p, plan)
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
   # Only where measuring could choose otherwise: more than one candidate runs.
-  if mode == "on" and plan.problems is None and p.axis_size > 1 and \
-      sum(runnable(c, p, plan).ok for c in candidates(p)) > 1:
+  if (mode == "on" and plan.problems is None and p.axis_size > 1
+      and sum(runnable(c, p, plan).ok for c in candidates(p)) > 1):
     warnings.warn(f"jax_comm_gemm: {p.text()} is not measured: the rule of thumb routes it, "
                   "and a program traced now keeps that route when autotune measures it "
                   "later; autotune before tracing (jax_comm_gemm.autotune(mesh, axis, "
@@ -219,7 +219,7 @@ class AutoBackend(Backend):
     return Capability(True, "every implementation auto may choose hands it out")
 
 
-# --- the backend a layer takes, the route of one op, and FP8's ---------------------------
+# --- the backend a layer takes, the route of one op, the FP8 route ------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
