@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +19,9 @@ from jax.experimental import multihost_utils
 import jax_comm_gemm as jcg
 
 CPU_DEVICES = 8
+# Seconds the processes get to end after SIGTERM before SIGKILL: jax.distributed's
+# preemption notifier takes SIGTERM and keeps a process running.
+GRACE_S = 10.0
 
 
 def gpu_count() -> int:
@@ -63,16 +67,34 @@ def run_processes(n: int, script: str, argv: list[str], share_gpu: bool = False)
       env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / n:.3f}")
     procs.append(subprocess.Popen([sys.executable, script, *argv, "--process-id", str(i),
                                    "--port", str(port)], env=env))
-  code = 0
-  while any(p.poll() is None for p in procs):
-    failed = [p for p in procs if p.returncode not in (None, 0)]
-    if failed:  # the others would wait for the failed one until their timeout
-      code = failed[0].returncode
-      for p in procs:
-        if p.poll() is None:
-          p.terminate()
-    time.sleep(0.2)
-  return code or next((p.returncode for p in procs if p.returncode), 0)
+  # A launcher ended by a signal (a `timeout`, Ctrl-C) ends its processes
+  # too: left running, they would hold the GPU's memory.
+  previous = signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
+  try:
+    while any(p.poll() is None for p in procs):
+      failed = [p for p in procs if p.returncode not in (None, 0)]
+      if failed:  # the others would wait for the failed one until their timeout
+        return failed[0].returncode
+      time.sleep(0.2)
+    return next((p.returncode for p in procs if p.returncode), 0)
+  finally:
+    stop(procs)
+    signal.signal(signal.SIGTERM, previous)
+
+
+def stop(procs, grace_s: float = GRACE_S) -> None:
+  """Ends those of `procs` still running: SIGTERM, then SIGKILL for any that
+  is still there `grace_s` later."""
+  for p in procs:
+    if p.poll() is None:
+      p.terminate()
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    try:
+      p.wait(max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
 
 
 def join(process_id: int, n: int, port: int, share_gpu: bool = False) -> None:

@@ -20,7 +20,10 @@ pytest_counts() {  # the last line of a pytest log: "N passed, M skipped in S s"
 case $what in
   suite)
     ranks=$1 patterns=${2:-*} seconds=${3:-540}
-    dir=$LOG_DIR/suite_${ranks}ranks${2:+_$(echo "$patterns" | tr -c 'a-z0-9_\n' '-')}
+    # NAME labels the run's folder (default: the patterns, or their checksum when long).
+    label=${NAME:-$(echo "$patterns" | tr -c 'a-z0-9_\n' '-')}
+    [ ${#label} -gt 60 ] && label=$(echo "$patterns" | cksum | cut -d' ' -f1)
+    dir=$LOG_DIR/suite_${ranks}ranks${2:+_$label}
     mkdir -p "$dir"
     start=$(date +%s)
     JCG_GPU_SHARED=$ranks JCG_GPU_CHECKS=$patterns JCG_GPU_LOG_DIR=$dir \
@@ -54,10 +57,10 @@ case $what in
           --checkpoint-dir "$dir/checkpoints" --json-out "$dir/run.json")
     start=$(date +%s)
     export JAX_COMM_GEMM_AUTOTUNE_CACHE=$dir/autotune.json  # the resumed run reads the choices
-    timeout $((seconds * 2 / 3)) python3 examples/train_byte_gpt.py "${args[@]}" --steps 16 \
+    timeout -k 20 $((seconds * 2 / 3)) python3 examples/train_byte_gpt.py "${args[@]}" --steps 16 \
       > "$dir/train.log" 2>&1
     rc_train=$?
-    timeout $((seconds / 3)) python3 examples/train_byte_gpt.py "${args[@]}" --steps 24 --resume \
+    timeout -k 20 $((seconds / 3)) python3 examples/train_byte_gpt.py "${args[@]}" --steps 24 --resume \
       --json-out "$dir/resume.json" > "$dir/resume.log" 2>&1
     rc_resume=$?
     summary "example processes=$n: train rc $rc_train, resume rc $rc_resume" \
