@@ -11,6 +11,7 @@ per batch element."""
 from __future__ import annotations
 
 import dataclasses
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ def fp8_all_gather_matmul(x8, w8, x_inv, w_inv, axis_name: str, *, out_dtype,
                           fast_accum: bool):
   """FP8 ``AG(x8) . w8^T * x_inv * w_inv`` in `out_dtype`: (y,) or (y, gathered
   x8); x8 [n/P, k] and w8 [m/P, k] FP8, the inverse scales f32 scalars
-  (xla_ffi/plan.h). Checked by the caller."""
+  (xla_ffi/context.h). Checked by the caller."""
   x8, w8, x_inv, w_inv = vma.match(x8, w8, x_inv, w_inv)
   return tuple(_fp8_ag_p.bind(
       x8, w8, x_inv, w_inv, axis_name=axis_name, axis_size=int(lax.axis_size(axis_name)),
@@ -108,8 +109,8 @@ def _comm_id(ctx, axis_name: str) -> np.int64:
 
 
 # The attributes the handlers take (xla_ffi/handlers.cc), from the primitives' params.
-_ATTRIBUTES = {"algorithm": np.int64, "transpose_w": bool, "layout": np.int64,
-               "fast_accum": bool}
+_ATTRIBUTES = MappingProxyType({"algorithm": np.int64, "transpose_w": bool,
+                                "layout": np.int64, "fast_accum": bool})
 
 
 def _lowering(target: str, **fixed):
@@ -235,7 +236,7 @@ class CublasMpBackend(Backend):
 
   # --- FP8 (jax_comm_gemm/fp8/steps.py calls these for `collectives=self`) ----
   # One scale per tensor; w in the TN form [features, k]; the scales are the
-  # inverse (dequantizing) ones, f32 scalars (xla_ffi/plan.h).
+  # inverse (dequantizing) ones, f32 scalars (xla_ffi/context.h).
 
   def fp8_all_gather_matmul(self, x8, w8, x_inv, w_inv, axis_name, *, out_dtype,
                             fast_accum, return_gathered):

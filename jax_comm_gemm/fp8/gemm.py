@@ -5,7 +5,7 @@ each GEMM wants (:func:`weight_copies`). Two forms (``Fp8Recipe.gemm_form``):
 
 * ``"direct"``: the dot of the FP8 operands, times the inverse scales (per
   tensor or per row: they factor out of the contraction);
-* ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.h``), which
+* ``"cublaslt"``: the project's custom call (``xla_ffi/fp8_gemm.cc``), which
   applies the scales itself (per tensor, row or block) with a timed algorithm;
   ``"direct"`` runs where it cannot (no extension, dims not multiples of 16,
   two E5M2 operands). Measurements: docs/fp8.md.

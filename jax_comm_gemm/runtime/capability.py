@@ -88,7 +88,7 @@ FRONT_LAYOUT_SINCE = 1100
 # Every AllGather+GEMM algorithm the project offers may hand out its operand.
 SELF_TESTED_ALGORITHMS = tuple(ALGORITHMS)
 SELF_TESTED_DTYPES = ("bfloat16", "float16", "float32")
-# The FP8 ops' operand types (xla_ffi/plan.h), in their one form: w as
+# The FP8 ops' operand types (xla_ffi/context.h), in their one form: w as
 # [features, k] (TN), the gathered x FP8 bytes.
 SELF_TESTED_FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # (local tokens, features, local outputs): aligned, and not a multiple of 128

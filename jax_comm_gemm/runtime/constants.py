@@ -14,10 +14,10 @@ from types import MappingProxyType
 TARGETS: Mapping[str, str] = MappingProxyType({
     "all_gather_matmul": "jax_comm_gemm_all_gather_matmul",
     "matmul_reduce_scatter": "jax_comm_gemm_matmul_reduce_scatter",
-    # their FP8 twins: FP8 x and w with their scales (xla_ffi/plan.h)
+    # their FP8 twins: FP8 x and w with their scales (xla_ffi/context.h)
     "fp8_all_gather_matmul": "jax_comm_gemm_fp8_all_gather_matmul",
     "fp8_matmul_reduce_scatter": "jax_comm_gemm_fp8_matmul_reduce_scatter",
-    # the FP8 GEMM with scale pointers and a timed algorithm (xla_ffi/fp8_gemm.h)
+    # the FP8 GEMM with scale pointers and a timed algorithm (xla_ffi/fp8_gemm.cc)
     "fp8_gemm": "jax_comm_gemm_fp8_gemm",
 })
 

@@ -238,7 +238,7 @@ def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
 
 def check_rs_pipelined_chunks(mesh):
   """The project's own GEMM+ReduceScatter (pipelined_ce) where a rank's rows make 2 and 4
-  chunks (xla_ffi/chunks.h; tests/cpp/test_chunks.cc checks that these shapes
+  chunks (xla_ffi/pipelined.h; tests/cpp/test_chunks.cc checks that these shapes
   make them; the other checks' shapes make one), bf16 NN and TN, per row
   against float64. Four chunks need a block of 4e10 FLOP, so that shape is
   large (its reference is computed once)."""

@@ -1,5 +1,5 @@
 """Checks that need one GPU and the built extension, no collective: the FP8
-GEMM custom call (xla_ffi/fp8_gemm.h) and the FP8 layers on it at tp = 1,
+GEMM custom call (xla_ffi/fp8_gemm.cc) and the FP8 layers on it at tp = 1,
 then the fused FP8 comm-GEMMs on a group of one (one_rank.py).
 
 Run by tests/gpu/test_one_gpu.py in a process of its own (the pytest process is

@@ -1,4 +1,4 @@
-"""The fused FP8 comm-GEMMs (xla_ffi/plan.h) on a group of one GPU: what one
+"""The fused FP8 comm-GEMMs (xla_ffi/context.h) on a group of one GPU: what one
 GPU can check of them. With one rank nothing travels, so these check the FP8
 GEMM each algorithm runs (the operand types, the TN form, the scale pointers,
 fast accumulation, the timed pick) and the gathered FP8 operand it hands out,
