@@ -87,8 +87,9 @@ def trained(variables):
   return variables["params"] if OVERWRITE_WITH_GRADIENT in variables else variables
 
 
-def optimizer(lr: float, steps: int) -> optax.GradientTransformation:
-  warmup = max(1, min(100, steps // 5))  # a fifth of a short run, at most 100 steps
+def optimizer(lr: float, steps: int, warmup: int | None = None) -> optax.GradientTransformation:
+  if warmup is None:
+    warmup = max(1, min(100, steps // 5))  # a fifth of a short run, at most 100 steps
   schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
                                                 end_value=lr / 10)
   return optax.chain(optax.clip_by_global_norm(1.0),

@@ -63,14 +63,14 @@ HEAD_DIM = 128
 # d_model / HEAD_DIM (32 at d_model 4096) and its batch 4 per data-parallel rank.
 PRESETS = {
     "cpu": dict(d_model=128, heads=4, layers=2, hidden=512, seq_len=128, batch=16,
-                steps=1000, lr=3e-3, dtype="float32"),
+                steps=1000, lr=3e-3, warmup=None, dtype="float32"),
     # Adam moves every weight by about lr per step, all in step, so a layer's
     # output moves in proportion to its fan-in: at d_model 4096 and hidden 16384
     # the MLP moves 64 times as far per step as at 512 and 2048. 6e-5 is the
     # 3e-3 that trains smoothly there, scaled by that factor; the climb of the
     # first steps is smaller than at 3e-4, not gone (docs/gpu-testing.md#the-example).
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
-                steps=60, lr=6e-5, dtype="bfloat16"),
+                steps=60, lr=6e-5, warmup=None, dtype="bfloat16"),
 }
 SIZE_FIELDS = tuple(PRESETS["cpu"])
 
@@ -98,10 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                            ("batch", int, "sequences per step, global (a multiple of dp)"),
                            ("steps", int, "training steps in all (a resumed run continues "
                                           "up to this step)"),
-                           ("lr", float, "peak learning rate (warm-up, then cosine decay)")):
+                           ("lr", float, "peak learning rate (warm-up, then cosine decay)"),
+                           ("warmup", int, "steps of linear warm-up from 0 to --lr")):
     key = name.replace("-", "_")
     cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
     gpu = {"heads": f"d_model / {HEAD_DIM}", "batch": "4 x dp"}.get(key, gpu)
+    if key == "warmup":
+      cpu = gpu = "a fifth of --steps, at most 100"
     size.add_argument(f"--{name}", type=kind, help=f"{what} (default: {cpu} on CPU, {gpu} "
                                                     "on GPU)")
   size.add_argument("--dtype", choices=tuple(DTYPES),
@@ -320,7 +323,7 @@ def train(args) -> dict:
   model = byte_gpt.ByteGPT(model_config, mesh, dtype, args.keep_gathered_input, args.remat,
                            config, attention)
   trainer, params, opt_state = byte_gpt.Trainer.create(
-      model, byte_gpt.optimizer(s["lr"], s["steps"]), mesh, args.seed)
+      model, byte_gpt.optimizer(s["lr"], s["steps"], s["warmup"]), mesh, args.seed)
   say(f"parameters: {sum(a.size for a in jax.tree.leaves(params)):,}")
   checkpoints = run_report.Checkpoints(args, model_config, say)
   start, params, opt_state = checkpoints.start(params, opt_state)
@@ -419,6 +422,8 @@ def _check_sizes(s, tp: int, dp: int, fp8: str | None = None) -> None:
     problems.append(f"--seq-len ({s['seq_len']}) must be a multiple of tp={tp}")
   if s["batch"] % dp:
     problems.append(f"--batch ({s['batch']}) must be a multiple of dp={dp}")
+  if s["warmup"] is not None and s["warmup"] < 1:
+    problems.append(f"--warmup ({s['warmup']}) must be 1 step or more")
   if problems:
     raise SystemExit("error: " + "; ".join(problems))
 

@@ -40,6 +40,7 @@ EXAMPLE = EXAMPLES / "train_byte_gpt.py"
 sys.path.insert(0, str(EXAMPLES))
 
 import run_report  # noqa: E402
+import byte_gpt  # noqa: E402
 import train_byte_gpt  # noqa: E402
 
 SMALL = ("--d-model", "64", "--heads", "2", "--layers", "2", "--hidden", "128",
@@ -210,11 +211,29 @@ def test_every_option_has_help_and_shows_its_default(capsys):
                                           r"not exist"),
     (("--heads", "3"), r"error: --heads \(3\) must be a multiple of tp=2"),
     (("--batch", "6"), r"error: --batch \(6\) must be a multiple of dp=4"),
+    (("--warmup", "0"), r"error: --warmup \(0\) must be 1 step or more"),
     (("--resume",), r"error: --resume: no checkpoint in .*empty"),
 ])
 def test_errors(tmp_path, flags, match):
   with pytest.raises(SystemExit, match=match):
     train_byte_gpt.main([*SMALL, "--checkpoint-dir", str(tmp_path / "empty"), *flags])
+
+
+@pytest.mark.parametrize("warmup", [None, 30])
+def test_the_warm_up_sets_the_first_steps_learning_rate(warmup):
+  """Adam's first steps move each weight by about the learning rate: at the
+  second step (the first with a rate above 0), lr / warm-up."""
+  import optax  # noqa: PLC0415
+  tx = byte_gpt.optimizer(6e-5, 60, warmup)
+  params = {"w": jnp.zeros(4)}
+  state = tx.init(params)
+  moves = []
+  for _ in range(2):
+    updates, state = tx.update({"w": jnp.ones(4)}, state, params)
+    params = optax.apply_updates(params, updates)
+    moves.append(float(jnp.abs(updates["w"]).max()))
+  assert moves[0] == 0.0
+  np.testing.assert_allclose(moves[1], 6e-5 / (warmup or 60 // 5), rtol=1e-3)
 
 
 def test_counts_leave_out_collectives_over_a_group_of_one():
