@@ -9,7 +9,7 @@ Variants, per shape:
 * ``fp8_direct``: ``fp8_gemm_tn`` in XLA's form, a8 (m, k) and the weight's TN
   copy b8 (n, k) in E4M3, per-tensor scales, bf16 out (its other form,
   dequant_f32, was slower at every shape: docs/fp8.md);
-* ``fp8_cublaslt``: the project's FP8 GEMM custom call (xla_ffi/fp8_gemm.h) on
+* ``fp8_cublaslt``: the project's FP8 GEMM custom call (xla_ffi/fp8_gemm.cc) on
   the same operands, its algorithm timed at the first call;
   ``fp8_cublaslt_heuristic``: the same with cuBLASLt's first heuristic choice;
   ``fp8_cublaslt_row``: with per-row scales (OUTER_VEC_32F);

@@ -145,7 +145,7 @@ def steps(mesh, heads, attention, layers):
   return {"project_bf16": project(jcg.CommGemmConfig()),
           "project_fp8_tensor": project(jcg.CommGemmConfig(fp8=Fp8Recipe("tensor"))),
           "project_fp8_delayed": project(jcg.CommGemmConfig(fp8=Fp8Recipe("delayed"))),
-          # The project's own FP8 GEMM custom call (xla_ffi/fp8_gemm.h) in place of XLA's.
+          # The project's own FP8 GEMM custom call (xla_ffi/fp8_gemm.cc) in place of XLA's.
           "project_fp8_tensor_cublaslt": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", gemm_form="cublaslt"))),
           "project_fp8_tensor_cublaslt_fast_forward": project(jcg.CommGemmConfig(

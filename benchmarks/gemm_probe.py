@@ -34,7 +34,7 @@ import harness  # noqa: E402
 # (label, whole rows, k, m, NN|TN, block rows...): the MLP steps' GEMMs at TP 2
 # (tokens x d x ffn; a rank's ffn is ffn / 2) and the 4096^3 AllGather+GEMM.
 # AllGather+GEMM blocks are one shard (rows / 2); GEMM+ReduceScatter blocks are
-# rows / 2 / chunks (xla_ffi/chunks.cc: 4 chunks at these shapes, 2 the lever).
+# rows / 2 / chunks (xla_ffi/pipelined.h: 4 chunks at these shapes, 2 the lever).
 GEMMS = (
     ("mlp 8192x8192x28672 fc1 fwd (AG)", 8192, 8192, 14336, "NN", (4096,)),
     ("mlp 8192x8192x28672 fc2 fwd (RS)", 8192, 14336, 8192, "NN", (1024, 2048)),

@@ -1,8 +1,8 @@
 """Python's table of shared values agrees with the C++ extension's own.
 
 ``jax_comm_gemm.runtime.constants`` is Python's table; ``jax_comm_gemm._constants``
-exports what the handlers are compiled with (xla_ffi/constants.h and
-algorithms.h), and that module loads without a GPU. Each test compares the two
+exports what the handlers are compiled with (xla_ffi/constants.h, which
+holds the algorithms too), and that module loads without a GPU. Each test compares the two
 sides, or one of them with cuBLASMp's header, so that a number or name changed
 on one side only fails here. Where CI builds the extension
 (JCG_REQUIRE_EXTENSION=1), the module must import and answer.
