@@ -465,8 +465,9 @@ def test_step_plans_time_a_uniform_per_op_choice_once():
   assert "pallas_mgpu" not in mixed  # it has no ReduceScatter
   uniform = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")})
   assert "tuned" not in uniform and uniform["ring"][rs][0] == "ring"
-  only_ag = tuning.step_plans([ag], {ag: ("pallas_mgpu", "m")})
-  assert "tuned" not in only_ag and "pallas_mgpu" in only_ag
+  only_ag = tuning.step_plans([ag], {ag: ("ring", "m")})
+  assert "tuned" not in only_ag and "ring" in only_ag
+  assert "pallas_mgpu" not in only_ag  # it cannot run this shape
   # implementations= limits the plans of one implementation; XLA stays.
   few = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("xla", "m")},
                                implementations=("pipelined_ce",))

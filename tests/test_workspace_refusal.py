@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 import jax_comm_gemm.backends.routes as routes
+import jax_comm_gemm.backends.tuning as tuning
 import jax_comm_gemm.runtime.communicators as connect_module
 from fake_native import fake_probe, install_fake_native
 from fused_emulation import check_against_reference, random_inputs
@@ -107,6 +108,13 @@ def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatc
     name, why = routes.choose(BIG, "pipelined_ce", _forced(forced))
     assert name == "xla" and why.startswith(f"forced by JAX_COMM_GEMM_AUTOTUNE={forced}")
     assert REFUSAL in why
+
+
+def test_autotune_step_times_no_plan_of_what_cannot_run_here(refused):
+  jcg.connect(mesh2(), "tp")
+  rs = routes.Problem(routes.RS, 8192, 8192, 8192, "bfloat16", False, 2)
+  plans = tuning.step_plans([BIG, rs], {BIG: ("pipelined_ce", "m"), rs: ("xla", "m")})
+  assert sorted(plans) == ["pipelined_ce", "ring", "tuned", "xla"]
 
 
 def _forced(implementation):

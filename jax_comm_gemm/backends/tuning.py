@@ -526,16 +526,17 @@ class TunedStep:
       return self._jitted.lower(*args, **kwargs)
 
 
-def step_plans(problems, chosen: dict, implementations=None) -> dict[str, dict]:
+def step_plans(problems, chosen: dict, implementations=None, plan=None) -> dict[str, dict]:
   """{plan: {problem: (implementation, why)}} to time: the per-op choices
   (``tuned``), and every op on one implementation, for each of
-  `implementations` (default: all) that runs every op of the step, XLA always;
-  per-op choices of one implementation are timed once, under its name."""
+  `implementations` (default: all) that runs every op of the step under
+  `plan` (default: the plan in force), XLA always; per-op choices of one
+  implementation are timed once, under its name."""
   names = _plan_names(implementations)
-  ops = {p.op for p in problems}
   plans = {name: {p: (name, "step-level comparison") for p in problems}
            for name in IMPLEMENTATIONS
-           if name in names and all(name in CANDIDATES[op] for op in ops)}
+           if name in names and all(name in CANDIDATES[p.op] and runnable(name, p, plan).ok
+                                    for p in problems)}
   tuned = {name for name, _ in chosen.values()}
   if len(tuned) != 1 or not tuned <= plans.keys():
     plans = {TUNED: dict(chosen), **plans}
@@ -593,7 +594,7 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     return TunedStep(step, base, TUNED, "the step meets no op that auto chooses for")
   chosen = measure(mesh, axis_name, problems, base,
                    seconds_per_problem=seconds_per_problem)
-  plans = step_plans(problems, chosen, implementations)
+  plans = step_plans(problems, chosen, implementations, base)
   ident = comm_id(mesh, axis_name)
   attempt = REGISTRY.next_attempt(("autotune_step", ident))
   timeout = base.settings.connect_timeout_s
