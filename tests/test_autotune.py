@@ -26,6 +26,7 @@ import jax_comm_gemm.backends.tuning as autotune
 from jax_comm_gemm.backends import routes
 from jax_comm_gemm.backends.routes import AG, RS, AutoBackend, Problem
 from jax_comm_gemm.backends.primitives import CublasMpBackend
+from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime import REGISTRY, settings
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.runtime.settings import Settings
@@ -364,6 +365,17 @@ def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
     assert routes.choose(alone, "cublasmp_split_p2p")[0] == "xla"
 
 
+def test_no_warning_where_autotune_cannot_measure():
+  """Without the extension (a CPU) autotune measures nothing: the warning's
+  advice could not be followed, so tracing says nothing, FP8's two
+  candidates (XLA, the ring) notwithstanding."""
+  fp8 = Problem(AG, 64, 48, 48, "float32", False, 2, fp8=Fp8Recipe().key)
+  assert not REGISTRY.plan().cublasmp.ok
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert routes.choose(fp8, "xla")[0] == "xla"
+
+
 
 def test_settings_force_or_turn_off(empty_decisions):
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
@@ -377,6 +389,7 @@ def test_settings_force_or_turn_off(empty_decisions):
     Settings.from_environ({settings.AUTOTUNE: "fastest"})
 
 
+@pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_the_environment_is_not_read_while_tracing(empty_decisions, monkeypatch):
   """Settings are read once (connect, or first use): a variable set later
   changes no route until the next connect publishes a plan with it."""

@@ -314,6 +314,7 @@ def _connected_mlp_step():
   return mesh, step, args
 
 
+@pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
   """autotune_step measures the ops of a step, then the step under each plan:
   the per-op choices, and every op on one implementation (XLA among them).
@@ -426,6 +427,7 @@ def test_a_cached_step_plan_that_is_no_plan_is_measured_anew(fake, monkeypatch, 
   assert len(measured) == 1
 
 
+@pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_a_step_traced_before_tuning_runs_the_tuned_route_and_nothing_else_recompiles(
     fake, monkeypatch):
   """The step jitted and run before autotune_step keeps its route under the

@@ -166,6 +166,7 @@ def test_the_fused_fp8_ops_are_found_through_the_backend_interface(collectives):
   assert CublasMpBackend.fp8_fused_ops and not jcg.Backend.fp8_fused_ops
 
 
+@pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
   """backend="auto": a decision naming a fused algorithm routes the FP8
   problem to it (keyed with the recipe); a "row" recipe, which the fused ops

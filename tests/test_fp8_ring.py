@@ -82,6 +82,7 @@ def _collectives_traced(config, mesh):
       "xla" if "all_gather" in text else "")
 
 
+@pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_auto_runs_each_fp8_problem_as_decided():
   """backend="auto" with FP8: XLA's collectives where nothing was measured
   (problems_of lists the problems, keyed with the recipe), the ring where the

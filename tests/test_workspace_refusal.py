@@ -91,6 +91,7 @@ def test_one_refusing_context_of_the_axis_refuses_the_axis(monkeypatch):
   assert not REGISTRY.plan().verdict(WorkspaceKey(2)).ok
 
 
+@pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatch):
   jcg.connect(mesh2(), "tp")
   runs = [name for name in routes.candidates(BIG) if routes.runnable(name, BIG).ok]

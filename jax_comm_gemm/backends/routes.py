@@ -136,8 +136,9 @@ def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
   if decided is not None:  # a cached choice may name what cannot run here
     return _or_xla(*decided, p, plan)
   why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
-  # Only where measuring could choose otherwise: more than one candidate runs.
-  if (mode == "on" and plan.problems is None and p.axis_size > 1
+  # Only where measuring could choose otherwise: autotune measures here (it
+  # needs the extension) and more than one candidate runs.
+  if (mode == "on" and plan.problems is None and p.axis_size > 1 and plan.cublasmp.ok
       and sum(runnable(c, p, plan).ok for c in candidates(p)) > 1):
     warnings.warn(f"jax_comm_gemm: {p.text()} is not measured: the rule of thumb routes it, "
                   "and a program traced now keeps that route when autotune measures it "
