@@ -87,11 +87,24 @@ def trained(variables):
   return variables["params"] if OVERWRITE_WITH_GRADIENT in variables else variables
 
 
+# The warm-up starts at lr / WARMUP_FROM and grows geometrically to lr. At the
+# first steps a wide model's gradient is coherent and Adam moves every weight
+# by the full rate: at the GPU preset's width one step at 5e-6 made the loss
+# climb by 2 nats, one at 5e-7 did not
+# (benchmarks/results/2026-12-03_cpu_lr/README.md#the-first-steps-at-the-gpu-presets-width).
+WARMUP_FROM = 100.0
+
+
 def optimizer(lr: float, steps: int, warmup: int | None = None) -> optax.GradientTransformation:
+  """AdamW: a geometric warm-up from lr / WARMUP_FROM to `lr` over `warmup`
+  steps (default a fifth of a short run, at most 100), then a cosine decay to
+  lr / 10 at `steps`."""
   if warmup is None:
-    warmup = max(1, min(100, steps // 5))  # a fifth of a short run, at most 100 steps
-  schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1),
-                                                end_value=lr / 10)
+    warmup = max(1, min(100, steps // 5))
+  warm = optax.exponential_decay(lr / WARMUP_FROM, transition_steps=warmup,
+                                 decay_rate=WARMUP_FROM, end_value=lr)
+  decay = optax.cosine_decay_schedule(lr, max(1, steps - warmup), alpha=0.1)
+  schedule = optax.join_schedules([warm, decay], [warmup])
   return optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(schedule, b2=0.95, weight_decay=0.1))
 

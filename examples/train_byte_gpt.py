@@ -67,10 +67,11 @@ PRESETS = {
     # Adam moves every weight by about lr per step, all in step, so a layer's
     # output moves in proportion to its fan-in: at d_model 4096 and hidden 16384
     # the MLP moves 64 times as far per step as at 512 and 2048. 6e-5 is the
-    # 3e-3 that trains smoothly there, scaled by that factor; the climb of the
-    # first steps is smaller than at 3e-4, not gone (docs/gpu-testing.md#the-example).
+    # 3e-3 that trains smoothly there, scaled by that factor, reached after 20
+    # steps of geometric warm-up from 6e-7 (byte_gpt.optimizer): a first step at
+    # 5e-6 already made the loss climb (benchmarks/results/2026-12-03_cpu_lr/).
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
-                steps=60, lr=6e-5, warmup=None, dtype="bfloat16"),
+                steps=60, lr=6e-5, warmup=20, dtype="bfloat16"),
 }
 SIZE_FIELDS = tuple(PRESETS["cpu"])
 
@@ -99,12 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                            ("steps", int, "training steps in all (a resumed run continues "
                                           "up to this step)"),
                            ("lr", float, "peak learning rate (warm-up, then cosine decay)"),
-                           ("warmup", int, "steps of linear warm-up from 0 to --lr")):
+                           ("warmup", int, "steps of geometric warm-up from --lr / 100 "
+                                           "to --lr")):
     key = name.replace("-", "_")
     cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
     gpu = {"heads": f"d_model / {HEAD_DIM}", "batch": "4 x dp"}.get(key, gpu)
     if key == "warmup":
-      cpu = gpu = "a fifth of --steps, at most 100"
+      cpu = "a fifth of --steps, at most 100"
     size.add_argument(f"--{name}", type=kind, help=f"{what} (default: {cpu} on CPU, {gpu} "
                                                     "on GPU)")
   size.add_argument("--dtype", choices=tuple(DTYPES),
