@@ -82,13 +82,13 @@ def run_processes(n: int, script: str, argv: list[str], share_gpu: bool = False)
     signal.signal(signal.SIGTERM, previous)
 
 
-def stop(procs, grace_s: float = GRACE_S) -> None:
+def stop(procs) -> None:
   """Ends those of `procs` still running: SIGTERM, then SIGKILL for any that
-  is still there `grace_s` later."""
+  is still there GRACE_S later."""
   for p in procs:
     if p.poll() is None:
       p.terminate()
-  deadline = time.monotonic() + grace_s
+  deadline = time.monotonic() + GRACE_S
   for p in procs:
     try:
       p.wait(max(0.0, deadline - time.monotonic()))

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                            ("steps", int, "training steps in all (a resumed run continues "
                                           "up to this step)"),
                            ("lr", float, "peak learning rate (warm-up, then cosine decay)"),
-                           ("warmup", int, "steps of geometric warm-up from --lr / 100 "
-                                           "to --lr")):
+                           ("warmup", int, "steps of geometric warm-up from --lr / "
+                                           f"{byte_gpt.WARMUP_FROM:g} to --lr")):
     key = name.replace("-", "_")
     cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
     gpu = {"heads": f"d_model / {HEAD_DIM}", "batch": "4 x dp"}.get(key, gpu)
