@@ -9,7 +9,8 @@ one GPU, so every dense layer is a plain GEMM). Variants:
 
 * ``project_bf16``: ``CommGemmConfig()``;
 * ``project_fp8_tensor``: ``CommGemmConfig(fp8=Fp8Recipe("tensor"))`` (XLA's
-  FP8 GEMM); ``project_fp8_*_cublaslt``: the project's FP8 GEMM custom call
+  FP8 GEMM, the one-pass cast kernel); ``project_fp8_tensor_xla_casts``: the
+  same with XLA's casts and transposes (``casts="xla"``); ``project_fp8_*_cublaslt``: the project's FP8 GEMM custom call
   (``gemm_form="cublaslt"``), per tensor or per row, and per tensor with fast
   accumulation in the forward GEMMs only (``accumulation="fast_forward"``),
   and per 1 x 128 / 128 x 128 block (``project_fp8_block_cublaslt``);
@@ -26,6 +27,7 @@ of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
 Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...] [--hlo DIR]
+       [--profile DIR [--profile-variants VARIANT ...]]
 (--smoke: tiny, CPU)
 """
 
@@ -145,6 +147,9 @@ def steps(mesh, heads, attention, layers):
   return {"project_bf16": project(jcg.CommGemmConfig()),
           "project_fp8_tensor": project(jcg.CommGemmConfig(fp8=Fp8Recipe("tensor"))),
           "project_fp8_delayed": project(jcg.CommGemmConfig(fp8=Fp8Recipe("delayed"))),
+          # XLA's casts and transposes in place of the one-pass kernel (jax_comm_gemm.fp8.cast).
+          "project_fp8_tensor_xla_casts": project(jcg.CommGemmConfig(
+              fp8=Fp8Recipe("tensor", casts="xla"))),
           # The project's own FP8 GEMM custom call (xla_ffi/fp8_gemm.cc) in place of XLA's.
           "project_fp8_tensor_cublaslt": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", gemm_form="cublaslt"))),
@@ -174,6 +179,12 @@ def main() -> None:
                       help="dense layers without biases (the project's variants only)")
   parser.add_argument("--hlo", metavar="DIR",
                       help="write each variant's optimized HLO to DIR/VARIANT.hlo.txt")
+  parser.add_argument("--profile", metavar="DIR",
+                      help="after timing, trace 3 steps of each --profile-variants variant "
+                           "into DIR/VARIANT (with its optimized HLO as step.hlo.txt, for "
+                           "benchmarks/producers.py)")
+  parser.add_argument("--profile-variants", nargs="+", metavar="VARIANT",
+                      default=["project_bf16", "project_fp8_tensor"])
   parser.add_argument("--only", nargs="+", metavar="VARIANT",
                       help="these variants only (project_bf16 always runs: the baseline)")
   args = parser.parse_args()
@@ -230,6 +241,15 @@ def main() -> None:
       jax.block_until_ready(out)
       if index >= 3:
         times[name].append((time.perf_counter() - t) / per_batch)
+  for name in (args.profile_variants if args.profile else ()):
+    where = os.path.join(args.profile, name)
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, "step.hlo.txt"), "w") as out:
+      out.write(variants[name].lower(ps, x).compile().as_text())
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+      for _ in range(3):
+        with jax.profiler.TraceAnnotation("step"):
+          jax.block_until_ready(variants[name](ps, x))
   for name in variants:
     results[name]["ms"] = 1e3 * float(np.median(times[name]))
     results[name]["tokens_per_s"] = seq * batch / (results[name]["ms"] / 1e3)

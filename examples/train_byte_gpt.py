@@ -67,11 +67,13 @@ PRESETS = {
     # Adam moves every weight by about lr per step, all in step, so a layer's
     # output moves in proportion to its fan-in: at d_model 4096 and hidden 16384
     # the MLP moves 64 times as far per step as at 512 and 2048. 6e-5 is the
-    # 3e-3 that trains smoothly there, scaled by that factor, reached after 20
+    # 3e-3 that trains smoothly there, scaled by that factor, reached after 40
     # steps of geometric warm-up from 6e-7 (byte_gpt.optimizer): a first step at
-    # 5e-6 already made the loss climb (benchmarks/results/2026-12-03_cpu_lr/).
+    # 5e-6 already made the loss climb (benchmarks/results/2026-12-03_cpu_lr/),
+    # and reaching 6e-5 at step 20 (or 4e-5 at 20) spiked it above step 1's
+    # (benchmarks/results/2026-12-04_h200/).
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
-                steps=60, lr=6e-5, warmup=20, dtype="bfloat16"),
+                steps=60, lr=6e-5, warmup=40, dtype="bfloat16"),
 }
 SIZE_FIELDS = tuple(PRESETS["cpu"])
 

@@ -19,6 +19,14 @@ def varying_axes(x) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))
 
 
+def shaped_like(x, shape, dtype):
+  """A ``jax.ShapeDtypeStruct`` of `shape` and `dtype` that varies where `x`
+  does: a kernel's output (``pl.pallas_call``'s `out_shape` inside a
+  ``shard_map(check_vma=True)``), computed from `x` alone."""
+  mat = getattr(jax.typeof(x), "manual_axis_type", None)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+
+
 def pvary(x, axes):
   """Marks `x` as varying along `axes` too (a no-op for axes it varies on)."""
   missing = tuple(sorted(set(axes) - varying_axes(x)))

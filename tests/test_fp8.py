@@ -75,7 +75,7 @@ def _err(got, ref) -> float:
   return float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 
 
-def run_op(op, mesh, x, w, ct, *, recipe, transpose_w=False, **flags):
+def run_op(op, mesh, x, w, ct, *, recipe, transpose_w=False, check_vma=True, **flags):
   """(y, dx, dw) of the op in shard_map under jit(value_and_grad(sum(y * ct)))."""
   if op == "ag":
     f = lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=recipe,
@@ -87,7 +87,7 @@ def run_op(op, mesh, x, w, ct, *, recipe, transpose_w=False, **flags):
                                                transpose_w=transpose_w, **flags)
     specs = (P(*([None] * (x.ndim - 1)), "tp"), P(None, "tp") if transpose_w else P("tp"))
     out_spec = P("tp")
-  g = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec)
+  g = jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=check_vma)
 
   def loss(x, w):
     y = g(x, w)

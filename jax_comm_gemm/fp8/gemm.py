@@ -32,9 +32,10 @@ from jax.interpreters import batching, mlir
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.registry import REGISTRY
+from jax_comm_gemm.fp8.cast import cast_transpose
 from jax_comm_gemm.fp8.quantize import (BLOCK, amax, dequantize, inverse,
                                         quantize_blocks, quantize_columns_transposed,
-                                        quantize_rows, saturating_cast, scale_from_amax)
+                                        quantize_rows, scale_from_amax)
 
 F32 = jnp.float32
 TN = (((1,), (1,)), ((), ()))
@@ -234,13 +235,14 @@ def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool
 
 
 def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
-                  axis_name: str | None = None, amax_w=None):
+                  axis_name: str | None = None, amax_w=None, casts: str = "auto"):
   """The weight's two FP8 copies, made by one cast: ``(fwd8, fwd_inv, bwd8,
   bwd_inv)``. For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`)
   ``fwd8`` ``[n, k]`` feeds the forward GEMM and ``bwd8`` ``[k, n]`` the input
   gradient's. ``"tensor"``: one scale for both (agreed over `axis_name`, or
   `amax_w` already agreed); ``"row"``: per row of each copy; ``"block"``: per
-  128 x 128 block, the second copy the first's transpose.
+  128 x 128 block, the second copy the first's transpose. `casts`: the
+  implementation of ``"tensor"``'s one pass (:func:`~jax_comm_gemm.fp8.cast.cast_transpose`).
 
   >>> fwd8, fwd_inv, bwd8, bwd_inv = weight_copies(jnp.ones((4, 3)), jnp.float8_e4m3fn,
   ...                                              scaling="row", transpose_w=False)
@@ -254,9 +256,9 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
       amax_w = amax(w_kn, axis_name=axis_name)
     scale = scale_from_amax(amax_w, dtype, margin)
     inv = inverse(scale)
-    # Two casts from the high-precision weight: no FP8 transpose.
-    return (saturating_cast(w_kn.T, scale, dtype), inv,
-            saturating_cast(w_kn, scale, dtype), inv)
+    # Both copies from the high-precision weight in one pass: no FP8 transpose.
+    bwd8, fwd8, _ = cast_transpose(w_kn, scale, dtype, implementation=casts)
+    return fwd8, inv, bwd8, inv
   if scaling == "block":  # a 128 x 128 block is one under transposition: exact
     fwd8, fwd_inv = quantize_blocks(w_kn.T, dtype, BLOCK, margin=margin)
     return fwd8, fwd_inv, fwd8.T, fwd_inv.T

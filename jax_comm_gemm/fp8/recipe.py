@@ -11,6 +11,7 @@ SCALINGS = ("tensor", "row", "delayed", "block")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 GEMM_FORMS = ("direct", "cublaslt")
 ACCUMULATIONS = ("fast", "fast_forward", "precise")
+CASTS = ("fused", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,10 @@ class Fp8Recipe:
     accumulation: Hopper's fast accumulation in every GEMM (``"fast"``), in
       the forward GEMM only (``"fast_forward"``) or in none (``"precise"``).
     amax_history: ``"delayed"`` only: how many steps' amaxes a history keeps.
+    casts: how a per-tensor operand's row-major and transposed FP8 copies are
+      made: ``"fused"`` (one pass of :mod:`jax_comm_gemm.fp8.cast`'s kernel on
+      a GPU, where its tiles divide the operand) or ``"xla"`` (XLA's passes).
+      The bytes are the same.
 
   >>> Fp8Recipe.from_key(Fp8Recipe(margin=1).key) == Fp8Recipe(margin=1)
   True
@@ -40,6 +45,10 @@ class Fp8Recipe:
   'fp8 delayed/4 float8_e4m3fn/float8_e5m2 margin=0 direct fast'
   >>> Fp8Recipe.from_key(Fp8Recipe("delayed", amax_history=4).key).amax_history
   4
+  >>> Fp8Recipe(casts="xla").key
+  'fp8 tensor float8_e4m3fn/float8_e5m2 margin=0 direct fast casts=xla'
+  >>> Fp8Recipe.from_key(Fp8Recipe(casts="xla").key).casts
+  'xla'
   >>> Fp8Recipe(scaling="column")
   Traceback (most recent call last):
   ...
@@ -53,6 +62,7 @@ class Fp8Recipe:
   gemm_form: str = "direct"
   accumulation: str = "fast"
   amax_history: int = 16
+  casts: str = "fused"
 
   def __post_init__(self):
     if self.scaling not in SCALINGS:
@@ -75,6 +85,8 @@ class Fp8Recipe:
     if self.accumulation not in ACCUMULATIONS:
       raise ValueError(f"Fp8Recipe.accumulation must be one of {ACCUMULATIONS}, "
                        f"got {self.accumulation!r}")
+    if self.casts not in CASTS:
+      raise ValueError(f"Fp8Recipe.casts must be one of {CASTS}, got {self.casts!r}")
     if self.gemm_form not in GEMM_FORMS:
       raise ValueError(f"Fp8Recipe.gemm_form must be one of {GEMM_FORMS}, "
                        f"got {self.gemm_form!r}")
@@ -93,21 +105,26 @@ class Fp8Recipe:
     """
     scaling = (f"delayed/{self.amax_history}" if self.scaling == "delayed"
                else self.scaling)
+    # The casts change no byte, but autotune times them: named unless "fused".
+    casts = "" if self.casts == "fused" else f" casts={self.casts}"
     return (f"fp8 {scaling} {self.forward_dtype.name}/{self.backward_dtype.name} "
-            f"margin={self.margin} {self.gemm_form} {self.accumulation}")
+            f"margin={self.margin} {self.gemm_form} {self.accumulation}{casts}")
 
   @classmethod
   def from_key(cls, key: str) -> "Fp8Recipe":
     """The recipe whose :attr:`key` is `key`."""
     try:
-      tag, scaling, dtypes, margin, form, accumulation = key.split(" ")
+      tag, scaling, dtypes, margin, form, accumulation, *casts = key.split(" ")
+      if len(casts) > 1 or casts and not casts[0].startswith("casts="):
+        raise ValueError
       forward, backward = dtypes.split("/")
       if tag != "fp8" or not margin.startswith("margin="):
         raise ValueError
       scaling, _, history = scaling.partition("/")
       return cls(scaling, jnp.dtype(forward), jnp.dtype(backward),
                  int(margin.removeprefix("margin=")), form, accumulation,
-                 int(history) if history else 16)
+                 int(history) if history else 16,
+                 casts[0].removeprefix("casts=") if casts else "fused")
     except (ValueError, TypeError):
       raise ValueError(f"not an Fp8Recipe key: {key!r}") from None
 

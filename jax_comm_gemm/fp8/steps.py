@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax
 from jax import lax
 
+import jax_comm_gemm.fp8.cast as cast
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.ring as ring
 from jax_comm_gemm import vma
@@ -131,10 +132,13 @@ def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False
   if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
     inv = qz.inverse(scale)
+    # The cast writes the transposed copy: no FP8 transpose.
+    q, qT, _ = cast.cast_transpose(x, scale, dtype, rows=rows, columns=columns,
+                                   implementation=casts(s))
     if rows:
-      out += [qz.saturating_cast(x, scale, dtype), inv]
-    if columns:  # the cast writes the transposed copy: no FP8 transpose
-      out += [qz.saturating_cast(x.T, scale, dtype), inv]
+      out += [q, inv]
+    if columns:
+      out += [qT, inv]
     return out
   if s.recipe.scaling == "block":
     if rows:
@@ -175,11 +179,16 @@ def transposed(s: Static, g8, g_inv, dtype):
   requantized per column ("row": per-token scales cannot factor out) or per
   1 x 128 block along the tokens ("block")."""
   if s.recipe.per_tensor:
-    return g8.T, g_inv
+    return cast.transpose(g8, implementation=casts(s)), g_inv
   if s.recipe.scaling == "block":
     return qz.quantize_blocks(qz.dequantize(g8, g_inv).T, dtype, 1, margin=s.recipe.margin)
   return qz.quantize_columns_transposed(qz.dequantize(g8, g_inv), dtype,
                                         margin=s.recipe.margin)
+
+
+def casts(s: Static) -> str:
+  """:mod:`jax_comm_gemm.fp8.cast`'s implementation for the recipe's casts."""
+  return "auto" if s.recipe.casts == "fused" else "xla"
 
 
 def fast_accumulation(s: Static, gradient: bool) -> bool:
@@ -246,4 +255,5 @@ def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
 def weights(s: Static, w, amax_w):
   r = s.recipe
   return weight_copies(w, r.forward_dtype, scaling="tensor" if r.per_tensor else r.scaling,
-                       transpose_w=s.transpose_w, margin=r.margin, amax_w=amax_w)
+                       transpose_w=s.transpose_w, margin=r.margin, amax_w=amax_w,
+                       casts=casts(s))

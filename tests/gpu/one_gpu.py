@@ -244,9 +244,57 @@ def check_layers_tp1():
   return "; ".join(out)
 
 
+def check_fused_casts():
+  """The one-pass cast kernel compiled: its bytes equal XLA's casts (with inf,
+  NaN and saturation planted), and the FP8 layers at tp = 1 inside
+  shard_map(check_vma=True) give the same outputs and gradients with it as
+  with XLA's casts, its kernels in the HLO."""
+  from jax_comm_gemm.fp8 import cast
+  x = (jax.random.normal(jax.random.key(5), (1024, 768)) * 300).astype(jnp.bfloat16)
+  x = x.at[1, 2].set(jnp.inf).at[700, 9].set(jnp.nan)
+  as_bytes = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+  for f8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    got = cast.cast_transpose(x, 1.5, f8, with_amax=True, implementation="pallas")
+    want = cast.cast_transpose(x, 1.5, f8, with_amax=True, implementation="xla")
+    for g, w in zip(got[:2], want[:2]):
+      np.testing.assert_array_equal(as_bytes(g), as_bytes(w))
+    assert np.isnan(float(got[2])), got[2]
+    np.testing.assert_array_equal(as_bytes(cast.transpose(want[0], implementation="pallas")),
+                                  as_bytes(want[0].T))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  n, k, m = 1024, 512, 768
+  kx, kw, kc = jax.random.split(jax.random.key(6), 3)
+  xs = jax.random.normal(kx, (n, k), jnp.bfloat16)
+  w1 = (jax.random.normal(kw, (k, m)) / np.sqrt(k)).astype(jnp.float32)
+  w2 = (jax.random.normal(kc, (m, k)) / np.sqrt(m)).astype(jnp.float32)
+  weights = jnp.cos(jnp.arange(k, dtype=jnp.float32))
+  results = {}
+  for casts in ("fused", "xla"):
+    recipe = Fp8Recipe(casts=casts)
+
+    def layers(x, w1, w2, recipe=recipe):
+      h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe)
+      return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe)
+    mlp = jax.shard_map(layers, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+                        out_specs=P("tp"))
+    f = jax.jit(jax.value_and_grad(
+        lambda x, w1, w2, c: jnp.sum(mlp(x, w1, w2).astype(jnp.float32) * c), argnums=(0, 1, 2)))
+    results[casts] = jax.block_until_ready(f(xs, w1, w2, weights))
+    kernels = f.lower(xs, w1, w2, weights).compile().as_text().count("fp8_cast_transpose")
+    assert (kernels > 0) == (casts == "fused"), f"casts={casts}: {kernels} cast kernels"
+  errs = []
+  for name, a, b in zip(("dx", "dw1", "dw2"), results["fused"][1], results["xla"][1]):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+    assert err < 1e-2, f"{name}: fused casts vs XLA's {err:.3g}"  # same bytes, other layouts
+    errs.append(f"{name} {err:.1e}")
+  return "bytes equal XLA's (E4M3, E5M2, transpose); layers: " + ", ".join(errs)
+
+
 CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
           check_gemm_error_reaches_python,
-          check_gemm_workspace_per_call_site, check_layers_tp1, *one_rank.CHECKS]
+          check_gemm_workspace_per_call_site, check_layers_tp1, check_fused_casts,
+          *one_rank.CHECKS]
 
 
 def main(words) -> int:

@@ -1,0 +1,149 @@
+"""The FP8 casts of one operand, XLA's passes against the one-pass Pallas
+kernel (:mod:`jax_comm_gemm.fp8.cast`), at the GPU preset's operand shapes.
+
+Per shape and variant: the FP8 copy row-major and transposed from a bf16 x,
+with the scale from x's amax first (current scaling: ``*_current``) or given
+(delayed scaling, the amax recorded from the same pass: ``*_delayed``), and
+the transposed copy of an FP8 x (``*_transpose``: a gathered operand). Also
+checks, per shape, that the kernel's bytes equal XLA's (with inf and NaN
+planted). Variants interleaved, median of 10 batches of 20 calls after 2 s of
+load; prints the SM clock before and after and a markdown table last.
+
+Usage: python benchmarks/cast_bench.py OUT.json [--tilings 64x64w4 128x64w8 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_comm_gemm.fp8 import cast
+from jax_comm_gemm.fp8.quantize import amax, inverse, scale_from_amax
+
+E4M3 = jnp.float8_e4m3fn
+SHAPES = ((8192, 4096), (8192, 12288), (8192, 16384), (16384, 4096), (4096, 16384))
+
+
+def clocks() -> str:
+  try:
+    return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
+                           "--format=csv,noheader"], capture_output=True, text=True,
+                          timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return "n/a"
+
+
+def variants(tilings):
+  interpret = jax.default_backend() != "gpu"  # a smoke run elsewhere
+  def current(impl, tile=None):
+    def f(x):
+      scale = scale_from_amax(amax(x), E4M3)
+      if impl == "xla":
+        q, qT, _ = cast.cast_transpose(x, scale, E4M3, implementation="xla")
+      else:
+        q, qT, _ = cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, False, tile,
+                                    interpret=interpret)
+      return q, qT, inverse(scale)
+    return jax.jit(f)
+
+  def delayed(impl, tile=None):
+    def f(x, scale):
+      if impl == "xla":
+        return cast.cast_transpose(x, scale, E4M3, with_amax=True, implementation="xla")
+      return cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, True, tile,
+                          interpret=interpret)
+    return jax.jit(f)
+
+  def transposed(impl, tile=None):  # a gathered FP8 operand's TN copy
+    if impl == "xla":
+      return jax.jit(lambda q: q.T)
+    def f(q):
+      b = lax.bitcast_convert_type(q, jnp.uint8)
+      bT = cast._pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, tile,
+                        interpret=interpret)[1]
+      return lax.bitcast_convert_type(bT, q.dtype)
+    return jax.jit(f)
+
+  out = {"xla_current": (current("xla"), "x"), "xla_delayed": (delayed("xla"), "x, scale"),
+         "xla_transpose": (transposed("xla"), "q8")}
+  for t in tilings:
+    name = "pallas{}x{}w{}".format(*t)
+    out[f"{name}_current"] = (current("pallas", t), "x")
+    out[f"{name}_delayed"] = (delayed("pallas", t), "x, scale")
+    out[f"{name}_transpose"] = (transposed("pallas", t), "q8")
+  return out
+
+
+def same_bytes(a, b):
+  return bool(jnp.array_equal(lax.bitcast_convert_type(a, jnp.uint8),
+                              lax.bitcast_convert_type(b, jnp.uint8)))
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("out")
+  p.add_argument("--tilings", nargs="+", default=["64x64w4", "128x128w4"],
+                  metavar="RxCwW", help="kernel tilings: tile rows x columns, warps")
+  args = p.parse_args()
+  tilings = [tuple(int(v) for v in t.replace("w", "x").split("x")) for t in args.tilings]
+  vs = variants(tilings)
+  results = {"meta": {"jax": jax.__version__, "device": jax.devices()[0].device_kind}}
+  before = clocks()
+  for shape in SHAPES:
+    x = (jax.random.normal(jax.random.key(1), shape, jnp.float32) * 3).astype(jnp.bfloat16)
+    scale = jnp.float32(37.0)
+    ref = vs["xla_delayed"][0](x, scale)
+    bad = x.at[5, 7].set(jnp.inf).at[9, 11].set(jnp.nan)
+    ref_bad = vs["xla_delayed"][0](bad, scale)
+    q8 = ref[0]
+    checks = {}
+    for t in tilings:
+      name = "pallas{}x{}w{}".format(*t)
+      got = vs[f"{name}_delayed"][0](x, scale)
+      got_bad = vs[f"{name}_delayed"][0](bad, scale)
+      checks[name] = (same_bytes(got[0], ref[0]) and same_bytes(got[1], ref[1])
+                   and bool(got[2] == ref[2]) and same_bytes(got_bad[0], ref_bad[0])
+                   and same_bytes(got_bad[1], ref_bad[1]) and bool(jnp.isnan(got_bad[2]))
+                   and same_bytes(vs[f"{name}_transpose"][0](q8), q8.T))
+    times = {n: [] for n in vs}
+    t_end = time.perf_counter() + 2.0
+    while time.perf_counter() < t_end:  # load
+      jax.block_until_ready(vs["xla_current"][0](x))
+    names = list(vs)
+    for rnd in range(10):
+      for n in (names if rnd % 2 == 0 else names[::-1]):
+        f, kind = vs[n]
+        argv = {"x": (x,), "x, scale": (x, scale), "q8": (q8,)}[kind]
+        jax.block_until_ready(f(*argv))
+        t0 = time.perf_counter()
+        for _ in range(20):
+          out = f(*argv)
+        jax.block_until_ready(out)
+        times[n].append((time.perf_counter() - t0) / 20)
+    key = f"{shape[0]}x{shape[1]}"
+    results[key] = {n: 1e6 * float(np.median(v)) for n, v in times.items()}
+    results[key]["bit_exact"] = all(checks.values())
+    print(key, results[key], flush=True)
+  results["meta"].update(clocks_before=before, clocks_after=clocks())
+  with open(args.out, "w") as f:
+    json.dump(results, f, indent=1)
+  print(f"\n{results['meta']['device']}, jax {jax.__version__}; clocks {before} -> "
+        f"{results['meta']['clocks_after']}")
+  names = list(vs)
+  print("| shape | " + " | ".join(f"{n} us" for n in names) + " | bit-exact |")
+  print("| --- " * (len(names) + 2) + "|")
+  for shape in SHAPES:
+    r = results[f"{shape[0]}x{shape[1]}"]
+    print(f"| {shape[0]}x{shape[1]} | " + " | ".join(f"{r[n]:.1f}" for n in names)
+          + f" | {r['bit_exact']} |")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,155 @@
+"""One pass over a tensor for its FP8 copies: ``cast_transpose`` reads a 2-D
+bf16 / f16 / f32 `x` once and writes ``sat(x * scale)`` in FP8 row-major, its
+transpose (the TN operand of a GEMM over x's rows), and, where asked, x's
+amax (delayed scaling knows its scale before the cast, so the amax it records
+for the next steps comes from the same pass).
+
+XLA makes each of those a pass of its own (a cast, a transposing cast, a
+reduction). On a GPU a Pallas (Triton) kernel does them in one: each program
+loads one tile, writes it and its transpose, and reduces the tile's amax.
+Elsewhere, or where the tiles do not divide x, the same arithmetic runs in
+plain jax. Both round the same way (to nearest even, after clipping to the
+FP8 range), so the two agree bit for bit. Measurements: docs/fp8.md.
+
+>>> import jax.numpy as jnp
+>>> q, qT, a = cast_transpose(jnp.array([[1.0, -2.0], [0.5, 1000.0]]), 1.0,
+...                           jnp.float8_e4m3fn, with_amax=True)
+>>> q.astype(jnp.float32).tolist(), qT.astype(jnp.float32).tolist(), float(a)
+([[1.0, -2.0], [0.5, 448.0]], [[1.0, 0.5], [-2.0, 448.0]], 1000.0)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jax_comm_gemm import vma
+from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
+
+IMPLEMENTATIONS = ("auto", "pallas", "xla")
+# Each program's tile (rows, columns) and Triton warps, for the cast and for
+# the FP8 transpose: measured on an H200 (docs/fp8.md#fused-casts).
+CAST_TILING = (64, 64, 4)
+MOVE_TILING = (128, 128, 4)
+TILE = 128  # both tilings' sides divide it: the kernels take x whose dims it divides
+
+
+def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
+                   with_amax: bool = False, implementation: str = "auto"):
+  """``(q, qT, amax)`` of a 2-D `x` ``[r, c]``: ``q = sat(x * scale)`` ``[r, c]``
+  and its transpose ``qT`` ``[c, r]`` in FP8 `dtype` (each None unless asked
+  for by `rows` / `columns`), and ``max(|x|)`` in float32 (None unless
+  `with_amax`; NaN if x holds one). `scale` is a float32 scalar.
+  `implementation`: ``"pallas"`` (the one-pass GPU kernel), ``"xla"`` (plain
+  jax), or ``"auto"`` (the kernel on a GPU where the tiles divide x, for a
+  transposed copy or an amax: XLA fuses a row-major cast alone into the op
+  that produces x)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"cast_transpose: implementation must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  if jnp.ndim(x) != 2:
+    raise ValueError(f"cast_transpose: x must be 2-D, got shape {jnp.shape(x)}")
+  if not (rows or columns or with_amax):
+    return None, None, None
+  if implementation == "auto":  # a row-major cast alone XLA fuses into its producer
+    implementation = "pallas" if (columns or with_amax) and _kernel_runs(x) else "xla"
+  if implementation == "xla":
+    return _xla(x, scale, dtype, rows, columns, with_amax)
+  # The kernel's operands must vary alike (inside shard_map): the agreed scale as x.
+  x, scale = vma.match(x, jnp.reshape(jnp.asarray(scale, F32), (1,)))
+  return _pallas(x, scale, jnp.dtype(dtype), rows, columns, with_amax, CAST_TILING,
+                 interpret=jax.default_backend() != "gpu")
+
+
+def _kernel_runs(x) -> bool:
+  """Whether the kernel takes x here: a GPU backend, tiles that divide x."""
+  return jax.default_backend() == "gpu" and all(d % TILE == 0 for d in x.shape)
+
+
+def _xla(x, scale, dtype, rows, columns, with_amax):
+  q = saturating_cast(x, scale, dtype) if rows else None
+  qT = saturating_cast(x.T, scale, dtype) if columns else None
+  a = jnp.max(jnp.abs(x.astype(F32))) if with_amax else None
+  return q, qT, a
+
+
+def transpose(q, *, implementation: str = "auto"):
+  """``q.T`` of a 2-D FP8 `q`, materialized: the TN operand that a GEMM over
+  q's rows reads (a gathered FP8 operand, whose bytes and scale it keeps).
+  XLA's transpose of one-byte elements runs far below the memory's speed; the
+  kernel moves tiles (`implementation` as in :func:`cast_transpose`)."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"transpose: implementation must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  if implementation == "auto":
+    implementation = "pallas" if _kernel_runs(q) else "xla"
+  if implementation == "xla":
+    return q.T
+  # As bytes: the kernel only moves them.
+  b = lax.bitcast_convert_type(q, jnp.uint8)
+  _, bT, _ = _pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, MOVE_TILING,
+                     interpret=jax.default_backend() != "gpu")
+  return lax.bitcast_convert_type(bT, q.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6), static_argnames=("interpret",))
+def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, *, interpret=False):
+  """The one-pass kernel, `tiling` = (tile rows, tile columns, warps); `scale`
+  None: no cast (x's bytes, transposed)."""
+  r, c = x.shape
+  tr, tc, warps = tiling
+  grid = (r // tr, c // tc)
+  spec = pl.BlockSpec((tr, tc), lambda i, j: (i, j))
+  out_shape, out_specs = [], []
+  if rows:
+    out_shape.append(vma.shaped_like(x, (r, c), dtype))
+    out_specs.append(spec)
+  if columns:
+    out_shape.append(vma.shaped_like(x, (c, r), dtype))
+    out_specs.append(pl.BlockSpec((tc, tr), lambda i, j: (j, i)))
+  if with_amax:  # one partial amax per tile, maxed below (a tiny reduction)
+    out_shape.append(vma.shaped_like(x, grid, F32))
+    out_specs.append(pl.BlockSpec((1, 1), lambda i, j: (i, j)))
+  if scale is None:
+    kernel, args, in_specs = _move, (x,), [spec]
+  else:
+    kernel = functools.partial(_cast, limit=fp8_max(dtype), dtype=dtype, rows=rows,
+                               columns=columns, with_amax=with_amax)
+    args, in_specs = (scale, x), [pl.BlockSpec((1,), lambda i, j: (0,)), spec]
+  outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+                        out_specs=out_specs, interpret=interpret,
+                        compiler_params=plt.CompilerParams(num_warps=warps),
+                        name="fp8_cast_transpose")(*args)
+  outs = iter(outs)
+  q = next(outs) if rows else None
+  qT = next(outs) if columns else None
+  a = jnp.max(next(outs)) if with_amax else None
+  return q, qT, a
+
+
+def _move(x_ref, xT_ref):
+  xT_ref[...] = x_ref[...].T
+
+
+def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax):
+  x = x_ref[...].astype(F32)
+  y = jnp.clip(x * scale_ref[0], -limit, limit)
+  y = jnp.where(x != x, x, y)  # Triton's min/max drop NaN; the cast must keep it
+  outs = iter(out_refs)
+  if rows:
+    next(outs)[...] = y.astype(dtype)
+  if columns:
+    next(outs)[...] = y.T.astype(dtype)
+  if with_amax:
+    m = jnp.max(jnp.abs(x))
+    # Triton's max drops NaN; the amax must carry it (quantize.agree makes it inf).
+    # (jnp.any has no Triton lowering: a max of the NaN flags instead.)
+    nan = jnp.max(jnp.where(x != x, jnp.float32(1), jnp.float32(0))) > 0
+    m = jnp.where(nan, jnp.float32(jnp.nan), m)
+    next(outs)[...] = jnp.full((1, 1), m, F32)
+

@@ -1,0 +1,135 @@
+"""The one-pass FP8 casts (jax_comm_gemm.fp8.cast), on CPU: the Pallas kernel
+(run by Pallas's interpreter here) writes the same bytes as XLA's passes, for
+every input and FP8 type, with saturation, inf and NaN; the amax carries NaN;
+and the FP8 ops give the same outputs and gradients with the kernel as with
+XLA's casts, against float64 as well (the GPU runs the compiled kernel:
+tests/gpu/one_gpu.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from conftest import cpu_mesh
+from jax_comm_gemm.fp8 import Fp8Recipe, cast
+from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal, reference, run_op
+
+E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+TILE = cast.TILE  # the tests' shapes are multiples of it
+
+
+def _bytes(a):
+  return np.asarray(lax.bitcast_convert_type(a, jnp.uint8))
+
+
+def _spoiled(dtype, shape=(2 * TILE, 3 * TILE), seed=0):
+  """Normal values spread over E4M3's range and past it, with +-inf and NaN."""
+  x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * 200.0
+  return (x.at[3, 5].set(jnp.inf).at[70, 9].set(-jnp.inf).at[100, 150].set(1e6)
+          .at[200, 300].set(jnp.nan).astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("f8", [E4, E5])
+@pytest.mark.parametrize("outputs", [dict(), dict(rows=False), dict(columns=False),
+                                     dict(with_amax=True), dict(rows=False, with_amax=True)])
+def test_kernel_writes_xlas_bytes(dtype, f8, outputs):
+  x = _spoiled(dtype)
+  scale = jnp.float32(1.7)
+  got = cast.cast_transpose(x, scale, f8, implementation="pallas", **outputs)
+  want = cast.cast_transpose(x, scale, f8, implementation="xla", **outputs)
+  for g, w in zip(got, want):
+    assert (g is None) == (w is None)
+    if g is not None and g.dtype == f8:
+      np.testing.assert_array_equal(_bytes(g), _bytes(w))
+    elif g is not None:  # the amax: the NaN's
+      assert np.isnan(float(g)) and np.isnan(float(w))
+
+
+def test_the_copies_are_the_saturated_cast_and_its_transpose():
+  x = jnp.tile(jnp.array([[1.0, -2.0], [0.5, 1000.0]], jnp.float32), (TILE, TILE // 2))
+  q, qT, a = cast.cast_transpose(x, 2.0, E4, with_amax=True, implementation="pallas")
+  want = np.clip(np.asarray(x) * 2.0, -448, 448)
+  np.testing.assert_array_equal(np.asarray(q, np.float32), want)
+  np.testing.assert_array_equal(np.asarray(qT, np.float32), want.T)
+  assert float(a) == 1000.0
+
+
+@pytest.mark.parametrize("where", [(0, 0), (127, 191), (64, 63)])
+def test_kernel_amax_carries_nan_from_any_tile(where):
+  x = jnp.ones((2 * TILE, 3 * TILE), jnp.bfloat16).at[where].set(jnp.nan)
+  _, _, a = cast.cast_transpose(x, 1.0, E4, rows=False, columns=False, with_amax=True,
+                                implementation="pallas")
+  assert np.isnan(float(a))
+
+
+@pytest.mark.parametrize("f8", [E4, E5])
+def test_transpose_kernel_moves_the_bytes(f8):
+  q = _spoiled(jnp.float32, (3 * TILE, TILE), seed=1).astype(f8)
+  t = cast.transpose(q, implementation="pallas")
+  assert t.dtype == q.dtype
+  np.testing.assert_array_equal(_bytes(t), _bytes(q.T))
+
+
+def test_auto_is_xla_off_a_gpu_and_for_untiled_shapes(monkeypatch):
+  x = jnp.ones((2 * TILE, TILE), jnp.bfloat16)
+  pallas = lambda f, *a: "pallas_call" in str(jax.make_jaxpr(f)(*a))
+  assert not pallas(lambda x: cast.cast_transpose(x, 1.0, E4), x)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert pallas(lambda x: cast.cast_transpose(x, 1.0, E4), x)
+  assert pallas(lambda q: cast.transpose(q), x.astype(E4))
+  # A row-major copy alone stays XLA's (it fuses into x's producer), as does a
+  # shape the tiles do not divide.
+  assert not pallas(lambda x: cast.cast_transpose(x, 1.0, E4, columns=False), x)
+  assert not pallas(lambda x: cast.cast_transpose(x, 1.0, E4), x[:-1])
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: cast.cast_transpose(jnp.ones((4, 4)), 1.0, E4, implementation="triton"),
+     "implementation must be one of"),
+    (lambda: cast.cast_transpose(jnp.ones((4,)), 1.0, E4), "x must be 2-D"),
+    (lambda: cast.transpose(jnp.ones((4, 4), E4), implementation="cuda"),
+     "implementation must be one of"),
+    (lambda: Fp8Recipe(casts="pallas"), "Fp8Recipe.casts must be one of"),
+])
+def test_bad_arguments_are_named(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def test_recipe_key_names_the_casts_only_when_not_fused():
+  assert "casts" not in Fp8Recipe().key
+  assert Fp8Recipe.from_key(Fp8Recipe(casts="xla").key) == Fp8Recipe(casts="xla")
+  with pytest.raises(ValueError, match="not an Fp8Recipe key"):
+    Fp8Recipe.from_key(Fp8Recipe().key + " casts=xla extra")
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("scaling", ["tensor", "delayed"])
+def test_ops_match_with_the_kernel(monkeypatch, op, scaling):
+  """The FP8 ops with the kernel's casts (interpreted) equal those with XLA's,
+  outputs and both gradients, and stay within the FP8 tolerances of float64."""
+  from jax_comm_gemm.fp8 import AmaxHistory
+  size = 2
+  mesh = cpu_mesh(size)
+  n, k, m = 2 * TILE * size, TILE * size, 2 * TILE
+  x, w, ct = _normal(7, [(n, k), (k, m), (n, m)], [jnp.bfloat16, jnp.float32, jnp.float32])
+  recipe = Fp8Recipe(scaling)
+  flags = {"history": AmaxHistory.zeros(recipe)} if scaling == "delayed" else {}
+  # Pallas's interpreter cannot run inside shard_map(check_vma=True) (its
+  # block slices mix varying and invariant values); the GPU's lowering can.
+  plain = run_op(op, mesh, x, w, ct, recipe=Fp8Recipe(scaling, casts="xla"),
+                 check_vma=False, **flags)
+  monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
+  fused = run_op(op, mesh, x, w, ct, recipe=recipe, check_vma=False, **flags)
+  # The same FP8 bytes; the GEMMs read them in other layouts, so the CPU's f32
+  # sums may round differently in the last bit.
+  for got, want in zip(fused[:3], plain[:3]):
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
+                               atol=1e-5 * np.max(np.abs(want)))
+  ref = reference(x, w, ct)
+  assert _err(fused[0], ref[0]) < TOL_FORWARD
+  assert _err(fused[1], ref[1]) < TOL_DX
+  assert _err(fused[2], ref[2]) < TOL_DW[("tensor", op)]
