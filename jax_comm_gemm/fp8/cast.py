@@ -74,7 +74,9 @@ def _kernel_runs(x) -> bool:
 def _xla(x, scale, dtype, rows, columns, with_amax):
   q = saturating_cast(x, scale, dtype) if rows else None
   qT = saturating_cast(x.T, scale, dtype) if columns else None
-  a = jnp.max(jnp.abs(x.astype(F32))) if with_amax else None
+  a = None
+  if with_amax:  # NaN wherever x holds one (XLA's max may return a larger inf)
+    a = jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), jnp.max(jnp.abs(x.astype(F32))))
   return q, qT, a
 
 
@@ -138,8 +140,9 @@ def _move(x_ref, xT_ref):
 
 def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax):
   x = x_ref[...].astype(F32)
-  y = jnp.clip(x * scale_ref[0], -limit, limit)
-  y = jnp.where(x != x, x, y)  # Triton's min/max drop NaN; the cast must keep it
+  y = x * scale_ref[0]
+  # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
+  y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))
   outs = iter(out_refs)
   if rows:
     next(outs)[...] = y.astype(dtype)
