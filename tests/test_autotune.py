@@ -593,6 +593,23 @@ def test_mismatch_compares_each_shard_with_xlas():
       "shape (4, 4), XLA's (8, 4)"
 
 
+def test_mismatch_holds_a_noise_leaf_to_the_largest_leafs_scale():
+  """A step's gradient of a key bias is rounding noise (softmax makes it zero):
+  two summation orders differ by all of it, which is no error; a leaf that
+  differs by more than the noise of the result's largest leaf still is."""
+  mesh = cpu_mesh(2)
+  rng = np.random.default_rng(1)
+  y = rng.standard_normal((8, 4)).astype(np.float32)
+  noise = (6e-7 * rng.standard_normal((8, 4))).astype(np.float32)
+  xla = (_sharded(mesh, y), _sharded(mesh, noise))
+  assert autotune.mismatch((_sharded(mesh, y), _sharded(mesh, -noise)), xla) is None
+  wrong = (_sharded(mesh, y), _sharded(mesh, noise + 1e-3))
+  assert "differs from XLA's by 0.001" in autotune.mismatch(wrong, xla)
+  assert 1e-3 > autotune.NOISE * np.abs(y).max() > 6e-7
+  # Alone, the noise leaf is its own scale: a 100% difference is wrong.
+  assert autotune.mismatch(_sharded(mesh, -noise), _sharded(mesh, noise)) is not None
+
+
 def test_against_xla_takes_xlas_result_as_the_reference(monkeypatch):
   compared = []
   monkeypatch.setattr(autotune, "mismatch", lambda out, ref: compared.append((out, ref)))
