@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 
 import jax
@@ -26,18 +25,10 @@ from jax import lax
 
 from jax_comm_gemm.fp8 import cast
 from jax_comm_gemm.fp8.quantize import amax, inverse, scale_from_amax
+from fp8_step import clocks  # beside this file
 
 E4M3 = jnp.float8_e4m3fn
 SHAPES = ((8192, 4096), (8192, 12288), (8192, 16384), (16384, 4096), (4096, 16384))
-
-
-def clocks() -> str:
-  try:
-    return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw",
-                           "--format=csv,noheader"], capture_output=True, text=True,
-                          timeout=10).stdout.strip()
-  except (OSError, subprocess.SubprocessError):
-    return "n/a"
 
 
 def variants(tilings):

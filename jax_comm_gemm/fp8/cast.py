@@ -9,7 +9,7 @@ reduction). On a GPU a Pallas (Triton) kernel does them in one: each program
 loads one tile, writes it and its transpose, and reduces the tile's amax.
 Elsewhere, or where the tiles do not divide x, the same arithmetic runs in
 plain jax. Both round the same way (to nearest even, after clipping to the
-FP8 range), so the two agree bit for bit. Measurements: docs/fp8.md.
+FP8 range), so the two agree bit for bit. Measurements: docs/fp8.md ("Fused casts").
 
 >>> import jax.numpy as jnp
 >>> q, qT, a = cast_transpose(jnp.array([[1.0, -2.0], [0.5, 1000.0]]), 1.0,
@@ -33,7 +33,7 @@ from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 # Each program's tile (rows, columns) and Triton warps, for the cast and for
-# the FP8 transpose: measured on an H200 (docs/fp8.md#fused-casts).
+# the FP8 transpose: measured on an H200 (docs/fp8.md, "Fused casts").
 CAST_TILING = (64, 128, 4)
 MOVE_TILING = (128, 128, 4)
 TILE = 128  # both tilings' sides divide it: the kernels take x whose dims it divides

@@ -188,16 +188,22 @@ def check_gemm_workspace_per_call_site():
   return f"{sites} call sites hold {held} MiB after their timed first call"
 
 
+def _mlp_inputs(seed, n, k, m):
+  """x [n, k] bf16 and an MLP's two f32 weights, [k, m] and [m, k], ~ fan-in^-1/2."""
+  kx, kw, kc = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(kx, (n, k), jnp.bfloat16)
+  w1 = (jax.random.normal(kw, (k, m)) / np.sqrt(k)).astype(jnp.float32)
+  w2 = (jax.random.normal(kc, (m, k)) / np.sqrt(m)).astype(jnp.float32)
+  return x, w1, w2
+
+
 def check_layers_tp1():
   """The FP8 layers at tp = 1 with gemm_form="cublaslt", forward and
   gradients, against the "direct" form (same quantization, so the same
   operands: equal up to the output's rounding) and float64 (FP8 tolerances)."""
   mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
   n, k, m = 512, 1024, 768
-  kx, kw, kc = jax.random.split(jax.random.key(3), 3)
-  x = jax.random.normal(kx, (n, k), jnp.bfloat16)
-  w1 = (jax.random.normal(kw, (k, m)) / np.sqrt(k)).astype(jnp.float32)
-  w2 = (jax.random.normal(kc, (m, k)) / np.sqrt(m)).astype(jnp.float32)
+  x, w1, w2 = _mlp_inputs(3, n, k, m)
   out = []
   for scaling in ("tensor", "row", "block"):
     results = {}
@@ -265,10 +271,7 @@ def check_fused_casts():
                                   as_bytes(want[0].T))
   mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
   n, k, m = 1024, 512, 768
-  kx, kw, kc = jax.random.split(jax.random.key(6), 3)
-  xs = jax.random.normal(kx, (n, k), jnp.bfloat16)
-  w1 = (jax.random.normal(kw, (k, m)) / np.sqrt(k)).astype(jnp.float32)
-  w2 = (jax.random.normal(kc, (m, k)) / np.sqrt(m)).astype(jnp.float32)
+  xs, w1, w2 = _mlp_inputs(6, n, k, m)
   weights = jnp.cos(jnp.arange(k, dtype=jnp.float32))
   results = {}
   for casts in ("fused", "xla"):
