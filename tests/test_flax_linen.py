@@ -310,3 +310,30 @@ def test_shared_options_follow_the_table():
   for module in (L.ColumnParallelDense(F), L.RowParallelDense(K), L.SequenceParallelMLP(F),
                  L.SequenceParallelTransformerBlock(2, F)):
     assert {name: getattr(module, name) for name in DEFAULTS} == DEFAULTS
+
+
+@pytest.mark.parametrize("module", ["column", "block"])
+def test_init_chooses_no_route_and_warns_not(monkeypatch, module):
+  """An init's forward only makes parameters: on a connected axis with backend
+  'auto', it runs on XLA's collectives, so no problem goes unmeasured (no
+  warning) and no fused call is compiled into it; apply then routes as
+  measured (here: not yet, so it warns)."""
+  import warnings
+  import jax_comm_gemm as jcg
+  from fake_native import install_fake_native
+  from jax_comm_gemm.runtime.constants import TARGETS
+  install_fake_native(monkeypatch)
+  mesh = cpu_mesh(2)
+  jcg.connect(mesh, "tp")
+  config = jcg.CommGemmConfig(all_gather_algorithm="pipelined_ce")
+  layer = (L.ColumnParallelDense(16, mesh=mesh, axis_name="tp", config=config)
+           if module == "column" else
+           L.SequenceParallelTransformerBlock(2, 32, mesh=mesh, axis_name="tp", config=config))
+  x = jnp.ones((16, 8) if module == "column" else (16, 1, 16), jnp.float32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    variables = layer.init(jax.random.key(0), x)
+    init_program = str(jax.make_jaxpr(lambda k: layer.init(k, x))(jax.random.key(0)))
+  assert TARGETS["all_gather_matmul"] not in init_program
+  with pytest.warns(RuntimeWarning, match="is not measured"):
+    jax.make_jaxpr(lambda v: layer.apply(v, x))(variables)

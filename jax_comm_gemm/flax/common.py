@@ -170,6 +170,18 @@ def path_reason(kind: str, injected: str | None, preferred_element_type=None) ->
   return f"{why}, so the layer runs on XLA's collectives ({steps})"
 
 
+def config_of(module) -> CommGemmConfig:
+  """The linen `module`'s config, on XLA's collectives while flax initializes it:
+  an init's forward only makes the parameters' shapes (its output is dropped), so
+  it chooses no route (nor warns that one is not measured) and compiles no fused
+  call into the init program."""
+  config = module.config
+  if module.is_initializing() and config.backend != "xla":
+    # Only the backend and the FP8 recipe: the fused ops' options mean nothing on XLA.
+    return CommGemmConfig(backend="xla", reuse_gathered=config.reuse_gathered, fp8=config.fp8)
+  return config
+
+
 def run(kind: str, where: dense.Placement, names: Names, *operands, **options):
   """Runs layer `kind` ("column", "row" or "block") where `where` says: on local
   shards inside the caller's ``jax.shard_map``, or on global arrays."""

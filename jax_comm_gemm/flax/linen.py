@@ -97,7 +97,8 @@ class _ParallelDense(LinenOptions):
     inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
     dot_general = (self.dot_general_cls() if self.dot_general_cls is not None
                    else self.dot_general)
-    layer = dict(precision=options["precision"], config=self.config, dot_general=dot_general)
+    layer = dict(precision=options["precision"], config=common.config_of(self),
+                 dot_general=dot_general)
     if self._kind == "column":
       layer["keep_gathered_input"] = self.keep_gathered_input
     recipe = self.config.fp8

@@ -126,7 +126,8 @@ class SequenceParallelTransformerBlock(LinenOptions):
         num_heads=self.num_heads, activation=self.activation, causal=self.causal,
         epsilon=self.epsilon, dtype=self.dtype, precision=self.precision,
         keep_gathered_input=self.keep_gathered_input,
-        attention_implementation=self.attention_implementation, config=self.config)
+        attention_implementation=self.attention_implementation,
+        config=common.config_of(self))
     histories = transformer.init_fp8_histories(block_options)
     if histories is not None:  # "delayed" FP8: Flax's overwrite-with-gradient collection
       histories = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
