@@ -155,4 +155,3 @@ def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax):
     nan = jnp.max(jnp.where(x != x, jnp.float32(1), jnp.float32(0))) > 0
     m = jnp.where(nan, jnp.float32(jnp.nan), m)
     next(outs)[...] = jnp.full((1, 1), m, F32)
-
