@@ -4,7 +4,8 @@ kernel (:mod:`jax_comm_gemm.fp8.cast`), at the GPU preset's operand shapes.
 Per shape and variant: the FP8 copy row-major and transposed from a bf16 x,
 with the scale from x's amax first (current scaling: ``*_current``) or given
 (delayed scaling, the amax recorded from the same pass: ``*_delayed``), and
-the transposed copy of an FP8 x (``*_transpose``: a gathered operand). Also
+the transposed copy of an FP8 x (``*_transpose``: a gathered operand), and
+delayed scaling's conditional amax, read or skipped (``amax_if_*``). Also
 checks, per shape, that the kernel's bytes equal XLA's (with inf and NaN
 planted). Variants interleaved, median of 10 batches of 20 calls after 2 s of
 load; prints the SM clock before and after and a markdown table last.
@@ -63,7 +64,11 @@ def variants(tilings):
     return jax.jit(f)
 
   out = {"xla_current": (current("xla"), "x"), "xla_delayed": (delayed("xla"), "x, scale"),
-         "xla_transpose": (transposed("xla"), "q8")}
+         "xla_transpose": (transposed("xla"), "q8"),
+         # Delayed scaling's conditional amax: read (the first step) or skipped.
+         "amax_if_read": (jax.jit(lambda x: cast.amax_if(x, True, implementation="pallas")), "x"),
+         "amax_if_skip": (jax.jit(lambda x: cast.amax_if(x, False, implementation="pallas")),
+                          "x")}
   for t in tilings:
     name = "pallas{}x{}w{}".format(*t)
     out[f"{name}_current"] = (current("pallas", t), "x")

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
 from jax_comm_gemm.fp8 import Fp8Recipe, cast
@@ -67,6 +68,22 @@ def test_kernel_amax_carries_nan_from_any_tile(where):
   assert np.isnan(float(a))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("wanted", [True, False])
+def test_conditional_amax_kernel_matches_xla(dtype, wanted):
+  """amax_if: the tensor's amax (inf, NaN: the spoiled input has both) where
+  wanted, 0 where not, as XLA's."""
+  for x in (_spoiled(dtype), _spoiled(dtype).at[200, 300].set(0),  # inf, no NaN
+            jax.random.normal(jax.random.key(2), (TILE, 2 * TILE), dtype)):
+    got = cast.amax_if(x, jnp.bool_(wanted), implementation="pallas")
+    want = cast.amax_if(x, jnp.bool_(wanted), implementation="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if wanted:
+      assert float(got) == float(np.max(np.abs(np.asarray(x, np.float32)))) or np.isnan(got)
+    else:
+      assert float(got) == 0.0
+
+
 @pytest.mark.parametrize("f8", [E4, E5])
 def test_transpose_kernel_moves_the_bytes(f8):
   q = _spoiled(jnp.float32, (3 * TILE, TILE), seed=1).astype(f8)
@@ -82,6 +99,7 @@ def test_auto_is_xla_off_a_gpu_and_for_untiled_shapes(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert pallas(lambda x: cast.cast_transpose(x, 1.0, E4), x)
   assert pallas(lambda q: cast.transpose(q), x.astype(E4))
+  assert pallas(lambda x: cast.amax_if(x, True), x)
   # A row-major copy alone stays XLA's (it fuses into x's producer), as does a
   # shape the tiles do not divide.
   assert not pallas(lambda x: cast.cast_transpose(x, 1.0, E4, columns=False), x)
@@ -95,6 +113,9 @@ def test_auto_is_xla_off_a_gpu_and_for_untiled_shapes(monkeypatch):
     (lambda: cast.transpose(jnp.ones((4, 4), E4), implementation="cuda"),
      "implementation must be one of"),
     (lambda: Fp8Recipe(casts="pallas"), "Fp8Recipe.casts must be one of"),
+    (lambda: cast.amax_if(jnp.ones((4, 4)), True, implementation="cuda"),
+     "amax_if: implementation must be one of"),
+    (lambda: cast.amax_if(jnp.ones((4, 4, 4)), True), "amax_if: x must be 2-D"),
 ])
 def test_bad_arguments_are_named(call, match):
   with pytest.raises(ValueError, match=match):
@@ -136,3 +157,60 @@ def test_ops_match_with_the_kernel(monkeypatch, op, scaling):
   assert _err(fused[0], ref[0]) < TOL_FORWARD
   assert _err(fused[1], ref[1]) < TOL_DX
   assert _err(fused[2], ref[2]) < TOL_DW[("tensor", op)]
+
+
+def _delayed_step(op, mesh, recipe):
+  """(y, dx, dw, next history) of a delayed op under jit(grad(sum(y * ct))).
+  Without check_vma a replicated input's gradient is summed over the ranks:
+  each rank gets its own copy of the history instead, and hands out its own
+  next history (the test compares them)."""
+  from jax_comm_gemm.fp8 import AmaxHistory, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
+  ops = {"ag": (fp8_all_gather_matmul, (P("tp"), P(None, "tp")), P(None, "tp")),
+         "rs": (fp8_matmul_reduce_scatter, (P(None, "tp"), P("tp")), P("tp"))}
+  fn, specs, out = ops[op]
+  f = lambda x, w, h: fn(x, w, "tp", recipe=recipe, history=AmaxHistory(*(a[0] for a in h)))
+  g = jax.shard_map(f, mesh=mesh, in_specs=specs + (P("tp"),), out_specs=out,
+                    check_vma=False)
+
+  def loss(x, w, h, ct):
+    y = g(x, w, h)
+    return jnp.sum(y.astype(jnp.float32) * ct), y
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+  size = mesh.shape["tp"]
+
+  def run(x, w, h, ct):
+    (_, y), (dx, dw, nxt) = step(x, w, AmaxHistory(*(jnp.stack([a] * size) for a in h)), ct)
+    for a in nxt:  # every rank's next history is the same
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(a[:1]).repeat(size, 0))
+    return y, dx, dw, AmaxHistory(*(a[0] for a in nxt))
+  return run
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+@pytest.mark.parametrize("steady", [False, True], ids=["empty", "steady"])
+def test_delayed_scaling_on_the_kernels_passes(monkeypatch, op, steady):
+  """Delayed scaling on the kernels (this step's amax read only while the
+  history is empty; the next history's amax from the cast's pass) gives XLA's
+  passes' outputs, gradients and next history, at the first step and after."""
+  from jax_comm_gemm.fp8 import AmaxHistory
+  mesh = cpu_mesh(2)
+  n, k, m = 4 * TILE, 2 * TILE, 2 * TILE
+  x, w, ct = _normal(8, [(n, k), (k, m), (n, m)], [jnp.bfloat16, jnp.float32, jnp.float32])
+  recipe = Fp8Recipe("delayed", amax_history=4)
+  h = AmaxHistory.zeros(recipe)
+  if steady:  # an amax history unlike this step's: its largest entry scales
+    h = AmaxHistory(jnp.array([0.0, 3.0, 9.0, 0.0]), jnp.array([0.5, 0.0, 0.0, 0.0]),
+                    jnp.array([1e-3, 0.0, 0.0, 2e-3]))
+  plain = _delayed_step(op, mesh, Fp8Recipe("delayed", amax_history=4, casts="xla"))(x, w, h, ct)
+  monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
+  fused = _delayed_step(op, mesh, recipe)(x, w, h, ct)
+  for got, want in zip(fused[:3], plain[:3]):  # as in test_ops_match_with_the_kernel
+    want = np.asarray(want, np.float32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
+                               atol=1e-5 * np.max(np.abs(want)))
+  # The amaxes are maxima: exact. The newest entry is this step's true amax.
+  for name, got, want in zip(AmaxHistory._fields, fused[3], plain[3]):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+  assert float(fused[3].x[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+  assert float(fused[3].w[0]) == float(jnp.max(jnp.abs(w)))
+  np.testing.assert_array_equal(np.asarray(fused[3].x[1:]), np.asarray(h.x[:-1]))

@@ -74,10 +74,13 @@ def _kernel_runs(x) -> bool:
 def _xla(x, scale, dtype, rows, columns, with_amax):
   q = saturating_cast(x, scale, dtype) if rows else None
   qT = saturating_cast(x.T, scale, dtype) if columns else None
-  a = None
-  if with_amax:  # NaN wherever x holds one (XLA's max may return a larger inf)
-    a = jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), jnp.max(jnp.abs(x.astype(F32))))
-  return q, qT, a
+  return q, qT, (_xla_amax(x) if with_amax else None)
+
+
+def _xla_amax(x):
+  """``max(|x|)`` in float32, NaN wherever x holds one (XLA's max may return a
+  larger inf)."""
+  return jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), jnp.max(jnp.abs(x.astype(F32))))
 
 
 def transpose(q, *, implementation: str = "auto"):
@@ -134,6 +137,65 @@ def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, *, interpret=Fals
   return q, qT, a
 
 
+def amax_if(x, wanted, *, implementation: str = "auto"):
+  """``max(|x|)`` in float32 where the scalar bool `wanted` (a traced value) is
+  true, else 0, reading x only where wanted: delayed scaling's first step needs
+  this step's amax before its cast, the later steps only the history's. On a
+  GPU a kernel whose programs return at once unless wanted (a ``lax.cond``
+  would wait on the host for its predicate); elsewhere, or where the tiles do
+  not divide x, plain jax. NaN if x holds one (`implementation` as in
+  :func:`cast_transpose`).
+
+  >>> import jax.numpy as jnp
+  >>> float(amax_if(jnp.array([[1.0, -3.0]]), True)), float(amax_if(jnp.array([[1.0]]), False))
+  (3.0, 0.0)
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"amax_if: implementation must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  if jnp.ndim(x) != 2:
+    raise ValueError(f"amax_if: x must be 2-D, got shape {jnp.shape(x)}")
+  if implementation == "auto":
+    implementation = "pallas" if _kernel_runs(x) else "xla"
+  if implementation == "xla":
+    return jnp.where(wanted, _xla_amax(x), jnp.float32(0))
+  x, flag = vma.match(x, jnp.reshape(jnp.asarray(wanted, jnp.int32), (1,)))
+  return _amax_if(x, flag, interpret=jax.default_backend() != "gpu")
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _amax_if(x, flag, *, interpret=False):
+  r, c = x.shape
+  grid = (r // TILE, c // TILE)
+  partial = pl.pallas_call(
+      _amax_kernel, out_shape=vma.shaped_like(x, grid, F32), grid=grid,
+      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
+                pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))],
+      out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
+      compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, x)
+  return jnp.max(partial)
+
+
+def _amax_kernel(flag_ref, x_ref, out_ref):
+  wanted = flag_ref[0] != 0
+
+  @pl.when(wanted)
+  def _():
+    out_ref[...] = jnp.full((1, 1), _tile_amax(x_ref[...].astype(F32)), F32)
+
+  @pl.when(jnp.logical_not(wanted))
+  def _():
+    out_ref[...] = jnp.zeros((1, 1), F32)
+
+
+def _tile_amax(x):
+  """A tile's ``max(|x|)``, NaN if it holds one: Triton's max drops NaN, and the
+  amax must carry it (quantize.agree makes it inf). (jnp.any has no Triton
+  lowering: a max of the NaN flags instead.)"""
+  nan = jnp.max(jnp.where(x != x, jnp.float32(1), jnp.float32(0))) > 0
+  return jnp.where(nan, jnp.float32(jnp.nan), jnp.max(jnp.abs(x)))
+
+
 def _move(x_ref, xT_ref):
   xT_ref[...] = x_ref[...].T
 
@@ -149,9 +211,4 @@ def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax):
   if columns:
     next(outs)[...] = y.T.astype(dtype)
   if with_amax:
-    m = jnp.max(jnp.abs(x))
-    # Triton's max drops NaN; the amax must carry it (quantize.agree makes it inf).
-    # (jnp.any has no Triton lowering: a max of the NaN flags instead.)
-    nan = jnp.max(jnp.where(x != x, jnp.float32(1), jnp.float32(0))) > 0
-    m = jnp.where(nan, jnp.float32(jnp.nan), m)
-    next(outs)[...] = jnp.full((1, 1), m, F32)
+    next(outs)[...] = jnp.full((1, 1), _tile_amax(x), F32)

@@ -235,9 +235,11 @@ def cublaslt_gemm_tn(a8, b8, scale_inv_a, scale_inv_b, *, out_dtype, timed: bool
 
 
 def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
-                  axis_name: str | None = None, amax_w=None, casts: str = "auto"):
+                  axis_name: str | None = None, amax_w=None, casts: str = "auto",
+                  with_amax: bool = False):
   """The weight's two FP8 copies, made by one cast: ``(fwd8, fwd_inv, bwd8,
-  bwd_inv)``. For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`)
+  bwd_inv)``, and with `with_amax` (``"tensor"`` only) w's amax from the same
+  pass last (delayed scaling's history records it). For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`)
   ``fwd8`` ``[n, k]`` feeds the forward GEMM and ``bwd8`` ``[k, n]`` the input
   gradient's. ``"tensor"``: one scale for both (agreed over `axis_name`, or
   `amax_w` already agreed); ``"row"``: per row of each copy; ``"block"``: per
@@ -257,8 +259,11 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
     scale = scale_from_amax(amax_w, dtype, margin)
     inv = inverse(scale)
     # Both copies from the high-precision weight in one pass: no FP8 transpose.
-    bwd8, fwd8, _ = cast_transpose(w_kn, scale, dtype, implementation=casts)
-    return fwd8, inv, bwd8, inv
+    bwd8, fwd8, seen = cast_transpose(w_kn, scale, dtype, with_amax=with_amax,
+                                      implementation=casts)
+    return (fwd8, inv, bwd8, inv) + ((seen,) if with_amax else ())
+  if with_amax:
+    raise ValueError(f"weight_copies: with_amax takes scaling 'tensor', got {scaling!r}")
   if scaling == "block":  # a 128 x 128 block is one under transposition: exact
     fwd8, fwd_inv = quantize_blocks(w_kn.T, dtype, BLOCK, margin=margin)
     return fwd8, fwd_inv, fwd8.T, fwd_inv.T

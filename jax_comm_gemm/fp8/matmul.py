@@ -176,25 +176,22 @@ def _all_gather_matmul(x, w, h, s: Static):
 
 def _operands(s: Static, x, w, h):
   """x's amax to scale with, the weight's two FP8 copies (forward, backward)
-  with their inverse scales, and the next x and w histories (delayed)."""
-  currents = st.tensor_amaxes(s, x, w)
-  (ax, aw), histories = st.scaling_amaxes(s, (h.x, h.w) if h is not None else (None, None),
-                                          currents)
-  return (ax, *st.weights(s, w, aw)), histories
+  with their inverse scales, and w's next history (delayed; else None)."""
+  ax, aw = st.scaling_amaxes(s, (h.x, h.w) if h is not None else None, (x, w))
+  wf8, wf_inv, wb8, wb_inv, w_seen = st.weights(s, w, aw)
+  return ax, (wf8, wf_inv, wb8, wb_inv), st.next_history(s, None if h is None else h.w, w_seen)
 
 
 def _dy_amax(s: Static, dy, h):
-  """dy's amax to scale with, and the next step's whole history (or None)."""
-  (a_dy,) = st.tensor_amaxes(s, dy)
-  if h is None:
-    return a_dy, None
-  (a_dy,), (h_dy,) = st.scaling_amaxes(s, (h.dy,), (a_dy,))
-  return a_dy, h_dy
+  """dy's amax to scale with."""
+  (a_dy,) = st.scaling_amaxes(s, (h.dy,) if h is not None else None, (dy,))
+  return a_dy
 
 
 def _all_gather_matmul_fwd(x, w, h, s: Static):
-  (ax, wf8, wf_inv, wb8, wb_inv), (hx, hw) = _operands(s, x, w, h)
-  x8, x_inv = st.quantize(s, x, s.recipe.forward_dtype, ax)
+  ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
+  x8, x_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax)
+  hx = st.next_history(s, None if h is None else h.x, x_seen)
   keep = s.keep_gathered_input or s.return_gathered
   y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
@@ -204,9 +201,8 @@ def _all_gather_matmul_fwd(x, w, h, s: Static):
 def _all_gather_matmul_bwd(s: Static, res, ct):
   (o8, o_inv), wb8, wb_inv, h, hx, hw = res
   ct_y, ct_g = ct if s.return_gathered else (ct, None)
-  a_dy, h_dy = _dy_amax(s, ct_y, h)
-  dy8, dy_inv, dyT8, dyT_inv = st.quantize(s, ct_y, s.recipe.backward_dtype, a_dy,
-                                           columns=True)
+  dy8, dy_inv, dyT8, dyT_inv, dy_seen = st.quantize(s, ct_y, s.recipe.backward_dtype,
+                                                    _dy_amax(s, ct_y, h), columns=True)
   dx = st.gemm_reduce_scatter(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
   if s.keep_gathered_input or s.return_gathered:
     g8, g_inv = o8, o_inv
@@ -216,7 +212,12 @@ def _all_gather_matmul_bwd(s: Static, res, ct):
   dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
   if ct_g is not None:
     dx = dx + st.reduce_scatter(s, ct_g).astype(s.x_dtype)
-  return dx, dw, (None if h is None else AmaxHistory(hx, hw, h_dy))
+  return dx, dw, _next(s, h, hx, hw, dy_seen)
+
+
+def _next(s: Static, h, hx, hw, dy_seen):
+  """The histories' cotangent: the next step's AmaxHistory (None without one)."""
+  return None if h is None else AmaxHistory(hx, hw, st.next_history(s, h.dy, dy_seen))
 
 
 _all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
@@ -230,10 +231,12 @@ def _matmul_reduce_scatter(x, w, h, s: Static):
 
 
 def _matmul_reduce_scatter_fwd(x, w, h, s: Static):
-  (ax, wf8, wf_inv, wb8, wb_inv), (hx, hw) = _operands(s, x, w, h)
+  ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
-  x8, x_inv, xT8, xT_inv = st.quantize(s, x, s.recipe.forward_dtype, ax, columns=True)
+  x8, x_inv, xT8, xT_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax,
+                                               columns=True)
+  hx = st.next_history(s, None if h is None else h.x, x_seen)
   y = st.gemm_reduce_scatter(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
   return y, (xT8, xT_inv, wb8, wb_inv, h, hx, hw)
 
@@ -241,15 +244,14 @@ def _matmul_reduce_scatter_fwd(x, w, h, s: Static):
 def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   xT8, xT_inv, wb8, wb_inv, h, hx, hw = res
   b8 = s.recipe.backward_dtype
-  a_dy, h_dy = _dy_amax(s, dy, h)
-  dy8, dy_inv = st.quantize(s, dy, b8, a_dy)
+  dy8, dy_inv, dy_seen = st.quantize(s, dy, b8, _dy_amax(s, dy, h))
   dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True,
                                  keep=s.reuse_gathered)
   if not s.reuse_gathered:
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)
   dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
-  return dx, dw, (None if h is None else AmaxHistory(hx, hw, h_dy))
+  return dx, dw, _next(s, h, hx, hw, dy_seen)
 
 
 _matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 import jax_comm_gemm.fp8.cast as cast
@@ -98,21 +99,28 @@ def fused_ops(s: Static):
   return None if isinstance(s.collectives, str) else s.collectives
 
 
-def tensor_amaxes(s: Static, *xs):
-  """For one scale per tensor: the amaxes of `xs`, agreed in one pmax; else Nones."""
+def scaling_amaxes(s: Static, histories, xs):
+  """The amaxes to scale `xs` with, one per tensor, agreed in one pmax (Nones
+  for per-row and block scales): "tensor": this step's; "delayed": each of
+  `histories`' largest, and this step's while a history is empty (the first
+  step scales as "tensor" does; later steps read no tensor here: the amax
+  their histories record comes from the cast's pass, :func:`next_history`)."""
   if not s.recipe.per_tensor:
     return (None,) * len(xs)
-  return qz.agree(tuple(qz.amax(x) for x in xs), s.axis_name)
-
-
-def scaling_amaxes(s: Static, histories, currents):
-  """The amaxes to scale with, and the histories to hand out: the current
-  ones and `histories` unchanged, or ("delayed") each history's largest (the
-  current amax while it is empty) and the history with the current one in."""
   if s.recipe.scaling != "delayed":
-    return currents, histories
-  return (tuple(scaling_amax(h, a) for h, a in zip(histories, currents)),
-          tuple(pushed(h, _everywhere(a)) for h, a in zip(histories, currents)))
+    return qz.agree(tuple(qz.amax(x) for x in xs), s.axis_name)
+  empty = tuple(jnp.max(h) == 0 for h in histories)
+  currents = qz.agree(tuple(cast.amax_if(x, e, implementation=casts(s))
+                            for x, e in zip(xs, empty)), s.axis_name)
+  return tuple(scaling_amax(h, a) for h, a in zip(histories, currents))
+
+
+def next_history(s: Static, history, seen):
+  """`history` with `seen`, this rank's amax from the cast's pass, in front:
+  agreed over the group and every replica. None without a history."""
+  if history is None:
+    return None
+  return pushed(history, _everywhere(qz.agree(seen, s.axis_name)))
 
 
 def _everywhere(a):
@@ -124,33 +132,35 @@ def _everywhere(a):
 
 
 def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
-  """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv):
-  with the agreed amax `a` (one scale per tensor), per row / per column
-  ("row"), or per 1 x 128 block along the rows / the columns ("block": the
-  blocks run along the contraction of the GEMM each copy feeds)."""
+  """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv),
+  then x's amax as the cast's pass saw it (for "delayed"'s history; else
+  None): with the agreed amax `a` (one scale per tensor), per row / per
+  column ("row"), or per 1 x 128 block along the rows / the columns ("block":
+  the blocks run along the contraction of the GEMM each copy feeds)."""
   out = []
   if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
     inv = qz.inverse(scale)
     # The cast writes the transposed copy: no FP8 transpose.
-    q, qT, _ = cast.cast_transpose(x, scale, dtype, rows=rows, columns=columns,
-                                   implementation=casts(s))
+    q, qT, seen = cast.cast_transpose(x, scale, dtype, rows=rows, columns=columns,
+                                      with_amax=s.recipe.scaling == "delayed",
+                                      implementation=casts(s))
     if rows:
       out += [q, inv]
     if columns:
       out += [qT, inv]
-    return out
+    return out + [seen]
   if s.recipe.scaling == "block":
     if rows:
       out += list(qz.quantize_blocks(x, dtype, 1, margin=s.recipe.margin))
     if columns:
       out += list(qz.quantize_blocks(x.T, dtype, 1, margin=s.recipe.margin))
-    return out
+    return out + [None]
   if rows:
     out += list(qz.quantize_rows(x, dtype, margin=s.recipe.margin))
   if columns:
     out += list(qz.quantize_columns_transposed(x, dtype, margin=s.recipe.margin))
-  return out
+  return out + [None]
 
 
 def gather(s: Static, q, inv, *, standalone: bool):
@@ -253,7 +263,10 @@ def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
 
 
 def weights(s: Static, w, amax_w):
-  r = s.recipe
-  return weight_copies(w, r.forward_dtype, scaling="tensor" if r.per_tensor else r.scaling,
-                       transpose_w=s.transpose_w, margin=r.margin, amax_w=amax_w,
-                       casts=casts(s))
+  """The weight's two FP8 copies with their inverse scales, then w's amax as
+  the cast's pass saw it ("delayed"; else None)."""
+  r, delayed = s.recipe, s.recipe.scaling == "delayed"
+  copies = weight_copies(w, r.forward_dtype, scaling="tensor" if r.per_tensor else r.scaling,
+                         transpose_w=s.transpose_w, margin=r.margin, amax_w=amax_w,
+                         casts=casts(s), with_amax=delayed)
+  return copies if delayed else copies + (None,)

@@ -296,9 +296,58 @@ def check_fused_casts():
   return "bytes equal XLA's (E4M3, E5M2, transpose); layers: " + ", ".join(errs)
 
 
+def check_delayed_casts():
+  """Delayed scaling on the kernels compiled: the conditional amax (NaN, inf,
+  wanted or not) equals XLA's, and an MLP at tp = 1 inside
+  shard_map(check_vma=True), at its first step and after, gives the same
+  outputs, gradients and next histories as on XLA's passes."""
+  from jax_comm_gemm.fp8 import AmaxHistory, cast
+  x = (jax.random.normal(jax.random.key(7), (1024, 768)) * 30).astype(jnp.bfloat16)
+  for planted in (x, x.at[3, 4].set(jnp.inf), x.at[900, 700].set(jnp.nan)):
+    for wanted in (True, False):
+      got = cast.amax_if(planted, jnp.bool_(wanted), implementation="pallas")
+      want = cast.amax_if(planted, jnp.bool_(wanted), implementation="xla")
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  n, k, m = 1024, 512, 768
+  xs, w1, w2 = _mlp_inputs(8, n, k, m)
+  weights = jnp.cos(jnp.arange(k, dtype=jnp.float32))
+  errs = []
+  for steady in (False, True):
+    results = {}
+    for casts in ("fused", "xla"):
+      recipe = Fp8Recipe("delayed", amax_history=4, casts=casts)
+      h0 = AmaxHistory.zeros(recipe)
+      if steady:
+        h0 = AmaxHistory(jnp.array([0.0, 2.0, 5.0, 0.0]), jnp.array([0.3, 0.0, 0.0, 0.0]),
+                         jnp.array([1e-3, 0.0, 0.0, 4e-3]))
+
+      def layers(x, w1, w2, h1, h2, recipe=recipe):
+        h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=h1)
+        return fp8_matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", recipe=recipe, history=h2)
+      mlp = jax.shard_map(layers, mesh=mesh, out_specs=P("tp"),
+                          in_specs=(P("tp"), P(None, "tp"), P("tp"), P(), P()))
+      f = jax.jit(jax.value_and_grad(
+          lambda *a: jnp.sum(mlp(*a[:5]).astype(jnp.float32) * a[5]), argnums=(0, 1, 2, 3, 4)))
+      results[casts] = jax.block_until_ready(f(xs, w1, w2, h0, h0, weights))
+      hlo = f.lower(xs, w1, w2, h0, h0, weights).compile().as_text()
+      kernels = hlo.count("fp8_amax_if")
+      assert (kernels > 0) == (casts == "fused"), f"casts={casts}: {kernels} amax kernels"
+    fused, plain = results["fused"][1], results["xla"][1]
+    for name, a, b in zip(("dx", "dw1", "dw2"), fused[:3], plain[:3]):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+      assert err < 1e-2, f"{name}: kernels vs XLA's {err:.3g}"  # same bytes, other layouts
+      errs.append(f"{'steady' if steady else 'first'} {name} {err:.1e}")
+    for got, want in zip(jax.tree.leaves(fused[3:]), jax.tree.leaves(plain[3:])):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # maxima: exact
+  return "amax_if equals XLA's; histories equal; " + ", ".join(errs)
+
+
 CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
           check_gemm_error_reaches_python,
           check_gemm_workspace_per_call_site, check_layers_tp1, check_fused_casts,
+          check_delayed_casts,
           *one_rank.CHECKS]
 
 
