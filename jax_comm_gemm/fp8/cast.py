@@ -133,8 +133,16 @@ def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, *, interpret=Fals
   outs = iter(outs)
   q = next(outs) if rows else None
   qT = next(outs) if columns else None
-  a = jnp.max(next(outs)) if with_amax else None
+  a = _max_of_tiles(next(outs)) if with_amax else None
   return q, qT, a
+
+
+def _max_of_tiles(partial):
+  """The largest of the kernel's per-tile amaxes, reduced in a fusion of its
+  own: XLA otherwise fuses the reduction into its scalar consumer (a history's
+  concatenate, a scale) and reduces serially in one thread (milliseconds a
+  step at the GPU preset, docs/fp8.md)."""
+  return lax.optimization_barrier(jnp.max(partial))
 
 
 def amax_if(x, wanted, *, implementation: str = "auto"):
@@ -173,7 +181,7 @@ def _amax_if(x, flag, *, interpret=False):
                 pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, x)
-  return jnp.max(partial)
+  return _max_of_tiles(partial)
 
 
 def _amax_kernel(flag_ref, x_ref, out_ref):
