@@ -37,7 +37,8 @@ def _spoiled(dtype, shape=(2 * TILE, 3 * TILE), seed=0):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("f8", [E4, E5])
 @pytest.mark.parametrize("outputs", [dict(), dict(rows=False), dict(columns=False),
-                                     dict(with_amax=True), dict(rows=False, with_amax=True)])
+                                     dict(with_amax=True), dict(rows=False, with_amax=True),
+                                     dict(columns=False, with_amax=True)])
 def test_kernel_writes_xlas_bytes(dtype, f8, outputs):
   x = _spoiled(dtype)
   scale = jnp.float32(1.7)
