@@ -347,6 +347,10 @@ def train(args) -> dict:
     step_fn = trainer.train_step(params, opt_state, tokens, targets)
     say(f"compiled the training step in {time.perf_counter() - t0:.1f} s")
   evaluate = trainer.eval_step()
+  if isinstance(step_fn, jcg.TunedStep):  # validate on the routes autotune chose: its
+    # choices are not published to the process plan, so a bare jit would route
+    # the eval step's ops (the training step's problems) by the rule of thumb
+    evaluate = jcg.TunedStep(evaluate, step_fn.routes, step_fn.plan, step_fn.why)
   val_batches = [batch("validation", i) for i in range(args.eval_batches)]
 
   def val_loss(params):

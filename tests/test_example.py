@@ -30,9 +30,11 @@ import numpy as np
 import pytest
 
 from conftest import CPU_TEST_FLAGS, cpu_mesh
+from fake_native import install_fake_native
 from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.backends import Capability, CublasMpBackend
 from jax_comm_gemm.diagnostics import hlo, report
+import jax_comm_gemm.backends.tuning as tuning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -187,6 +189,27 @@ def test_one_device_trains_on_xla_and_says_why(tmp_path):
   # moves); they are counted apart and said so.
   assert counts["single_device_collectives"] > 0
   assert "over a group of one device" in stdout
+
+
+@pytest.mark.filterwarnings("error:.*is not measured:RuntimeWarning")
+def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, capsys):
+  """With cuBLASMp "available" (the fake extension) and fake timings that make
+  the ring fastest, the run tunes its step; autotune_step does not publish its
+  choices to the process plan, so the evaluation step (the same problems) must
+  run under the tuned step's routes too, or each of its ops would be routed by
+  the rule of thumb, with a warning that it is not measured (an error here)."""
+  monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  monkeypatch.chdir(tmp_path)
+  install_fake_native(monkeypatch)
+  monkeypatch.setattr(tuning, "time_candidates", lambda runs, rounds, **_: (
+      {n: (1e-3 if n == "ring" else 2e-3) for n in runs}))
+  summary = train_byte_gpt.main([*SMALL, "--layers", "1", "--tp", "2", "--steps", "2",
+                                 "--ab-steps", "0", "--no-checkpoint"])
+  stdout = capsys.readouterr().out
+  assert re.search(r"autotune in [\d.]+ s: plan 'ring'", stdout), stdout
+  assert summary["autotune"]["plan"] == "ring"
+  assert [s for s, _ in summary["history"]["validation"]] == [0, 1, 2]
 
 
 def test_every_option_has_help_and_shows_its_default(capsys):
