@@ -27,7 +27,7 @@ of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
 Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...] [--hlo DIR]
-       [--profile DIR [--profile-variants VARIANT ...]]
+       [--profile DIR [--profile-variants VARIANT ...]] [--steps-per-batch N]
 (--smoke: tiny, CPU)
 """
 
@@ -181,16 +181,19 @@ def main() -> None:
                       help="write each variant's optimized HLO to DIR/VARIANT.hlo.txt")
   parser.add_argument("--profile", metavar="DIR",
                       help="after timing, trace 3 steps of each --profile-variants variant "
-                           "into DIR/VARIANT (with its optimized HLO as step.hlo.txt, for "
-                           "benchmarks/producers.py)")
+                           "(annotated 'step'), then one batch of steps back to back "
+                           "('batch'), into DIR/VARIANT (with its optimized HLO as "
+                           "step.hlo.txt, for benchmarks/producers.py)")
   parser.add_argument("--profile-variants", nargs="+", metavar="VARIANT",
                       default=["project_bf16", "project_fp8_tensor"])
   parser.add_argument("--only", nargs="+", metavar="VARIANT",
                       help="these variants only (project_bf16 always runs: the baseline)")
+  parser.add_argument("--steps-per-batch", type=int, default=5, metavar="N",
+                      help="steps dispatched back to back per timed batch (default 5)")
   args = parser.parse_args()
   d, hidden, heads, layers, seq, batch = ((64, 128, 2, 2, 16, 2) if args.smoke
                                           else (4096, 16384, 32, 4, 2048, 4))
-  rounds, per_batch = (2, 1) if args.smoke else (10, 5)
+  rounds, per_batch = (2, 1) if args.smoke else (10, args.steps_per_batch)
   attention = None if args.smoke else "cudnn"
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   layout = tb.param_layout(d, hidden, "tp", use_bias=not args.no_bias)
@@ -250,6 +253,12 @@ def main() -> None:
       for _ in range(3):
         with jax.profiler.TraceAnnotation("step"):
           jax.block_until_ready(variants[name](ps, x))
+      # Then a batch as the timing runs it: steps dispatched back to back.
+      with jax.profiler.TraceAnnotation("batch"):
+        out = None
+        for _ in range(per_batch):
+          out = variants[name](ps, x)
+        jax.block_until_ready(out)
   for name in variants:
     results[name]["ms"] = 1e3 * float(np.median(times[name]))
     results[name]["tokens_per_s"] = seq * batch / (results[name]["ms"] / 1e3)
