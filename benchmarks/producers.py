@@ -10,7 +10,7 @@ after the HLO instruction that launched it) and the step's optimized HLO
 instruction is classed from what it computes (a conversion to an FP8 type is a
 cast, a max-reduction of magnitudes an amax, ...) and from the Python source of
 its operations, which XLA keeps in the HLO's stack frames (optax's files are
-the optimizer, flax's normalization the norm, jax.nn's gelu the activation).
+the optimizer, flax's normalization the norm, an "activation" name scope the activation).
 
   python3 benchmarks/producers.py TRACE_OR_DIR STEP.hlo.txt [--window W] [--top 3] [--json OUT]
 
@@ -35,11 +35,15 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute
                "send", "recv")
 # Python sources, innermost frame first: the first rule that a frame matches
 # names the producer. jax.nn holds both attention and the activations, so the
-# function decides there.
+# function decides there. jax keeps its own frames out of the HLO, so an
+# activation of jax.nn shows only its caller's line: the rules also read the
+# instruction's name scope (op_name), where the project's transformer block
+# puts its activation under "activation".
 SOURCE_RULES = (("optimizer", re.compile(r"/optax/")),
                 ("attention", re.compile(r"dot_product_attention|_attention\b|attention\.py")),
                 ("norm", re.compile(r"normalization\.py|layer_?norm|rms_?norm|LayerNorm", re.I)),
-                ("activation", re.compile(r"\b(gelu|silu|relu|swish|tanh|sigmoid)\b")),
+                ("activation", re.compile(r"\b(gelu|silu|relu|swish|tanh|sigmoid)\b"
+                                          r"|/activation/")),
                 ("fp8", re.compile(r"jax_comm_gemm/fp8/|/fp8[^/]*\.py")))
 
 INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*"
@@ -49,6 +53,7 @@ CALLS_RE = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations)=
                       r"\{?(?P<names>%?[\w.\-]+(?:,\s*%?[\w.\-]+)*)\}?")
 TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
 FRAME_RE = re.compile(r"stack_frame_id=(\d+)")
+OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 TABLE_ROW_RE = re.compile(r"^(\d+)\s+(.*)$")
 
 
@@ -82,10 +87,12 @@ class Module:
                for n in c.group("names").split(",")]
       target = TARGET_RE.search(rest)
       frame = FRAME_RE.search(rest)
+      op_name = OP_NAME_RE.search(rest)
       self.instructions[m.group("name")] = dict(
           op=m.group("op"), shape=m.group("shape"), calls=calls, line=line,
           target=target.group(1) if target else "",
-          frame=int(frame.group(1)) if frame else None)
+          frame=int(frame.group(1)) if frame else None,
+          op_name=op_name.group(1) if op_name else "")
       self.computations[computation].append(m.group("name"))
     self._files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
     self._functions = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
@@ -141,8 +148,9 @@ class Module:
     if any(op.startswith(c) for op in ops for c in COLLECTIVES):
       return "collective"
     producer = None
-    for frame in [i["frame"] for i in instrs if i["frame"]]:
-      for source in self.sources(frame):
+    for i in instrs:
+      # Its name scope, then its Python frames innermost first: the first hit counts.
+      for source in [i["op_name"]] + (self.sources(i["frame"]) if i["frame"] else []):
         hit = next((kind for kind, rule in SOURCE_RULES if rule.search(source)), None)
         if hit:
           if producer is None or _rank(hit) < _rank(producer):

@@ -194,7 +194,16 @@ def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=Non
                    histories=(h["qkv"], h["out"]))
     with jax.named_scope("mlp"):
       return sublayer(x, params["ln_2"], params["mlp"]["fc1"], params["mlp"]["fc2"],
-                      o.activation, histories=(h["fc1"], h["fc2"]))
+                      _scoped("activation", o.activation), histories=(h["fc1"], h["fc2"]))
+
+
+def _scoped(name, f):
+  """`f` under the name scope `name`: profiles (benchmarks/producers.py) tell
+  the activation's passes by it, since jax keeps its own frames out of the HLO."""
+  def call(h):
+    with jax.named_scope(name):
+      return f(h)
+  return call
 
 
 def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype, histories):
