@@ -89,7 +89,7 @@ FP8_FLAGS = {
     "fp8_matmul_reduce_scatter": ("transpose_w", "reuse_gathered"),
     "fp8_gemm_tn": ("fast_accum",),
     "cublaslt_gemm_tn": ("timed", "fast_accum"),
-    "weight_copies": ("transpose_w",),
+    "weight_copies": ("transpose_w", "with_amax"),
 }
 
 

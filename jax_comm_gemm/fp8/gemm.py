@@ -238,10 +238,10 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
                   axis_name: str | None = None, amax_w=None, casts: str = "auto",
                   with_amax: bool = False):
   """The weight's two FP8 copies, made by one cast: ``(fwd8, fwd_inv, bwd8,
-  bwd_inv)``, and with `with_amax` (``"tensor"`` only) w's amax from the same
-  pass last (delayed scaling's history records it). For ``y = x @ w`` (w ``[k, n]``; ``[n, k]`` with `transpose_w`)
-  ``fwd8`` ``[n, k]`` feeds the forward GEMM and ``bwd8`` ``[k, n]`` the input
-  gradient's. ``"tensor"``: one scale for both (agreed over `axis_name`, or
+  bwd_inv)``, then with `with_amax` (``"tensor"`` only) w's amax from the same
+  pass (delayed scaling's history records it). For ``y = x @ w`` (w ``[k, n]``;
+  ``[n, k]`` with `transpose_w`) ``fwd8`` ``[n, k]`` feeds the forward GEMM and
+  ``bwd8`` ``[k, n]`` the input gradient's. ``"tensor"``: one scale for both (agreed over `axis_name`, or
   `amax_w` already agreed); ``"row"``: per row of each copy; ``"block"``: per
   128 x 128 block, the second copy the first's transpose. `casts`: the
   implementation of ``"tensor"``'s one pass (:func:`~jax_comm_gemm.fp8.cast.cast_transpose`).
@@ -252,6 +252,7 @@ def weight_copies(w, dtype, *, scaling: str, transpose_w: bool, margin: int = 0,
   ((3, 4), (3,), (4, 3), (4,))
   """
   transpose_w = validation.check_flag("weight_copies", "transpose_w", transpose_w)
+  with_amax = validation.check_flag("weight_copies", "with_amax", with_amax)
   w_kn = w.T if transpose_w else w
   if scaling == "tensor":
     if amax_w is None:
