@@ -171,6 +171,14 @@ def clocks() -> str:
     return "n/a"
 
 
+def batch_of(step, n, ps, x):
+  """`n` steps dispatched back to back, then waited for."""
+  out = None
+  for _ in range(n):
+    out = step(ps, x)
+  jax.block_until_ready(out)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out")
@@ -236,12 +244,8 @@ def main() -> None:
   order = list(variants)
   for index in range(3 + rounds):
     for name in (order if index % 2 == 0 else order[::-1]):
-      f = variants[name]
       t = time.perf_counter()
-      out = None
-      for _ in range(per_batch):
-        out = f(ps, x)
-      jax.block_until_ready(out)
+      batch_of(variants[name], per_batch, ps, x)
       if index >= 3:
         times[name].append((time.perf_counter() - t) / per_batch)
   for name in (args.profile_variants if args.profile else ()):
@@ -253,12 +257,8 @@ def main() -> None:
       for _ in range(3):
         with jax.profiler.TraceAnnotation("step"):
           jax.block_until_ready(variants[name](ps, x))
-      # Then a batch as the timing runs it: steps dispatched back to back.
-      with jax.profiler.TraceAnnotation("batch"):
-        out = None
-        for _ in range(per_batch):
-          out = variants[name](ps, x)
-        jax.block_until_ready(out)
+      with jax.profiler.TraceAnnotation("batch"):  # as the timing runs them
+        batch_of(variants[name], per_batch, ps, x)
   for name in variants:
     results[name]["ms"] = 1e3 * float(np.median(times[name]))
     results[name]["tokens_per_s"] = seq * batch / (results[name]["ms"] / 1e3)

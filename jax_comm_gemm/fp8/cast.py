@@ -49,9 +49,7 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   jax), or ``"auto"`` (the kernel on a GPU where the tiles divide x, for a
   transposed copy or an amax: XLA fuses a row-major cast alone into the op
   that produces x)."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"cast_transpose: implementation must be one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
+  _check_implementation("cast_transpose", implementation)
   if jnp.ndim(x) != 2:
     raise ValueError(f"cast_transpose: x must be 2-D, got shape {jnp.shape(x)}")
   if not (rows or columns or with_amax):
@@ -64,6 +62,12 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   x, scale = vma.match(x, jnp.reshape(jnp.asarray(scale, F32), (1,)))
   return _pallas(x, scale, jnp.dtype(dtype), rows, columns, with_amax, CAST_TILING,
                  interpret=jax.default_backend() != "gpu")
+
+
+def _check_implementation(op: str, implementation: str) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
 
 
 def _kernel_runs(x) -> bool:
@@ -88,9 +92,7 @@ def transpose(q, *, implementation: str = "auto"):
   q's rows reads (a gathered FP8 operand, whose bytes and scale it keeps).
   XLA's transpose of one-byte elements runs far below the memory's speed; the
   kernel moves tiles (`implementation` as in :func:`cast_transpose`)."""
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"transpose: implementation must be one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
+  _check_implementation("transpose", implementation)
   if implementation == "auto":
     implementation = "pallas" if _kernel_runs(q) else "xla"
   if implementation == "xla":
@@ -158,9 +160,7 @@ def amax_if(x, wanted, *, implementation: str = "auto"):
   >>> float(amax_if(jnp.array([[1.0, -3.0]]), True)), float(amax_if(jnp.array([[1.0]]), False))
   (3.0, 0.0)
   """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"amax_if: implementation must be one of {IMPLEMENTATIONS}, "
-                     f"got {implementation!r}")
+  _check_implementation("amax_if", implementation)
   if jnp.ndim(x) != 2:
     raise ValueError(f"amax_if: x must be 2-D, got shape {jnp.shape(x)}")
   if implementation == "auto":

@@ -197,6 +197,13 @@ def _mlp_inputs(seed, n, k, m):
   return x, w1, w2
 
 
+def _relative_error(a, b) -> float:
+  """``max|a - b| / max|b|`` in float64 (NaN where b is all zeros: no check passes)."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
 def check_layers_tp1():
   """The FP8 layers at tp = 1 with gemm_form="cublaslt", forward and
   gradients, against the "direct" form (same quantization, so the same
@@ -231,8 +238,7 @@ def check_layers_tp1():
     errs = []
     # Not the loss: a sum with cancellations, its relative error says nothing.
     for name, a, b in (("dx", gc[0], gd[0]), ("dw1", gc[1], gd[1]), ("dw2", gc[2], gd[2])):
-      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-      err = float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+      err = _relative_error(a, b)
       errs.append(f"{name} {err:.1e}")
       # The forms differ in rounding (and so in what E5M2 rounds to after):
       # within the forward's FP8 tolerance; a wrong scale is off by >= 0.5.
@@ -292,8 +298,7 @@ def check_fused_casts():
     assert (kernels > 0) == (casts == "fused"), f"casts={casts}: {kernels} cast kernels"
   errs = []
   for name, a, b in zip(("dx", "dw1", "dw2"), results["fused"][1], results["xla"][1]):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+    err = _relative_error(a, b)
     assert err < 1e-2, f"{name}: fused casts vs XLA's {err:.3g}"  # same bytes, other layouts
     errs.append(f"{name} {err:.1e}")
   return "bytes equal XLA's (E4M3, E5M2, transpose); layers: " + ", ".join(errs)
@@ -340,8 +345,7 @@ def check_delayed_casts():
       assert (kernels > 0) == (casts == "fused"), f"casts={casts}: {kernels} amax kernels"
     fused, plain = results["fused"][1], results["xla"][1]
     for name, a, b in zip(("dx", "dw1", "dw2"), fused[:3], plain[:3]):
-      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-      err = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+      err = _relative_error(a, b)
       # XLA may cast (and take the amax of) a gradient its fusion has not yet
       # rounded to bf16 (excess precision), the kernel reads the bf16 tensor:
       # E5M2 rounds some values the other way. Within the forward's FP8
