@@ -130,8 +130,12 @@ class Checkpoints:
     self.manager.close()  # its threads would outlive the error otherwise
     raise SystemExit(message)
 
+  def due(self, step: int, total: int) -> bool:
+    """Whether `maybe_save` saves at `step`."""
+    return self.enabled and (step == total or bool(self.every and step % self.every == 0))
+
   def maybe_save(self, step: int, total: int, params, opt_state) -> None:
-    if self.enabled and (step == total or (self.every and step % self.every == 0)):
+    if self.due(step, total):
       byte_gpt.save(self.manager, step, params, opt_state, dict(self.meta, step=step))
       self.saved.append(step)
 

@@ -361,19 +361,40 @@ def train(args) -> dict:
                             s["seq_len"] * s["batch"], rank0)
   history = {"train": [], "validation": [(start, val_loss(params))]}
   log.note(f"step {start}: validation loss {history['validation'][-1][1]:.4f}")
-  times = []
+  # Each step's loss is read one step late, after the next step is dispatched
+  # and its batch built: a read waits for its step, and waiting before the next
+  # dispatch would leave the devices idle while the host launches that step.
+  # Validation and checkpoints read the pending loss first, so the log stays in
+  # step order. A step's time runs from the previous read (or its dispatch, if
+  # later) to its own read: the device's step time, and the first step's holds
+  # its warm-up (tokens_per_second leaves it out).
+  times, pending, last_read = [], None, 0.0
+
+  def read_pending():
+    nonlocal pending, last_read
+    if pending is not None:
+      done, loss, dispatched = pending
+      history["train"].append((done, float(loss)))
+      now = time.perf_counter()
+      times.append(now - max(dispatched, last_read))
+      pending, last_read = None, now
+      log.step(done, history["train"][-1][1], times[-1])
+
   for step in range(start, s["steps"]):
     t = time.perf_counter()
     params, opt_state, loss = step_fn(params, opt_state, tokens, targets)
     if step + 1 < s["steps"]:  # built on the host while the devices run the step
       tokens, targets = batch("train", step + 1)
-    history["train"].append((step + 1, float(loss)))
-    times.append(time.perf_counter() - t)
-    log.step(step + 1, history["train"][-1][1], times[-1])
-    if (step + 1) % eval_every == 0 or step + 1 == s["steps"]:
+    read_pending()  # the previous step's
+    pending = (step + 1, loss, t)
+    validate = (step + 1) % eval_every == 0 or step + 1 == s["steps"]
+    if validate or checkpoints.due(step + 1, s["steps"]):
+      read_pending()
+    if validate:
       history["validation"].append((step + 1, val_loss(params)))
       log.note(f"step {step + 1}: validation loss {history['validation'][-1][1]:.4f}")
     checkpoints.maybe_save(step + 1, s["steps"], params, opt_state)
+  read_pending()  # the last step always validates, so none is left: a guard
   log.close()
   checkpoints.close()
   if args.profile:  # 3 more steps (they update the model too), each annotated

@@ -11,6 +11,8 @@ layer takes the XLA fallback. Small sizes keep each run to a few seconds.
   processes joined by jax.distributed.
 * tp = 1 (one device, as on a machine with one GPU): the run trains on XLA,
   skips the tuning and the A/B with the reason, and its report matches.
+* The loop reads each step's loss after dispatching the next step (save where
+  a validation or a checkpoint needs it first), and records every step once.
 * Help text and defaults for every option; clear errors.
 * diagnostics.report, which says what each layer runs and what a block should
   count, for every backend.
@@ -210,6 +212,74 @@ def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, cap
   assert re.search(r"autotune in [\d.]+ s: plan 'ring'", stdout), stdout
   assert summary["autotune"]["plan"] == "ring"
   assert [s for s, _ in summary["history"]["validation"]] == [0, 1, 2]
+
+
+def test_each_loss_is_read_after_the_next_step_is_dispatched(monkeypatch, tmp_path, capsys):
+  """The loop reads step t's loss (a wait for step t) only after dispatching
+  step t + 1, except where it must: before a validation or a checkpoint
+  (which see the params after step t; the last step has both). Every step's
+  loss is recorded once, in order, with one time per step. (The saves are
+  recorded, not written.)"""
+  events = []
+
+  class Loss:  # records when the loop turns it into a float
+    def __init__(self, step, loss):
+      self.step, self.loss = step, loss
+
+    def __float__(self):
+      value = float(self.loss)
+      events.append(("read", self.step, value))
+      return value
+
+  class Step:  # the compiled step, counting its dispatches
+    def __init__(self, compiled):
+      self.compiled, self.dispatched = compiled, 0
+
+    def __call__(self, *args):
+      params, opt_state, loss = self.compiled(*args)
+      self.dispatched += 1
+      events.append(("dispatch", self.dispatched))
+      return params, opt_state, Loss(self.dispatched, loss)
+
+    def __getattr__(self, name):  # as_text etc., for the layer report
+      return getattr(self.compiled, name)
+
+  train_step, eval_step = byte_gpt.Trainer.train_step, byte_gpt.Trainer.eval_step
+  monkeypatch.setattr(byte_gpt.Trainer, "train_step",
+                      lambda self, *a: Step(train_step(self, *a)))
+
+  def recorded_eval_step(self):
+    evaluate = eval_step(self)
+
+    def validate(*args):
+      events.append(("validate",))
+      return evaluate(*args)
+    return validate
+
+  monkeypatch.setattr(byte_gpt.Trainer, "eval_step", recorded_eval_step)
+  monkeypatch.setattr(byte_gpt, "save", lambda manager, step, *a: events.append(("save", step)))
+  times = []
+  tokens_per_second = run_report.tokens_per_second
+
+  def recorded_tokens_per_second(step_times, tokens):
+    times.extend(step_times)
+    return tokens_per_second(step_times, tokens)
+
+  monkeypatch.setattr(run_report, "tokens_per_second", recorded_tokens_per_second)
+  summary = train_byte_gpt.main([*SMALL, "--layers", "1", "--steps", "6", "--eval-every", "3",
+                                 "--eval-batches", "1", "--checkpoint-every", "5",
+                                 "--ab-steps", "0", "--checkpoint-dir", str(tmp_path)])
+  capsys.readouterr()
+  order = [e[:2] for e in events]
+  d, r = (lambda n: ("dispatch", n)), (lambda n: ("read", n))
+  assert order == [("validate",), d(1), d(2), r(1), d(3), r(2), r(3), ("validate",),
+                   d(4), d(5), r(4), r(5), ("save", 5), d(6), r(6), ("validate",),
+                   ("save", 6)], order
+  reads = [e[1:] for e in events if e[0] == "read"]
+  assert [tuple(x) for x in summary["history"]["train"]] == reads
+  assert [s for s, _ in reads] == [1, 2, 3, 4, 5, 6]
+  assert [s for s, _ in summary["history"]["validation"]] == [0, 3, 6]
+  assert len(times) == 6 and all(t > 0 for t in times), times
 
 
 def test_every_option_has_help_and_shows_its_default(capsys):
