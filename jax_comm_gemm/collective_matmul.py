@@ -135,17 +135,30 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
-                                    fp8_history=None):
-  """:func:`matmul_reduce_scatter` for callers that validated the arguments."""
+                                    fp8_history=None, activation=None):
+  """:func:`matmul_reduce_scatter` for callers that validated the arguments, of
+  ``activation(x)`` where one is given (an elementwise function: the FP8 op
+  applies it inside x's cast, docs/fp8.md "Fused casts")."""
   precision = validation.check_op_options("matmul_reduce_scatter", config, fp8_history, precision)
   if fp8_route(config).fp8:
     return fp8_matmul_reduce_scatter(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
         reuse_gathered=config.reuse_gathered is not False, history=fp8_history,
-        collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0])
+        collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0],
+        activation=activation)
+  if activation is not None:
+    x = scoped_activation(activation, x)
   route = op_route(config, RS, x, w, transpose_w, axis_name, precision)
   static = _Static(axis_name, transpose_w, route, precision=precision, plan=current_plan())
   return _matmul_reduce_scatter_jit(*vma.varying_along(axis_name, x, w), static)
+
+
+def scoped_activation(activation, x):
+  """``activation(x)`` under the name scope "activation": profiles
+  (benchmarks/producers.py) tell its passes by it, since jax keeps its own
+  frames out of the HLO."""
+  with jax.named_scope("activation"):
+    return activation(x)
 
 
 def _gathering_matmul(s: _Static, backend: Backend, route, x, w, transpose_w):

@@ -2,7 +2,9 @@
 bf16 / f16 / f32 `x` once and writes ``sat(x * scale)`` in FP8 row-major, its
 transpose (the TN operand of a GEMM over x's rows), and, where asked, x's
 amax (delayed scaling knows its scale before the cast, so the amax it records
-for the next steps comes from the same pass).
+for the next steps comes from the same pass). Where x is the input of an
+elementwise `prologue` (an activation), the pass applies it first: the
+activation's output is never written in x's dtype.
 
 XLA makes each of those a pass of its own (a cast, a transposing cast, a
 reduction). On a GPU a Pallas (Triton) kernel does them in one: each program
@@ -40,7 +42,7 @@ TILE = 128  # both tilings' sides divide it: the kernels take x whose dims it di
 
 
 def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
-                   with_amax: bool = False, implementation: str = "auto"):
+                   with_amax: bool = False, implementation: str = "auto", prologue=None):
   """``(q, qT, amax)`` of a 2-D `x` ``[r, c]``: ``q = sat(x * scale)`` ``[r, c]``
   and its transpose ``qT`` ``[c, r]`` in FP8 `dtype` (each None unless asked
   for by `rows` / `columns`), and ``max(|x|)`` in float32 (None unless
@@ -48,7 +50,15 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   `implementation`: ``"pallas"`` (the one-pass GPU kernel), ``"xla"`` (plain
   jax), or ``"auto"`` (the kernel on a GPU where the tiles divide x, for a
   transposed copy or an amax: XLA fuses a row-major cast alone into the op
-  that produces x)."""
+  that produces x). `prologue`: an elementwise function (an activation) that
+  the pass applies to x first, as :func:`activated` says; the copies and the
+  amax are then of ``prologue(x)``.
+
+  >>> q, _, a = cast_transpose(jnp.array([[-1.0, 2.0]]), 1.0, jnp.float8_e4m3fn,
+  ...                          columns=False, with_amax=True, prologue=jax.nn.relu)
+  >>> q.astype(jnp.float32).tolist(), float(a)
+  ([[0.0, 2.0]], 2.0)
+  """
   _check_implementation("cast_transpose", implementation)
   if jnp.ndim(x) != 2:
     raise ValueError(f"cast_transpose: x must be 2-D, got shape {jnp.shape(x)}")
@@ -57,11 +67,20 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   if implementation == "auto":  # a row-major cast alone XLA fuses into its producer
     implementation = "pallas" if (columns or with_amax) and _kernel_runs(x) else "xla"
   if implementation == "xla":
-    return _xla(x, scale, dtype, rows, columns, with_amax)
+    return _xla(activated(x, prologue), scale, dtype, rows, columns, with_amax)
   # The kernel's operands must vary alike (inside shard_map): the agreed scale as x.
   x, scale = vma.match(x, jnp.reshape(jnp.asarray(scale, F32), (1,)))
   return _pallas(x, scale, jnp.dtype(dtype), rows, columns, with_amax, CAST_TILING,
-                 interpret=jax.default_backend() != "gpu")
+                 prologue, interpret=jax.default_backend() != "gpu")
+
+
+def activated(x, prologue):
+  """``prologue(x)`` computed in float32 and rounded to x's dtype, as the op
+  that writes an activation's output would round it; x itself without one.
+  The kernels compute it so too, tile by tile."""
+  if prologue is None:
+    return x
+  return prologue(x.astype(F32)).astype(x.dtype)
 
 
 def _check_implementation(op: str, implementation: str) -> None:
@@ -99,13 +118,13 @@ def transpose(q, *, implementation: str = "auto"):
     return q.T
   # As bytes: the kernel only moves them.
   b = lax.bitcast_convert_type(q, jnp.uint8)
-  _, bT, _ = _pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, MOVE_TILING,
+  _, bT, _ = _pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, MOVE_TILING, None,
                      interpret=jax.default_backend() != "gpu")
   return lax.bitcast_convert_type(bT, q.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6), static_argnames=("interpret",))
-def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, *, interpret=False):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7), static_argnames=("interpret",))
+def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, prologue, *, interpret=False):
   """The one-pass kernel, `tiling` = (tile rows, tile columns, warps); `scale`
   None: no cast (x's bytes, transposed)."""
   r, c = x.shape
@@ -126,7 +145,7 @@ def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, *, interpret=Fals
     kernel, args, in_specs = _move, (x,), [spec]
   else:
     kernel = functools.partial(_cast, limit=fp8_max(dtype), dtype=dtype, rows=rows,
-                               columns=columns, with_amax=with_amax)
+                               columns=columns, with_amax=with_amax, prologue=prologue)
     args, in_specs = (scale, x), [pl.BlockSpec((1,), lambda i, j: (0,)), spec]
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
@@ -147,14 +166,14 @@ def _max_of_tiles(partial):
   return lax.optimization_barrier(jnp.max(partial))
 
 
-def amax_if(x, wanted, *, implementation: str = "auto"):
+def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
   """``max(|x|)`` in float32 where the scalar bool `wanted` (a traced value) is
   true, else 0, reading x only where wanted: delayed scaling's first step needs
   this step's amax before its cast, the later steps only the history's. On a
   GPU a kernel whose programs return at once unless wanted (a ``lax.cond``
   would wait on the host for its predicate); elsewhere, or where the tiles do
-  not divide x, plain jax. NaN if x holds one (`implementation` as in
-  :func:`cast_transpose`).
+  not divide x, plain jax. NaN if x holds one (`implementation` and
+  `prologue` as in :func:`cast_transpose`).
 
   >>> import jax.numpy as jnp
   >>> float(amax_if(jnp.array([[1.0, -3.0]]), True)), float(amax_if(jnp.array([[1.0]]), False))
@@ -166,17 +185,18 @@ def amax_if(x, wanted, *, implementation: str = "auto"):
   if implementation == "auto":
     implementation = "pallas" if _kernel_runs(x) else "xla"
   if implementation == "xla":
-    return jnp.where(wanted, _xla_amax(x), jnp.float32(0))
+    return jnp.where(wanted, _xla_amax(activated(x, prologue)), jnp.float32(0))
   x, flag = vma.match(x, jnp.reshape(jnp.asarray(wanted, jnp.int32), (1,)))
-  return _amax_if(x, flag, interpret=jax.default_backend() != "gpu")
+  return _amax_if(x, flag, prologue, interpret=jax.default_backend() != "gpu")
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _amax_if(x, flag, *, interpret=False):
+@functools.partial(jax.jit, static_argnums=(2,), static_argnames=("interpret",))
+def _amax_if(x, flag, prologue, *, interpret=False):
   r, c = x.shape
   grid = (r // TILE, c // TILE)
   partial = pl.pallas_call(
-      _amax_kernel, out_shape=vma.shaped_like(x, grid, F32), grid=grid,
+      functools.partial(_amax_kernel, prologue=prologue),
+      out_shape=vma.shaped_like(x, grid, F32), grid=grid,
       in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
                 pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
@@ -184,12 +204,12 @@ def _amax_if(x, flag, *, interpret=False):
   return _max_of_tiles(partial)
 
 
-def _amax_kernel(flag_ref, x_ref, out_ref):
+def _amax_kernel(flag_ref, x_ref, out_ref, *, prologue):
   wanted = flag_ref[0] != 0
 
   @pl.when(wanted)
   def _():
-    out_ref[...] = jnp.full((1, 1), _tile_amax(x_ref[...].astype(F32)), F32)
+    out_ref[...] = jnp.full((1, 1), _tile_amax(_tile(x_ref, prologue)), F32)
 
   @pl.when(jnp.logical_not(wanted))
   def _():
@@ -208,8 +228,13 @@ def _move(x_ref, xT_ref):
   xT_ref[...] = x_ref[...].T
 
 
-def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax):
-  x = x_ref[...].astype(F32)
+def _tile(x_ref, prologue):
+  """The tile in float32, through `prologue` as :func:`activated` computes it."""
+  return activated(x_ref[...], prologue).astype(F32)
+
+
+def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax, prologue):
+  x = _tile(x_ref, prologue)
   y = x * scale_ref[0]
   # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
   y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))

@@ -28,6 +28,7 @@ import numpy as np
 from jax import lax
 
 from jax_comm_gemm import validation, vma
+import jax_comm_gemm.fp8.cast as cast
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
 from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
@@ -96,13 +97,18 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
 def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                               transpose_w: bool = False, reuse_gathered: bool = True,
                               gather: Callable | None = None, collectives="xla",
-                              history: AmaxHistory | None = None):
+                              history: AmaxHistory | None = None,
+                              activation: Callable | None = None):
   """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``. x: all tokens, local features, ``[n, ..., k/P]``; w
   ``[k/P, m]`` (``[m, k/P]`` with `transpose_w`); `reuse_gathered`: the weight
   gradient reads the FP8 dy that the input gradient's AllGather+GEMM gathered
-  (False: gathers it again); the rest as in :func:`fp8_all_gather_matmul`.
-  Returns this rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
+  (False: gathers it again); `activation`: an elementwise function applied to
+  x first, ``RS(activation(x) @ w)`` (the MLP's, computed in float32 and
+  rounded to x's dtype): its output is made inside x's FP8 cast and never
+  written in x's dtype, and the backward recomputes it from x; the rest as in
+  :func:`fp8_all_gather_matmul`. Returns this rank's tokens of the sum,
+  ``[n/P, ..., m]``, in x's dtype.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -115,6 +121,8 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   op = "fp8_matmul_reduce_scatter"
   transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
   reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
+  if activation is not None:
+    validation.check_callable(op, "activation", activation)
   _check(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
   size = lax.axis_size(axis_name)
   if x.shape[0] % size:
@@ -122,7 +130,8 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
                      f"of axis {axis_name!r} ({size})")
   s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               reuse_gathered=reuse_gathered, gather=gather or xla_gather,
-              collectives=st.checked_collectives(op, collectives, recipe, w))
+              collectives=st.checked_collectives(op, collectives, recipe, w),
+              activation=activation)
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
                              _history(op, recipe, history), s)
@@ -177,7 +186,8 @@ def _all_gather_matmul(x, w, h, s: Static):
 def _operands(s: Static, x, w, h):
   """x's amax to scale with, the weight's two FP8 copies (forward, backward)
   with their inverse scales, and w's next history (delayed; else None)."""
-  ax, aw = st.scaling_amaxes(s, (h.x, h.w) if h is not None else None, (x, w))
+  ax, aw = st.scaling_amaxes(s, (h.x, h.w) if h is not None else None, (x, w),
+                             prologues=(s.activation, None))
   wf8, wf_inv, wb8, wb_inv, w_seen = st.weights(s, w, aw)
   return ax, (wf8, wf_inv, wb8, wb_inv), st.next_history(s, None if h is None else h.w, w_seen)
 
@@ -235,14 +245,15 @@ def _matmul_reduce_scatter_fwd(x, w, h, s: Static):
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
   x8, x_inv, xT8, xT_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax,
-                                               columns=True)
+                                               columns=True, prologue=s.activation)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
   y = st.gemm_reduce_scatter(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
-  return y, (xT8, xT_inv, wb8, wb_inv, h, hx, hw)
+  pre = x if s.activation is not None else None  # the backward recomputes from it
+  return y, (xT8, xT_inv, wb8, wb_inv, h, hx, hw, pre)
 
 
 def _matmul_reduce_scatter_bwd(s: Static, res, dy):
-  xT8, xT_inv, wb8, wb_inv, h, hx, hw = res
+  xT8, xT_inv, wb8, wb_inv, h, hx, hw, pre = res
   b8 = s.recipe.backward_dtype
   dy8, dy_inv, dy_seen = st.quantize(s, dy, b8, _dy_amax(s, dy, h))
   dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True,
@@ -251,6 +262,9 @@ def _matmul_reduce_scatter_bwd(s: Static, res, dy):
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)
   dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
+  if pre is not None:  # through the activation, recomputed (XLA fuses it)
+    with jax.named_scope("activation"):
+      dx = jax.vjp(lambda t: cast.activated(t, s.activation), pre)[1](dx)[0]
   return dx, dw, _next(s, h, hx, hw, dy_seen)
 
 

@@ -56,6 +56,9 @@ class Static:
   # The fused steps' collectives: one of COLLECTIVES, or a CublasMpBackend
   # (the extension's fused FP8 ops; one scale per tensor).
   collectives: Any = "xla"
+  # An elementwise function that the row-parallel op applies to x first (the
+  # MLP's activation), inside x's cast: its output is never written in bf16.
+  activation: Callable | None = None
 
 
 # Hopper's FP8 tensor cores read rows of 16-byte multiples.
@@ -99,19 +102,23 @@ def fused_ops(s: Static):
   return None if isinstance(s.collectives, str) else s.collectives
 
 
-def scaling_amaxes(s: Static, histories, xs):
+def scaling_amaxes(s: Static, histories, xs, prologues=None):
   """The amaxes to scale `xs` with, one per tensor, agreed in one pmax (Nones
   for per-row and block scales): "tensor": this step's; "delayed": each of
   `histories`' largest, and this step's while a history is empty (the first
   step scales as "tensor" does; later steps read no tensor here: the amax
-  their histories record comes from the cast's pass, :func:`next_history`)."""
+  their histories record comes from the cast's pass, :func:`next_history`).
+  `prologues`: per x, None or the elementwise function whose output is cast
+  (the amax is of that output, computed in the same read of x)."""
   if not s.recipe.per_tensor:
     return (None,) * len(xs)
-  if s.recipe.scaling != "delayed":
-    return qz.agree(tuple(qz.amax(x) for x in xs), s.axis_name)
+  prologues = prologues or (None,) * len(xs)
+  if s.recipe.scaling != "delayed":  # XLA fuses the prologue into the reduction
+    return qz.agree(tuple(qz.amax(cast.activated(x, f)) for x, f in zip(xs, prologues)),
+                    s.axis_name)
   empty = tuple(jnp.max(h) == 0 for h in histories)
-  currents = qz.agree(tuple(cast.amax_if(x, e, implementation=casts(s))
-                            for x, e in zip(xs, empty)), s.axis_name)
+  currents = qz.agree(tuple(cast.amax_if(x, e, implementation=casts(s), prologue=f)
+                            for x, e, f in zip(xs, empty, prologues)), s.axis_name)
   return tuple(scaling_amax(h, a) for h, a in zip(histories, currents))
 
 
@@ -131,12 +138,15 @@ def _everywhere(a):
   return lax.pmax(a, axes) if axes else a
 
 
-def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False):
+def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False,
+             prologue=None):
   """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv),
   then x's amax as the cast's pass saw it (for "delayed"'s history; else
   None): with the agreed amax `a` (one scale per tensor), per row / per
   column ("row"), or per 1 x 128 block along the rows / the columns ("block":
-  the blocks run along the contraction of the GEMM each copy feeds)."""
+  the blocks run along the contraction of the GEMM each copy feeds).
+  `prologue`: the elementwise function whose output ``prologue(x)`` is
+  quantized, applied in the cast's pass (:func:`cast.activated`)."""
   out = []
   if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
@@ -144,12 +154,13 @@ def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False
     # The cast writes the transposed copy: no FP8 transpose.
     q, qT, seen = cast.cast_transpose(x, scale, dtype, rows=rows, columns=columns,
                                       with_amax=s.recipe.scaling == "delayed",
-                                      implementation=casts(s))
+                                      implementation=casts(s), prologue=prologue)
     if rows:
       out += [q, inv]
     if columns:
       out += [qT, inv]
     return out + [seen]
+  x = cast.activated(x, prologue)  # XLA fuses it into the per-row / block casts
   if s.recipe.scaling == "block":
     if rows:
       out += list(qz.quantize_blocks(x, dtype, 1, margin=s.recipe.margin))

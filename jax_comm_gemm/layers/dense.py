@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked,
-                                             matmul_reduce_scatter_unchecked)
+                                             matmul_reduce_scatter_unchecked, scoped_activation)
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.runtime.registry import current_plan
@@ -247,8 +247,8 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
   h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
                       fp8_history=histories["fc1"], **options)
   del options["keep_gathered_input"]
-  return row_parallel(activation(h), fc2_kernel, fc2_bias, axis_name=axis_name,
-                      fp8_history=histories["fc2"], **options)
+  return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name,
+                      fp8_history=histories["fc2"], activation=activation, **options)
 
 
 # --- the public layers on global arrays (jcg.sharded.*) -----------------------------------
@@ -411,16 +411,21 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
 
 
 def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_CONFIG,
-                 dot_general=None, dot_kwargs=(), fp8_history=None):
-  """:func:`row_parallel_dense` for callers that checked the arguments."""
+                 dot_general=None, dot_kwargs=(), fp8_history=None, activation=None):
+  """:func:`row_parallel_dense` for callers that checked the arguments, of
+  ``activation(h)`` where one is given (elementwise: an FP8 recipe applies it
+  inside h's cast)."""
   if dot_general is not None:
+    if activation is not None:
+      h = scoped_activation(activation, h)
     partial_sums = _injected(dot_general, h, kernel, precision, dot_kwargs)
     y = jax.lax.psum_scatter(partial_sums, axis_name, scatter_dimension=0, tiled=True)
   else:
     lead = np.shape(h)[:-1]
     y = matmul_reduce_scatter_unchecked(h.reshape(-1, np.shape(h)[-1]), kernel, axis_name,
                                         transpose_w=False, precision=precision,
-                                        config=config, fp8_history=fp8_history)
+                                        config=config, fp8_history=fp8_history,
+                                        activation=activation)
     y = y.reshape((lead[0] // jax.lax.axis_size(axis_name),) + lead[1:]
                   + (np.shape(kernel)[-1],))
   return y if bias is None else y + bias
@@ -484,8 +489,8 @@ def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, *, mesh, axis
     h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
                         keep_gathered_input=keep_gathered_input, precision=precision,
                         config=config, fp8_history=histories["fc1"])
-    return row_parallel(activation(h), fc2_kernel, fc2_bias, axis_name=axis_name,
-                        precision=precision, config=config, fp8_history=histories["fc2"])
+    return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name, precision=precision,
+                        config=config, fp8_history=histories["fc2"], activation=activation)
 
   specs = (tokens, P(None, axis_name), P(axis_name, None),
            None if fc1_bias is None else P(axis_name), None if fc2_bias is None else P(None),

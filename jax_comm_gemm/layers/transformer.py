@@ -189,34 +189,29 @@ def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=Non
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
       x = sublayer(x, params["ln_1"], params["attention"]["qkv"], params["attention"]["out"],
-                   partial(attention, heads=heads, causal=o.causal,
-                           implementation=o.attention_implementation),
+                   inner=partial(attention, heads=heads, causal=o.causal,
+                                 implementation=o.attention_implementation),
                    histories=(h["qkv"], h["out"]))
     with jax.named_scope("mlp"):
       return sublayer(x, params["ln_2"], params["mlp"]["fc1"], params["mlp"]["fc2"],
-                      _scoped("activation", o.activation), histories=(h["fc1"], h["fc2"]))
+                      activation=o.activation, histories=(h["fc1"], h["fc2"]))
 
 
-def _scoped(name, f):
-  """`f` under the name scope `name`: profiles (benchmarks/producers.py) tell
-  the activation's passes by it, since jax keeps its own frames out of the HLO."""
-  def call(h):
-    with jax.named_scope(name):
-      return f(h)
-  return call
-
-
-def _sublayer(x, norm, first, second, inner, *, axis_name, options, dtype, histories):
+def _sublayer(x, norm, first, second, *, inner=None, activation=None, axis_name, options,
+              dtype, histories):
   """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
-  row-parallel dense around `inner` (attention, or the MLP's activation)."""
+  row-parallel dense around `inner` (attention) or the elementwise
+  `activation`, which the second dense applies (an FP8 recipe inside its cast)."""
   o = options
   h = layer_norm(x, norm, o.epsilon, dtype)
   h = dense.column_parallel(h, *_dense_params(first, dtype), axis_name=axis_name,
                             keep_gathered_input=o.keep_gathered_input,
                             precision=o.precision, config=o.config, fp8_history=histories[0])
-  return x + dense.row_parallel(inner(h), *_dense_params(second, dtype),
-                                axis_name=axis_name, precision=o.precision, config=o.config,
-                                fp8_history=histories[1])
+  if inner is not None:
+    h = inner(h)
+  return x + dense.row_parallel(h, *_dense_params(second, dtype), axis_name=axis_name,
+                                precision=o.precision, config=o.config,
+                                fp8_history=histories[1], activation=activation)
 
 
 def _checked_histories(op, options, fp8_histories):

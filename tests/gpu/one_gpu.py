@@ -362,9 +362,61 @@ def check_delayed_casts():
   return "amax_if equals XLA's; histories equal; " + ", ".join(errs)
 
 
+def check_activation_casts():
+  """The cast kernel with the MLP's activation as its prologue, compiled: its
+  bytes are those of XLA's cast of the activation's output (Triton's tanh may
+  round a last f32 bit otherwise: at most 1 in 1000 codes, one step apart),
+  its amax that output's; and an FP8 MLP at tp = 1 with the activation inside
+  fc2's cast (delayed and tensor) gives the gradients of the activation
+  applied before the op."""
+  from jax_comm_gemm.fp8 import AmaxHistory, cast
+  x = (jax.random.normal(jax.random.key(9), (1024, 768)) * 3).astype(jnp.bfloat16)
+  codes = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)).astype(np.int16)
+  notes = []
+  for f8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    got = cast.cast_transpose(x, 40.0, f8, with_amax=True, implementation="pallas",
+                              prologue=jax.nn.gelu)
+    want = cast.cast_transpose(cast.activated(x, jax.nn.gelu), 40.0, f8, with_amax=True,
+                               implementation="xla")
+    for g, w in zip(got[:2], want[:2]):
+      diff = np.abs(codes(g) - codes(w))
+      assert diff.max() <= 1 and np.mean(diff > 0) <= 1e-2, (diff.max(), np.mean(diff > 0))
+    notes.append(f"{np.dtype(f8).name} {int(np.sum(codes(got[0]) != codes(want[0])))} codes off")
+    assert abs(float(got[2]) - float(want[2])) <= 1e-2 * float(want[2]), (got[2], want[2])
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  n, k, m = 1024, 512, 768
+  xs, w1, w2 = _mlp_inputs(10, n, k, m)
+  weights = jnp.cos(jnp.arange(k, dtype=jnp.float32))
+  for scaling in ("tensor", "delayed"):
+    recipe = Fp8Recipe(scaling)
+    results = {}
+    for inside in (True, False):
+      def layers(x, w1, w2, *h, inside=inside):
+        hs = [{"history": AmaxHistory(*t)} for t in h] or [{}, {}]
+        y = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, **hs[0])
+        if inside:
+          return fp8_matmul_reduce_scatter(y, w2, "tp", recipe=recipe, activation=jax.nn.gelu,
+                                           **hs[1])
+        return fp8_matmul_reduce_scatter(jax.nn.gelu(y), w2, "tp", recipe=recipe, **hs[1])
+      h = [tuple(AmaxHistory.zeros(recipe))] * 2 if scaling == "delayed" else []
+      mlp = jax.shard_map(layers, mesh=mesh,
+                          in_specs=(P("tp"), P(None, "tp"), P("tp")) + (P(),) * len(h),
+                          out_specs=P("tp"))
+      f = jax.jit(jax.value_and_grad(
+          lambda x, w1, w2, c, *h: jnp.sum(mlp(x, w1, w2, *h).astype(jnp.float32) * c),
+          argnums=(0, 1, 2)))
+      results[inside] = jax.block_until_ready(f(xs, w1, w2, weights, *h))
+    for name, a, b in zip(("dx", "dw1", "dw2"), results[True][1], results[False][1]):
+      err = _relative_error(a, b)
+      assert err < 2e-2, f"{scaling} {name}: activation inside vs before the op {err:.3g}"
+      notes.append(f"{scaling} {name} {err:.1e}")
+  return "; ".join(notes)
+
+
 CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
           check_gemm_error_reaches_python,
           check_gemm_workspace_per_call_site, check_layers_tp1, check_fused_casts,
+          check_activation_casts,
           check_delayed_casts,
           *one_rank.CHECKS]
 
