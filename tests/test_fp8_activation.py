@@ -5,7 +5,9 @@ that output; ``fp8_matmul_reduce_scatter(activation=)`` matches float64 in
 its output and both gradients (through the activation, recomputed in the
 backward) for every recipe, with the kernel as with XLA's casts; and the
 transformer block's activation runs inside the cast kernel, not before it
-(the GPU runs the compiled kernel: tests/gpu/one_gpu.py)."""
+(the GPU runs the compiled kernel: tests/gpu/one_gpu.py). Beside it, the
+block's other saved pass: float32 master kernels reach the FP8 ops as they
+are, with no bfloat16 copy made of them or of their gradients."""
 
 import jax
 import jax.extend
@@ -188,3 +190,44 @@ def test_block_applies_its_activation_inside_the_cast(monkeypatch):
   from jax_comm_gemm import CommGemmConfig
   assert tanh_sites(CommGemmConfig(fp8=Fp8Recipe("delayed"))) == {True}
   assert tanh_sites(CommGemmConfig()) == {False}
+
+
+def _converted_kernels(config, kernel_shapes):
+  """The shapes of the block's kernel-shaped arrays that its value-and-grad
+  converts between float32 and bfloat16 (f32 parameters, bf16 compute; 512
+  tokens, so that no activation has a kernel's shape)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  layout = tb.param_layout(TILE, 2 * TILE, "tp")
+  params = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.float32) * 0.01, layout)
+  options = tb.BlockOptions(num_heads=2, dtype=jnp.bfloat16, config=config)
+  h = tb.init_fp8_histories(options)
+  f = jax.shard_map(lambda x, p, h: tb.transformer_block(x, p, axis_name="tp", options=options,
+                                                          fp8_histories=h),
+                    mesh=mesh, in_specs=(P("tp"), tb.partition_specs(params, "tp"), P()),
+                    out_specs=P("tp"), check_vma=False)
+  loss = lambda p, x, h: jnp.sum(f(x, p, h).astype(jnp.float32))
+  jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(params, jnp.ones((4 * TILE, 1, TILE)), h)
+  found = set()
+
+  def walk(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "convert_element_type":
+        shape = tuple(e.invars[0].aval.shape)
+        if shape in kernel_shapes and {e.invars[0].aval.dtype, e.params["new_dtype"]} == {
+            jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}:
+          found.add(shape)
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        walk(sub)
+  walk(jaxpr.jaxpr)
+  return found
+
+
+def test_fp8_block_takes_float32_kernels_as_they_are():
+  """Under an FP8 recipe the block hands its float32 kernels to the FP8 ops,
+  which cast them to FP8 in one read and return float32 gradients: no
+  bfloat16 copy of a kernel or of its gradient (bf16 compute makes one each)."""
+  from jax_comm_gemm import CommGemmConfig
+  shapes = {(TILE, 3 * TILE), (TILE, TILE), (TILE, 2 * TILE), (2 * TILE, TILE)}
+  assert _converted_kernels(CommGemmConfig(), shapes) == shapes
+  for scaling in ("tensor", "delayed"):
+    assert _converted_kernels(CommGemmConfig(fp8=Fp8Recipe(scaling)), shapes) == set()

@@ -204,12 +204,12 @@ def _sublayer(x, norm, first, second, *, inner=None, activation=None, axis_name,
   `activation`, which the second dense applies (an FP8 recipe inside its cast)."""
   o = options
   h = layer_norm(x, norm, o.epsilon, dtype)
-  h = dense.column_parallel(h, *_dense_params(first, dtype), axis_name=axis_name,
+  h = dense.column_parallel(h, *_dense_params(first, dtype, o.config), axis_name=axis_name,
                             keep_gathered_input=o.keep_gathered_input,
                             precision=o.precision, config=o.config, fp8_history=histories[0])
   if inner is not None:
     h = inner(h)
-  return x + dense.row_parallel(h, *_dense_params(second, dtype), axis_name=axis_name,
+  return x + dense.row_parallel(h, *_dense_params(second, dtype, o.config), axis_name=axis_name,
                                 precision=o.precision, config=o.config,
                                 fp8_history=histories[1], activation=activation)
 
@@ -251,9 +251,14 @@ def attention(qkv, heads: int, causal: bool, implementation):
   return jnp.swapaxes(out, 0, 1).reshape(seq, batch, -1)
 
 
-def _dense_params(p, dtype):
-  """(kernel, bias or None) in the computation dtype, like flax's promote_dtype."""
-  return p["kernel"].astype(dtype), (p["bias"].astype(dtype) if "bias" in p else None)
+def _dense_params(p, dtype, config):
+  """(kernel, bias or None) in the computation dtype, like flax's promote_dtype;
+  under an FP8 recipe the kernel as stored: the FP8 op makes its FP8 copies
+  from it in one read and returns its gradient in its dtype, where a copy in
+  `dtype` of a float32 master weight would cost a pass over it, and one over
+  its gradient, every step (docs/fp8.md)."""
+  kernel = p["kernel"] if config.fp8 is not None else p["kernel"].astype(dtype)
+  return kernel, (p["bias"].astype(dtype) if "bias" in p else None)
 
 
 # --- global arrays ------------------------------------------------------------------
