@@ -28,6 +28,7 @@ from jax_comm_gemm.backends.routes import AG, RS, AutoBackend, Problem
 from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime import REGISTRY, settings
+from jax_comm_gemm.runtime.capability import Capability
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.runtime.settings import Settings
 from conftest import stand_in_plan
@@ -332,6 +333,20 @@ def test_iterations_are_a_function_of_the_problem_alone():
   # call, the large problem (2 * 16384 * 8192 * 14336 FLOP) takes ~9.65 ms.
   assert autotune.iterations(large, 1.0) == 10
   assert autotune.iterations(large, 3.0) == 31
+  # Where the group has no symmetric memory (NCCL's network transport, as with
+  # ranks sharing a GPU), a call costs milliseconds whatever its size: a batch
+  # of 200 small calls would take 0.5 s, not the tenth of a second asked for.
+  assert autotune.iterations(small, 1.0, symmetric_memory=False) == 39
+  assert autotune.iterations(large, 1.0, symmetric_memory=False) == 8
+
+
+def test_timed_batches_follow_the_workspace_verdict(monkeypatch):
+  """_runnables sizes its batches by connect's workspace verdict for the group."""
+  p = Problem(AG, 8, 8, 6, "float32", False, 2)
+  for ok, want in ((True, 200), (False, 3)):
+    monkeypatch.setattr(autotune, "workspace", lambda size, ok=ok: Capability(ok, "planted"))
+    runs = autotune._runnables(cpu_mesh(2), "tp", p, seconds=0.1)
+    assert runs["xla"][1] == want, (ok, runs["xla"][1])
 
 
 @pytest.fixture

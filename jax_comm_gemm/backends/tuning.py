@@ -33,7 +33,7 @@ import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, IMPLEMENTATIONS,
                                            Problem, candidates, fp8_collectives_of,
-                                           implementation, runnable)
+                                           implementation, runnable, workspace)
 from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime import comm_id, settings
 from jax_comm_gemm.runtime.plan import Plan
@@ -282,10 +282,18 @@ def _random(mesh, shape, spec, dtype, seed, scale=1.0):
   return make(jax.random.key(seed))
 
 
-def iterations(p: Problem, seconds: float) -> int:
+# A call's fixed cost where the group has NCCL symmetric memory (NVLink), and
+# where it has not: with ranks sharing a GPU every candidate timed 2.26 ms a
+# call whatever its size, NCCL's network transport's cost per collective
+# (docs/gpu-testing.md); across hosts over the network it is of that order too.
+CALL_S = {True: 3e-5, False: 2.5e-3}
+
+
+def iterations(p: Problem, seconds: float, symmetric_memory: bool = True) -> int:
   """Calls per timed batch, about `seconds / 10` of work, from the problem's
-  size alone (never a timing): it must be the same in every process."""
-  estimate = p.flop() / 4e14 + 3e-5
+  size and whether its group has NCCL symmetric memory (connect's workspace
+  probe), never from a timing: it must be the same in every process."""
+  estimate = p.flop() / 4e14 + CALL_S[symmetric_memory]
   return max(1, min(200, int(seconds / 10 / estimate)))
 
 
@@ -332,7 +340,8 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
 
     runs[name] = build(lambda local=local: jax.jit(jax.shard_map(local, mesh=mesh, **specs))
                        .lower(x, w).compile(),
-                       lambda program: program(x, w), iterations(p, seconds))
+                       lambda program: program(x, w),
+                       iterations(p, seconds, workspace(size).ok))
   return runs
 
 
