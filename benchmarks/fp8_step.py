@@ -27,7 +27,7 @@ of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
 Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...] [--hlo DIR]
-       [--profile DIR [--profile-variants VARIANT ...]] [--steps-per-batch N]
+       [--profile DIR [--profile-variants VARIANT ...]] [--steps-per-batch N] [--master-f32]
 (--smoke: tiny, CPU)
 """
 
@@ -70,15 +70,15 @@ def _plain_fwd(x, w):
   x8, sx = _cast(x, E4M3)
   w8, sw = _cast(w, E4M3)
   y = lax.dot_general(x8, w8.T, LAST, preferred_element_type=BF16) * (sx * sw).astype(BF16)
-  return y, (x8.T, sx, w8, sw)
+  return y, (x8.T, sx, w8, sw, jnp.zeros((0,), w.dtype))  # the last: w's dtype
 
 
 def _plain_bwd(res, dy):
-  x8t, sx, w8, sw = res
+  x8t, sx, w8, sw, w_dtype = res
   dy8, sdy = _cast(dy, E5M2)
   dx = lax.dot_general(dy8, w8, LAST, preferred_element_type=BF16) * (sdy * sw).astype(BF16)
   dw = lax.dot_general(x8t, dy8.T, LAST, preferred_element_type=F32) * (sx * sdy)
-  return dx, dw.astype(BF16)
+  return dx, dw.astype(w_dtype.dtype)
 
 
 plain_fp8_dense.defvjp(_plain_fwd, _plain_bwd)
@@ -95,7 +95,7 @@ def plain_block(p, x, heads, attention):
     return ((t32 - mean) * lax.rsqrt(var + 1e-6) * q["scale"] + q["bias"]).astype(BF16)
 
   def dense(t, q):
-    return plain_fp8_dense(t.reshape(-1, t.shape[-1]), q["kernel"]) + q["bias"]
+    return plain_fp8_dense(t.reshape(-1, t.shape[-1]), q["kernel"]) + q["bias"].astype(BF16)
 
   qkv = dense(norm(x, p["ln_1"]), p["attention"]["qkv"]).reshape(s, b, heads, 3, d // heads)
   q, k, v = (jnp.swapaxes(qkv[:, :, :, i], 0, 1) for i in range(3))
@@ -198,6 +198,10 @@ def main() -> None:
                       help="these variants only (project_bf16 always runs: the baseline)")
   parser.add_argument("--steps-per-batch", type=int, default=5, metavar="N",
                       help="steps dispatched back to back per timed batch (default 5)")
+  parser.add_argument("--master-f32", action="store_true",
+                      help="parameters in float32, as the example keeps them (each variant "
+                           "casts them as its layers do: bf16 GEMMs read bf16 copies, the "
+                           "FP8 ops cast the kernels from float32)")
   args = parser.parse_args()
   d, hidden, heads, layers, seq, batch = ((64, 128, 2, 2, 16, 2) if args.smoke
                                           else (4096, 16384, 32, 4, 2048, 4))
@@ -216,6 +220,8 @@ def main() -> None:
         return (jax.random.normal(key, spec.shape, F32) / np.sqrt(spec.shape[0])).astype(BF16)
       scale = "scale" in jax.tree_util.keystr(path)
       return (jnp.ones if scale else jnp.zeros)(spec.shape, BF16)
+    if args.master_f32:
+      init = lambda key, path, spec, init=init: init(key, path, spec).astype(F32)
     ps.append(jax.tree.unflatten(tree, [init(k, path, spec)
                                         for k, (path, spec) in zip(keys, leaves)]))
   x = jax.random.normal(jax.random.key(99), (seq, batch, d), F32).astype(BF16)
@@ -265,11 +271,13 @@ def main() -> None:
   results["meta"] = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                      "clocks_before": before, "clocks_after": clocks(),
                      "shape": dict(d=d, hidden=hidden, heads=heads, layers=layers, seq=seq,
-                                   batch=batch), "rounds": rounds, "steps_per_batch": per_batch}
+                                   batch=batch), "rounds": rounds, "steps_per_batch": per_batch,
+                     "params": "float32" if args.master_f32 else "bfloat16"}
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1)
   base = results["project_bf16"]["ms"]
-  print(f"\n{results['meta']['device']}, jax {jax.__version__}; clocks "
+  print(f"\n{results['meta']['device']}, jax {jax.__version__}, "
+        f"{results['meta']['params']} parameters; clocks "
         f"{before} -> {results['meta']['clocks_after']}")
   print("| variant | ms/step | tokens/s | speed-up over project bf16 | f8 GEMMs | bf16 GEMMs |")
   print("| --- | --- | --- | --- | --- | --- |")
