@@ -13,8 +13,12 @@ its operations, which XLA keeps in the HLO's stack frames (optax's files are
 the optimizer, flax's normalization the norm, an "activation" name scope the activation).
 
   python3 benchmarks/producers.py TRACE_OR_DIR STEP.hlo.txt [--window W] [--top 3] [--json OUT]
+                                 [--fusions N]
 
 --window as in trace_summary.py (e.g. the host annotation "train_step").
+--fusions N prints, after the table, the N longest instructions outside the
+GEMMs and the attention, each with its category, time, name scope and the HLO
+it runs: what a profile's row is made of.
 Needs only the standard library.
 """
 
@@ -235,6 +239,24 @@ def format_table(s: dict) -> str:
   return "\n".join(rows)
 
 
+def longest(times: dict[str, tuple[float, int]], module: Module, n: int,
+            skip=("gemm", "attention")) -> str:
+  """The `n` longest instructions of `times` whose category is not in `skip`:
+  a header line each (category, us, count, name scope), then the HLO lines
+  of its body, each cut to 200 characters."""
+  out = []
+  rows = sorted(((us, count, name) for name, (us, count) in times.items()
+                 if module.classify(name) not in skip), reverse=True)[:n]
+  for us, count, name in rows:
+    key = name.lstrip("%").split(" ")[0]
+    key = key if key in module.instructions else re.sub(r"_(\d+)$", r".\1", key)
+    body = module.body(key)
+    scope = body[0]["op_name"] if body else ""
+    out.append(f"## {name}: {module.classify(name)}, {us:.0f} us x{count}, {scope}")
+    out += [i["line"].strip()[:200] for i in body]
+  return "\n".join(out)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("trace")
@@ -242,11 +264,16 @@ def main(argv=None) -> int:
   p.add_argument("--window")
   p.add_argument("--top", type=int, default=3)
   p.add_argument("--json")
+  p.add_argument("--fusions", type=int, default=0, metavar="N")
   a = p.parse_args(argv)
   with open(a.hlo) as f:
     module = Module(f.read())
-  s = summarize(xla_op_times(trace_summary.load(a.trace), a.window), module, a.top)
+  times = xla_op_times(trace_summary.load(a.trace), a.window)
+  s = summarize(times, module, a.top)
   print(format_table(s))
+  if a.fusions:
+    print()
+    print(longest(times, module, a.fusions))
   if a.json:
     with open(a.json, "w") as f:
       json.dump(s, f, indent=1)

@@ -115,3 +115,17 @@ ENTRY %main (x: bf16[64,128]) -> bf16[128,64] {
 """
   module = producers.Module(text)
   assert module.classify("wrapped_transpose") == "transpose"
+
+
+def test_longest_lists_what_a_row_is_made_of(module):
+  """--fusions: the longest non-GEMM instructions, longest first, each with
+  its category and the HLO it runs."""
+  cast, optimizer = _named(module, "cast")[0], _named(module, "optimizer")[0]
+  gemm = _named(module, "gemm")[0]
+  times = {cast: (30.0, 2), optimizer: (50.0, 1), gemm: (500.0, 1)}
+  text = producers.longest(times, module, 5)
+  headers = [line for line in text.splitlines() if line.startswith("## ")]
+  assert [h.split(":")[0] for h in headers] == [f"## {optimizer}", f"## {cast}"]
+  assert headers[1].startswith(f"## {cast}: cast, 30 us x2")
+  assert module.instructions[cast]["line"].strip()[:200] in text
+  assert producers.longest(times, module, 1).count("## ") == 1
