@@ -10,7 +10,14 @@ checks, per shape, that the kernel's bytes equal XLA's (with inf and NaN
 planted). Variants interleaved, median of 10 batches of 20 calls after 2 s of
 load; prints the SM clock before and after and a markdown table last.
 
+With --activation, GELU (the MLP's activation) before the delayed cast: in a
+pass of its own (``gelu_two_passes``), as the kernel's prologue
+(``gelu_prologue``), and as the prologue with PTX's approximate tanh. Per
+tiling, ``*_delayed_convert_first`` transposes the FP8 tile instead of the
+float32 one.
+
 Usage: python benchmarks/cast_bench.py OUT.json [--tilings 64x64w4 128x64w8 ...]
+       [--activation] [--shapes 8192x16384 ...]
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.pallas import triton as plt
 
 from jax_comm_gemm.fp8 import cast
 from jax_comm_gemm.fp8.quantize import amax, inverse, scale_from_amax
@@ -32,7 +40,7 @@ E4M3 = jnp.float8_e4m3fn
 SHAPES = ((8192, 4096), (8192, 12288), (8192, 16384), (16384, 4096), (4096, 16384))
 
 
-def variants(tilings):
+def variants(tilings, activation=False):
   interpret = jax.default_backend() != "gpu"  # a smoke run elsewhere
   def current(impl, tile=None):
     def f(x):
@@ -41,7 +49,7 @@ def variants(tilings):
         q, qT, _ = cast.cast_transpose(x, scale, E4M3, implementation="xla")
       else:
         q, qT, _ = cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, False, tile,
-                                    interpret=interpret)
+                                None, interpret=interpret)
       return q, qT, inverse(scale)
     return jax.jit(f)
 
@@ -49,7 +57,7 @@ def variants(tilings):
     def f(x, scale):
       if impl == "xla":
         return cast.cast_transpose(x, scale, E4M3, with_amax=True, implementation="xla")
-      return cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, True, tile,
+      return cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, True, tile, None,
                           interpret=interpret)
     return jax.jit(f)
 
@@ -58,7 +66,7 @@ def variants(tilings):
       return jax.jit(lambda q: q.T)
     def f(q):
       b = lax.bitcast_convert_type(q, jnp.uint8)
-      bT = cast._pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, tile,
+      bT = cast._pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, tile, None,
                         interpret=interpret)[1]
       return lax.bitcast_convert_type(bT, q.dtype)
     return jax.jit(f)
@@ -74,7 +82,56 @@ def variants(tilings):
     out[f"{name}_current"] = (current("pallas", t), "x")
     out[f"{name}_delayed"] = (delayed("pallas", t), "x, scale")
     out[f"{name}_transpose"] = (transposed("pallas", t), "q8")
+    out[f"{name}_delayed_convert_first"] = (convert_first(t, interpret), "x, scale")
+  if activation:  # the MLP's activation before the delayed cast of its output
+    def with_prologue(prologue, tile=cast.CAST_TILING):
+      return jax.jit(lambda x, scale: cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True,
+                                                   True, True, tile, prologue,
+                                                   interpret=interpret))
+    out["gelu_two_passes"] = (jax.jit(lambda x, scale: delayed("pallas", cast.CAST_TILING)(
+        cast.activated(x, jax.nn.gelu), scale)), "x, scale")
+    out["gelu_prologue"] = (with_prologue(jax.nn.gelu), "x, scale")
+    if not interpret:  # the tanh of PTX's tanh.approx.f32 (no CPU lowering)
+      out["gelu_prologue_approx_tanh"] = (with_prologue(_gelu_approx_tanh), "x, scale")
   return out
+
+
+def convert_first(tile, interpret):
+  """The delayed cast as the kernel does it, but the transposed copy made by
+  transposing the FP8 tile (one byte an element through shared memory) where
+  the kernel transposes the float32 tile and then converts."""
+  from jax.experimental import pallas as pl
+  tr, tc, warps = tile
+  limit = float(jnp.finfo(E4M3).max)
+
+  def kernel(scale_ref, x_ref, q_ref, qT_ref, a_ref):
+    x = x_ref[...].astype(jnp.float32)
+    y = x * scale_ref[0]
+    q = jnp.where(y != y, y, jnp.clip(y, -limit, limit)).astype(E4M3)
+    q_ref[...] = q
+    qT_ref[...] = q.T
+    a_ref[...] = jnp.full((1, 1), cast._tile_amax(x), jnp.float32)
+
+  def f(x, scale):
+    r, c = x.shape
+    grid = (r // tr, c // tc)
+    return pl.pallas_call(
+        kernel, grid=grid,
+        out_shape=[jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((c, r), E4M3),
+                   jax.ShapeDtypeStruct(grid, jnp.float32)],
+        in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
+                  pl.BlockSpec((tr, tc), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((tr, tc), lambda i, j: (i, j)),
+                   pl.BlockSpec((tc, tr), lambda i, j: (j, i)),
+                   pl.BlockSpec((1, 1), lambda i, j: (i, j))],
+        interpret=interpret, compiler_params=plt.CompilerParams(num_warps=warps))(
+            scale.reshape(1), x)
+  return jax.jit(f)
+
+
+def _gelu_approx_tanh(x):
+  """jax.nn.gelu's tanh form with Triton's one-instruction tanh."""
+  return 0.5 * x * (1 + plt.approx_tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x * x * x)))
 
 
 def same_bytes(a, b):
@@ -89,12 +146,18 @@ def main() -> None:
   p.add_argument("out")
   p.add_argument("--tilings", nargs="+", default=["64x64w4", "128x128w4"],
                   metavar="RxCwW", help="kernel tilings: tile rows x columns, warps")
+  p.add_argument("--activation", action="store_true",
+                 help="also GELU before the delayed cast: in its own pass, as the kernel's "
+                      "prologue, and (on a GPU) the prologue with PTX's approximate tanh")
+  p.add_argument("--shapes", nargs="+", metavar="RxC", help="these shapes only")
   args = p.parse_args()
   tilings = [tuple(int(v) for v in t.replace("w", "x").split("x")) for t in args.tilings]
-  vs = variants(tilings)
+  shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes] if args.shapes
+            else SHAPES)
+  vs = variants(tilings, args.activation)
   results = {"meta": {"jax": jax.__version__, "device": jax.devices()[0].device_kind}}
   before = clocks()
-  for shape in SHAPES:
+  for shape in shapes:
     x = (jax.random.normal(jax.random.key(1), shape, jnp.float32) * 3).astype(jnp.bfloat16)
     scale = jnp.float32(37.0)
     ref = vs["xla_delayed"][0](x, scale)
@@ -109,7 +172,8 @@ def main() -> None:
       checks[name] = (same_bytes(got[0], ref[0]) and same_bytes(got[1], ref[1])
                    and bool(got[2] == ref[2]) and same_bytes(got_bad[0], ref_bad[0])
                    and same_bytes(got_bad[1], ref_bad[1]) and bool(jnp.isnan(got_bad[2]))
-                   and same_bytes(vs[f"{name}_transpose"][0](q8), q8.T))
+                   and same_bytes(vs[f"{name}_transpose"][0](q8), q8.T)
+                   and same_bytes(vs[f"{name}_delayed_convert_first"][0](x, scale)[1], ref[1]))
     times = {n: [] for n in vs}
     t_end = time.perf_counter() + 2.0
     while time.perf_counter() < t_end:  # load
@@ -137,7 +201,7 @@ def main() -> None:
   names = list(vs)
   print("| shape | " + " | ".join(f"{n} us" for n in names) + " | bit-exact |")
   print("| --- " * (len(names) + 2) + "|")
-  for shape in SHAPES:
+  for shape in shapes:
     r = results[f"{shape[0]}x{shape[1]}"]
     print(f"| {shape[0]}x{shape[1]} | " + " | ".join(f"{r[n]:.1f}" for n in names)
           + f" | {r['bit_exact']} |")
