@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
-from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem,
+from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem, choose,
                                          implementation, runnable)
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
@@ -370,6 +370,33 @@ def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
 FP8_TOLERANCE = {"y": 0.106, "dx": 0.165, "dw1": 0.181, "dw2": 0.220}
 
 
+def fp8_counts_as_chosen(config, mesh, shape, dt, keep) -> report.ExpectedCounts:
+  """The FP8 SP MLP's standalone all-gathers and fused calls under "auto", each
+  layer on the collectives chosen for its forward's problem (its backward
+  runs on the same: an FP8 op takes one): fc1 gathers x again for its
+  weight gradient unless XLA's forward gather serves it (CSE) or it keeps its
+  input; fc2 reuses the dy its backward gathered but on XLA (report.py's
+  rules, per layer)."""
+  (n, d, f), size = shape, mesh.shape["tp"]
+  name = jnp.dtype(dt).name
+  fc1 = Problem(AG, n // size, d, f // size, name, False, size, keep, config.fp8.key)
+  fc2 = Problem(RS, n, f // size, d, name, False, size, False, config.fp8.key)
+  standalone = fused = 0
+  for p, rs_layer in ((fc1, False), (fc2, True)):
+    chosen = choose(p, "xla")[0]
+    algorithm = chosen.removeprefix("cublasmp_")
+    layer = (dataclasses.replace(config, backend=chosen) if chosen in ("xla", "ring") else
+             dataclasses.replace(config, backend="cublasmp", all_gather_algorithm=algorithm,
+                                 reduce_scatter=algorithm))
+    path = report.layer_path(layer, mesh, "tp", dt, reduce_scatter_layer=rs_layer,
+                             keep_gathered_input=keep and not rs_layer).path
+    fused += path in (report.FUSED_WITH_REUSE, report.FUSED_WITH_ALL_GATHER)
+    standalone += {report.FP8_ON_XLA: 1, report.FUSED_WITH_ALL_GATHER: 1,
+                   report.FUSED_WITH_REUSE: 0,
+                   report.FP8_ON_RING: int(not (keep or rs_layer))}[path]
+  return report.ExpectedCounts(standalone, fused)
+
+
 def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
               all_gather_algorithm: str = "split_p2p", reduce_scatter: str = "xla"):
   """The SP MLP block in FP8 (``CommGemmConfig(fp8=...)``; `backend` "auto"
@@ -413,7 +440,8 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
   counted = hlo.count_collectives(text)
   config = jcg.CommGemmConfig(backend=backend, all_gather_algorithm=all_gather_algorithm,
                               reduce_scatter=reduce_scatter, fp8=recipe)
-  expected = report.expected_all_gathers(config, mesh, "tp", dt, keep_gathered_input=keep)
+  expected = (fp8_counts_as_chosen(config, mesh, (n, d, f), dt, keep) if backend == "auto"
+              else report.expected_all_gathers(config, mesh, "tp", dt, keep_gathered_input=keep))
   assert counted.fused_all_gather_matmul == expected.fused_all_gather_matmuls, (
       counted, expected)
   # The row scales travel beside the rows: a second all-gather per gather.
