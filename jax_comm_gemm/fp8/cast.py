@@ -37,7 +37,7 @@ from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
 # Each program's tile (rows, columns) and Triton warps, for the cast and for
 # the FP8 transpose: measured on an H200 (docs/fp8.md, "Fused casts").
-CAST_TILING = (64, 128, 4)
+CAST_TILING = (64, 64, 8)
 MOVE_TILING = (128, 128, 4)
 TILE = 128  # both tilings' sides divide it: the kernels take x whose dims it divides
 
@@ -152,12 +152,24 @@ def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, prologue, *, inte
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
                         compiler_params=plt.CompilerParams(num_warps=warps),
-                        name="fp8_cast_transpose")(*args)
+                        name=_kernel_name(scale is None, rows, columns, with_amax,
+                                          prologue))(*args)
   outs = iter(outs)
   q = next(outs) if rows else None
   qT = next(outs) if columns else None
   a = _max_of_tiles(next(outs)) if with_amax else None
   return q, qT, a
+
+
+def _kernel_name(move, rows, columns, with_amax, prologue) -> str:
+  """What a kernel writes, in its name, so that a profile tells the casts
+  apart: e.g. "fp8_cast_rows_columns_amax_gelu", "fp8_transpose"."""
+  if move:
+    return "fp8_transpose"
+  parts = [p for p, on in (("rows", rows), ("columns", columns), ("amax", with_amax)) if on]
+  if prologue is not None:
+    parts.append(getattr(prologue, "__name__", "prologue"))
+  return "_".join(["fp8_cast", *parts])
 
 
 def _max_of_tiles(partial):
@@ -281,10 +293,11 @@ def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax, p
   y = x * scale_ref[0]
   # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
   y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))
+  q = y.astype(dtype)
   outs = iter(out_refs)
   if rows:
-    next(outs)[...] = y.astype(dtype)
-  if columns:
-    next(outs)[...] = y.T.astype(dtype)
+    next(outs)[...] = q
+  if columns:  # the FP8 tile transposed: a quarter of float32's bytes through shared memory
+    next(outs)[...] = q.T
   if with_amax:
     next(outs)[...] = jnp.full((1, 1), _tile_amax(x), F32)
