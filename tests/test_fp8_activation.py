@@ -231,37 +231,3 @@ def test_fp8_block_takes_float32_kernels_as_they_are():
   assert _converted_kernels(CommGemmConfig(), shapes) == shapes
   for scaling in ("tensor", "delayed"):
     assert _converted_kernels(CommGemmConfig(fp8=Fp8Recipe(scaling)), shapes) == set()
-
-
-def test_with_tanh_replaces_every_tanh():
-  """cast.with_tanh (how the compiled kernel gives the prologue PTX's tanh):
-  each tanh of the function, inside jit and custom_jvp calls too, computed by
-  the given one; the rest of the function unchanged."""
-  x = jnp.linspace(-4, 4, 97, dtype=jnp.float32)
-  fake = lambda t: 0.25 * t  # any function that is not tanh
-  c = np.sqrt(2 / np.pi)
-  u = c * (x + 0.044715 * x ** 3)
-  np.testing.assert_allclose(cast.with_tanh(jax.nn.gelu, fake, x), 0.5 * x * (1 + fake(u)),
-                             rtol=1e-6)
-  assert jnp.array_equal(cast.with_tanh(jax.nn.gelu, jnp.tanh, x), jax.nn.gelu(x))
-
-  @jax.custom_jvp
-  def soft(t):
-    return jnp.tanh(t) * 3
-
-  soft.defjvp(lambda p, t: (soft(p[0]), t[0]))
-  nested = jax.jit(lambda t: soft(t) + jnp.tanh(2 * t))
-  np.testing.assert_allclose(cast.with_tanh(nested, fake, x), fake(x) * 3 + fake(2 * x),
-                             rtol=1e-6)
-  assert jnp.array_equal(cast.with_tanh(jax.nn.silu, fake, x), jax.nn.silu(x))  # no tanh
-
-
-def test_compiled_kernel_takes_the_approximate_tanh(monkeypatch):
-  """Compiled (not interpreted) the cast's tile goes through with_tanh with
-  Triton's approximate tanh; interpreted (CPU) through jnp.tanh."""
-  seen = []
-  monkeypatch.setattr(cast.plt, "approx_tanh", lambda t: seen.append(t.shape) or jnp.tanh(t))
-  x = jax.random.normal(jax.random.key(5), (8, 16), jnp.bfloat16)
-  want = cast.activated(x, jax.nn.gelu).astype(jnp.float32)
-  assert jnp.array_equal(cast._tile(x, jax.nn.gelu, True), want) and not seen
-  assert jnp.array_equal(cast._tile(x, jax.nn.gelu, False), want) and seen == [(8, 16)]

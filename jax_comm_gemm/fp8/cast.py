@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend as jex
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -146,8 +145,7 @@ def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, prologue, *, inte
     kernel, args, in_specs = _move, (x,), [spec]
   else:
     kernel = functools.partial(_cast, limit=fp8_max(dtype), dtype=dtype, rows=rows,
-                               columns=columns, with_amax=with_amax, prologue=prologue,
-                               interpret=interpret)
+                               columns=columns, with_amax=with_amax, prologue=prologue)
     args, in_specs = (scale, x), [pl.BlockSpec((1,), lambda i, j: (0,)), spec]
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
@@ -209,7 +207,7 @@ def _amax_if(x, flag, prologue, *, interpret=False):
   r, c = x.shape
   grid = (r // TILE, c // TILE)
   partial = pl.pallas_call(
-      functools.partial(_amax_kernel, prologue=prologue, interpret=interpret),
+      functools.partial(_amax_kernel, prologue=prologue),
       out_shape=vma.shaped_like(x, grid, F32), grid=grid,
       in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
                 pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))],
@@ -218,12 +216,12 @@ def _amax_if(x, flag, prologue, *, interpret=False):
   return _max_of_tiles(partial)
 
 
-def _amax_kernel(flag_ref, x_ref, out_ref, *, prologue, interpret):
+def _amax_kernel(flag_ref, x_ref, out_ref, *, prologue):
   wanted = flag_ref[0] != 0
 
   @pl.when(wanted)
   def _():
-    out_ref[...] = jnp.full((1, 1), _tile_amax(_tile(x_ref, prologue, interpret)), F32)
+    out_ref[...] = jnp.full((1, 1), _tile_amax(_tile(x_ref, prologue)), F32)
 
   @pl.when(jnp.logical_not(wanted))
   def _():
@@ -242,54 +240,13 @@ def _move(x_ref, xT_ref):
   xT_ref[...] = x_ref[...].T
 
 
-def _tile(x_ref, prologue, interpret):
-  """The tile in float32, through `prologue` as :func:`activated` computes it;
-  compiled for a GPU, with every tanh of the prologue as PTX's one
-  instruction (libdevice's tanhf made the GELU prologue compute-bound,
-  docs/fp8.md "Fused casts")."""
-  if prologue is not None and not interpret:
-    prologue = functools.partial(with_tanh, prologue, plt.approx_tanh)
+def _tile(x_ref, prologue):
+  """The tile in float32, through `prologue` as :func:`activated` computes it."""
   return activated(x_ref[...], prologue).astype(F32)
 
 
-# Primitives that call a jaxpr whose result is theirs (jit, and a custom
-# derivative's primal): `with_tanh` evaluates that jaxpr in their place.
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-          "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-          "custom_vjp_call": "call_jaxpr"}
-
-
-def with_tanh(f, tanh, x):
-  """``f(x)`` with every ``tanh`` that f computes (in calls too) computed by
-  `tanh` instead.
-
-  >>> float(with_tanh(jax.nn.gelu, lambda t: jnp.zeros_like(t), jnp.float32(3)))
-  1.5
-  """
-  closed = jax.make_jaxpr(f)(x)
-  return _evaluate(closed.jaxpr, closed.consts, [x], tanh)[0]
-
-
-def _evaluate(jaxpr, consts, args, tanh):
-  env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-  read = lambda v: v.val if isinstance(v, jex.core.Literal) else env[v]
-  for eqn in jaxpr.eqns:
-    ins = [read(v) for v in eqn.invars]
-    called = eqn.params.get(_CALLS.get(eqn.primitive.name, ""))
-    if eqn.primitive is lax.tanh_p:
-      outs = [tanh(*ins)]
-    elif called is not None:
-      outs = _evaluate(called.jaxpr, called.consts, ins, tanh)
-    else:
-      outs = eqn.primitive.bind(*ins, **eqn.params)
-      outs = outs if eqn.primitive.multiple_results else [outs]
-    env.update(zip(eqn.outvars, outs))
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax, prologue,
-          interpret):
-  x = _tile(x_ref, prologue, interpret)
+def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax, prologue):
+  x = _tile(x_ref, prologue)
   y = x * scale_ref[0]
   # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
   y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))
