@@ -22,6 +22,7 @@ import math
 import os
 import statistics
 import time
+from types import MappingProxyType
 from typing import Any, Callable
 
 import jax
@@ -286,7 +287,7 @@ def _random(mesh, shape, spec, dtype, seed, scale=1.0):
 # where it has not: with ranks sharing a GPU every candidate timed 2.26 ms a
 # call whatever its size, NCCL's network transport's cost per collective
 # (docs/gpu-testing.md); across hosts over the network it is of that order too.
-CALL_S = {True: 3e-5, False: 2.5e-3}
+CALL_S = MappingProxyType({True: 3e-5, False: 2.5e-3})
 
 
 def iterations(p: Problem, seconds: float, symmetric_memory: bool = True) -> int:
