@@ -109,9 +109,9 @@ def float32_transpose(tile, interpret):
   def kernel(scale_ref, x_ref, q_ref, qT_ref, a_ref):
     x = x_ref[...].astype(jnp.float32)
     y = x * scale_ref[0]
-    q = jnp.where(y != y, y, jnp.clip(y, -limit, limit)).astype(E4M3)
-    q_ref[...] = q
-    qT_ref[...] = jnp.where(y != y, y, jnp.clip(y, -limit, limit)).T.astype(E4M3)
+    y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))
+    q_ref[...] = y.astype(E4M3)
+    qT_ref[...] = y.T.astype(E4M3)
     a_ref[...] = jnp.full((1, 1), cast._tile_amax(x), jnp.float32)
 
   def f(x, scale):
