@@ -37,6 +37,19 @@ def _on_cpu() -> bool:
   return os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
 
 
+def shared_gpu_environment(process_id: int, n: int, env=os.environ) -> dict:
+  """What process `process_id` of `n` sharing GPU 0 needs in its environment:
+  a host id of its own, so that NCCL takes it for another host, and memory
+  taken as it is needed, at most 0.8/n of the GPU. A pool taken up front left
+  too little outside it at 4 processes for the CUDA contexts, NCCL's buffers
+  and the modules of every program autotune loads (out of memory at 0.2 each,
+  docs/gpu-testing.md). An explicit setting in `env` stays."""
+  return {"NCCL_HOSTID": f"jcg-shared-rank-{process_id}",
+          "XLA_PYTHON_CLIENT_PREALLOCATE": env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+          "XLA_PYTHON_CLIENT_MEM_FRACTION": env.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                    f"{0.8 / n:.3f}")}
+
+
 def run_processes(n: int, script: str, argv: list[str], share_gpu: bool = False) -> int:
   """Runs ``script argv`` in `n` processes and waits for them; returns the
   first failure's exit code, else 0. Only process 0 prints its progress.
@@ -63,8 +76,7 @@ def run_processes(n: int, script: str, argv: list[str], share_gpu: bool = False)
       env.update(JAX_PLATFORMS="cpu",
                  XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={count}"]))
     elif share_gpu:
-      env.update(NCCL_HOSTID=f"jcg-shared-rank-{i}")
-      env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / n:.3f}")
+      env.update(shared_gpu_environment(i, n, env))
     procs.append(subprocess.Popen([sys.executable, script, *argv, "--process-id", str(i),
                                    "--port", str(port)], env=env))
   # A launcher ended by a signal (a `timeout`, Ctrl-C) ends its processes

@@ -61,3 +61,21 @@ def test_a_terminated_launcher_ends_processes_that_ignore_sigterm(tmp_path):
   while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
     time.sleep(0.1)
   assert not any(_alive(pid) for pid in started), "a process outlived its launcher"
+
+
+def test_processes_sharing_a_gpu_take_their_memory_as_they_need_it():
+  """Each process is a host of its own to NCCL and takes memory as it needs it,
+  capped at its share: a pool taken up front starved what lives outside it."""
+  sys.path.insert(0, str(EXAMPLES))
+  try:
+    import launch  # noqa: PLC0415
+  finally:
+    sys.path.remove(str(EXAMPLES))
+  envs = [launch.shared_gpu_environment(i, 4, {}) for i in range(4)]
+  assert len({e["NCCL_HOSTID"] for e in envs}) == 4
+  assert all(e["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false" for e in envs)
+  assert all(e["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.200" for e in envs)
+  mine = launch.shared_gpu_environment(0, 4, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1",
+                                              "XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+  assert mine["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.1"
+  assert mine["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"

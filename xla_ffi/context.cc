@@ -310,19 +310,30 @@ Status Context::EnqueueKeyExchange(const PlanKey& key) {
 
 // Once per plan, before cuBLASMp sees its shapes: a rank whose shapes differ
 // would make its peers read and write past their buffers.
+//
+// Two rounds. Over NCCL's network transport a peer's bytes can outlive the
+// peer: one that sent its key and then gave up (its wait timed out, its
+// communicator aborted) still completes this rank's first round from the
+// socket's buffer, and this rank would go on to a call that the peer never
+// joins. The second round carries only keys sent after a rank checked the
+// first, so a peer that gave up in the first round fails it here, with NCCL's
+// error or the deadline (docs/design.md#agreement-between-processes).
 Status Context::AgreeOnPlan(const PlanKey& key, Clock::time_point deadline) {
   if (options_.nranks == 1) return Status();
-  JCG_RETURN_IF_ERROR(WithComm([&] { return EnqueueKeyExchange(key); }));
-  JCG_RETURN_IF_ERROR(WaitForStreams({stream_.get()}, deadline, "the ranks agreed on a new plan"));
-  // Over NCCL's network transport a departed peer ends the exchange's kernels
-  // early, without an error from the wait, and the gathered keys are stale:
-  // NCCL says so only through the communicator's asynchronous error.
-  JCG_RETURN_IF_ERROR(WithComm([&] {
-    const std::string error = AsyncNcclError();
-    return error.empty() ? Status() : Status::Internal(error);
-  }));
-  const auto* gathered = static_cast<const unsigned char*>(keys_host_.get()) + kPlanKeyBytes;
-  return CheckGatheredPlanKeys(gathered, options_.nranks);
+  for (const char* round : {"the ranks agreed on a new plan",
+                            "the ranks confirmed a new plan"}) {
+    JCG_RETURN_IF_ERROR(WithComm([&] { return EnqueueKeyExchange(key); }));
+    JCG_RETURN_IF_ERROR(WaitForStreams({stream_.get()}, deadline, round));
+    // A departed peer can end the exchange's kernels early, without an error
+    // from the wait: NCCL says so only through the asynchronous error.
+    JCG_RETURN_IF_ERROR(WithComm([&] {
+      const std::string error = AsyncNcclError();
+      return error.empty() ? Status() : Status::Internal(error);
+    }));
+    const auto* gathered = static_cast<const unsigned char*>(keys_host_.get()) + kPlanKeyBytes;
+    JCG_RETURN_IF_ERROR(CheckGatheredPlanKeys(gathered, options_.nranks));
+  }
+  return Status();
 }
 
 // Earlier calls on XLA's `stream` and on stream_ may still use the old buffer.

@@ -51,9 +51,8 @@ def rank_environment(process_id: int) -> dict:
   ranks = shared_ranks()
   if not ranks:
     return {}
-  return {SHARED: str(ranks), "NCCL_HOSTID": f"jcg-shared-rank-{process_id}",
-          "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get(
-              "XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.8 / ranks:.3f}")}
+  from examples.launch import shared_gpu_environment  # noqa: PLC0415  (imports jax)
+  return {SHARED: str(ranks), **shared_gpu_environment(process_id, ranks)}
 
 
 def local_device_ids(process_id: int) -> list[int]:
