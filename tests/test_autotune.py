@@ -338,6 +338,10 @@ def test_iterations_are_a_function_of_the_problem_alone():
   # of 200 small calls would take 0.5 s, not the tenth of a second asked for.
   assert autotune.iterations(small, 1.0, symmetric_memory=False) == 39
   assert autotune.iterations(large, 1.0, symmetric_memory=False) == 8
+  # There each of a ring's P - 1 steps pays it: 7 times at 8 ranks.
+  small8 = dataclasses.replace(small, axis_size=8)
+  assert autotune.iterations(small8, 1.0, symmetric_memory=False) == 5
+  assert autotune.iterations(small8, 1.0) == 200
 
 
 def test_timed_batches_follow_the_workspace_verdict(monkeypatch):

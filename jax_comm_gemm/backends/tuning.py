@@ -284,9 +284,11 @@ def _random(mesh, shape, spec, dtype, seed, scale=1.0):
 
 
 # A call's fixed cost where the group has NCCL symmetric memory (NVLink), and
-# where it has not: with ranks sharing a GPU every candidate timed 2.26 ms a
+# where it has not: with two ranks sharing a GPU every candidate timed 2.26 ms a
 # call whatever its size, NCCL's network transport's cost per collective
 # (docs/gpu-testing.md); across hosts over the network it is of that order too.
+# Over the network it is paid at each of a ring's P - 1 steps (20 ms a call at
+# 4 ranks, 63 ms at 8).
 CALL_S = MappingProxyType({True: 3e-5, False: 2.5e-3})
 
 
@@ -294,7 +296,8 @@ def iterations(p: Problem, seconds: float, symmetric_memory: bool = True) -> int
   """Calls per timed batch, about `seconds / 10` of work, from the problem's
   size and whether its group has NCCL symmetric memory (connect's workspace
   probe), never from a timing: it must be the same in every process."""
-  estimate = p.flop() / 4e14 + CALL_S[symmetric_memory]
+  fixed = CALL_S[True] if symmetric_memory else CALL_S[False] * max(1, p.axis_size - 1)
+  estimate = p.flop() / 4e14 + fixed
   return max(1, min(200, int(seconds / 10 / estimate)))
 
 
