@@ -168,10 +168,17 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
   column = report.layer_path(config, mesh, "tp", dtype,
                              keep_gathered_input=args.keep_gathered_input)
   row = report.layer_path(config, mesh, "tp", dtype, reduce_scatter_layer=True)
+  # Under "auto" each op's implementation is autotune's choice for its shape,
+  # so the counts follow those choices (listed) rather than one expectation.
+  auto = isinstance(jcg.backends.choose_backend(config, "tp", mesh).backend,
+                    jcg.backends.AutoBackend)
   say(f"layer paths (backend {args.backend!r}, tp={mesh.shape['tp']}, {jax.numpy.dtype(dtype)}):")
-  for i in range(layers):
-    say(f"  block{i}:  qkv {column.path:<22} out-proj {row.path:<22} "
-        f"fc1 {column.path:<22} fc2 {row.path}")
+  if auto:  # the paths below are the fused ones, taken only where chosen
+    say(f"  blocks 0-{layers - 1}: each op as autotune chose for its shape (listed below)")
+  else:
+    for i in range(layers):
+      say(f"  block{i}:  qkv {column.path:<22} out-proj {row.path:<22} "
+          f"fc1 {column.path:<22} fc2 {row.path}")
   say(f"  qkv, fc1 (column-parallel): {column}")
   say(f"  out-proj, fc2 (row-parallel): {row}")
 
@@ -184,10 +191,6 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
               "fused_all_gather_matmuls": layers * block.fused_all_gather_matmuls}
   got = {"standalone_all_gathers": blocks.all_gather,
          "fused_all_gather_matmuls": total.fused_all_gather_matmul}
-  # Under "auto" each op's implementation is autotune's choice for its shape,
-  # so the counts follow those choices (listed) rather than one expectation.
-  auto = isinstance(jcg.backends.choose_backend(config, "tp", mesh).backend,
-                    jcg.backends.AutoBackend)
   if auto:
     expected = None
     say("autotune's choice per problem (op, local shape, dtype, transpose, group size):")
