@@ -212,6 +212,9 @@ def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, cap
   assert re.search(r"autotune in [\d.]+ s: plan 'ring'", stdout), stdout
   assert summary["autotune"]["plan"] == "ring"
   assert [s for s, _ in summary["history"]["validation"]] == [0, 1, 2]
+  # The layer table names no one path under auto: each op runs as chosen (listed).
+  assert "blocks 0-0: each op as autotune chose for its shape" in stdout, stdout
+  assert not re.search(r"block0: +qkv", stdout), stdout
 
 
 def test_each_loss_is_read_after_the_next_step_is_dispatched(monkeypatch, tmp_path, capsys):
