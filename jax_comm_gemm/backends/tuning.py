@@ -287,8 +287,8 @@ def _random(mesh, shape, spec, dtype, seed, scale=1.0):
 # where it has not: with two ranks sharing a GPU every candidate timed 2.26 ms a
 # call whatever its size, NCCL's network transport's cost per collective
 # (docs/gpu-testing.md); across hosts over the network it is of that order too.
-# Over the network it is paid at each of a ring's P - 1 steps (20 ms a call at
-# 4 ranks, 63 ms at 8).
+# Over the network it is paid at each of a ring's P - 1 steps: a lower bound
+# where ranks share a GPU, whose calls took 20 ms at 4 ranks and 63 ms at 8.
 CALL_S = MappingProxyType({True: 3e-5, False: 2.5e-3})
 
 
