@@ -6,7 +6,7 @@
 # Usage: benchmarks/fp8_session.sh [build] [checks] [step] [step-f32] [example]
 # Knobs: CHECK_WORDS (one_gpu.py's selection), VARIANTS (fp8_step.py --only),
 # PROFILE (the variant to profile; empty: none), FP8 (the example's --fp8),
-# STEPS (the example's steps).
+# STEPS (the example's steps), EXAMPLE_PROFILE (1: profile the example's steps too).
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build checks step step-f32 example}
@@ -53,10 +53,18 @@ fi
 if has example; then
   for fp8 in "" "${FP8:-delayed}"; do
     name=example_${STEPS:-200}_${fp8:-bf16}
+    # EXAMPLE_PROFILE=1: 3 more steps traced, their kernels classified by what produced them
+    trace=()
+    [ -n "${EXAMPLE_PROFILE:-}" ] && trace=(--profile "/tmp/$name")
     timeout 200 python3 examples/train_byte_gpt.py --steps "${STEPS:-200}" --ab-steps 0 \
-      --no-checkpoint --log-every 10 --eval-every 1000 ${fp8:+--fp8 "$fp8"} \
+      --no-checkpoint --log-every 10 --eval-every 1000 ${fp8:+--fp8 "$fp8"} "${trace[@]}" \
       --json-out "$OUT/$name.json" 2>&1 | quiet > "$OUT/$name.log"
     summary+=("$name: $(grep 'tokens/s' "$OUT/$name.log" | tail -1)")
+    if [ -n "${EXAMPLE_PROFILE:-}" ]; then
+      python3 benchmarks/producers.py "/tmp/$name" "/tmp/$name/step.hlo.txt" \
+        --window train_step --fusions 25 > "$OUT/producers_$name.md" 2>&1
+      summary+=("$(head -12 "$OUT/producers_$name.md")")
+    fi
   done
 fi
 echo "==== summary"
