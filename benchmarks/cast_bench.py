@@ -50,8 +50,8 @@ def variants(tilings, activation=False):
       if impl == "xla":
         q, qT, _ = cast.cast_transpose(x, scale, E4M3, implementation="xla")
       else:
-        q, qT, _ = cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, False, tile,
-                                None, interpret=interpret)
+        q, qT, _, _ = cast._pallas((x,), scale.reshape(1), jnp.dtype(E4M3), True, True,
+                                   False, False, tile, None, interpret=interpret)
       return q, qT, inverse(scale)
     return jax.jit(f)
 
@@ -59,8 +59,8 @@ def variants(tilings, activation=False):
     def f(x, scale):
       if impl == "xla":
         return cast.cast_transpose(x, scale, E4M3, with_amax=True, implementation="xla")
-      return cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True, True, True, tile, None,
-                          interpret=interpret)
+      return cast._pallas((x,), scale.reshape(1), jnp.dtype(E4M3), True, True, True, False,
+                          tile, None, interpret=interpret)[:3]
     return jax.jit(f)
 
   def transposed(impl, tile=None):  # a gathered FP8 operand's TN copy
@@ -68,8 +68,8 @@ def variants(tilings, activation=False):
       return jax.jit(lambda q: q.T)
     def f(q):
       b = lax.bitcast_convert_type(q, jnp.uint8)
-      bT = cast._pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, tile, None,
-                        interpret=interpret)[1]
+      bT = cast._pallas((b,), None, jnp.dtype(jnp.uint8), False, True, False, False, tile,
+                        None, interpret=interpret)[1]
       return lax.bitcast_convert_type(bT, q.dtype)
     return jax.jit(f)
 
@@ -87,9 +87,9 @@ def variants(tilings, activation=False):
     out[f"{name}_delayed_float32_transpose"] = (float32_transpose(t, interpret), "x, scale")
   if activation:  # the MLP's activation before the delayed cast of its output
     def with_prologue(prologue, tile=cast.CAST_TILING):
-      return jax.jit(lambda x, scale: cast._pallas(x, scale.reshape(1), jnp.dtype(E4M3), True,
-                                                   True, True, tile, prologue,
-                                                   interpret=interpret))
+      return jax.jit(lambda x, scale: cast._pallas((x,), scale.reshape(1), jnp.dtype(E4M3),
+                                                   True, True, True, False, tile, prologue,
+                                                   interpret=interpret)[:3])
     out["gelu_two_passes"] = (jax.jit(lambda x, scale: delayed("pallas", cast.CAST_TILING)(
         cast.activated(x, jax.nn.gelu), scale)), "x, scale")
     out["gelu_prologue"] = (with_prologue(jax.nn.gelu), "x, scale")

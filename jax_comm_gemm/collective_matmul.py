@@ -27,7 +27,7 @@ from jax_comm_gemm.backends import Backend, all_gather_tokens
 from jax_comm_gemm.backends.routes import AG, RS, OpRoute, fp8_collectives, fp8_route, op_route
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
+from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter, fp8_mlp
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -151,6 +151,24 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
   route = op_route(config, RS, x, w, transpose_w, axis_name, precision)
   static = _Static(axis_name, transpose_w, route, precision=precision, plan=current_plan())
   return _matmul_reduce_scatter_jit(*vma.varying_along(axis_name, x, w), static)
+
+
+def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_input, precision,
+                      config, fp8_histories=(None, None)):
+  """``RS(activation(AG(x) @ w1 + b1) @ w2)`` under ``config.fp8``, for callers
+  that validated the arguments (x ``[n/P, k]``): the two FP8 ops in one
+  custom_vjp (:func:`jax_comm_gemm.fp8.fp8_mlp`), so that the gradients
+  through the activation and of b1 come from fc1's gradient cast."""
+  for history in fp8_histories:
+    precision = validation.check_op_options("mlp", config, history, precision)
+  hidden = jax.ShapeDtypeStruct((x.shape[0] * lax.axis_size(axis_name), w1.shape[1]), x.dtype)
+  collectives = (
+      fp8_collectives(config, AG, x, w1, False, axis_name, keep_gathered_input)[0],
+      fp8_collectives(config, RS, hidden, w2, False, axis_name)[0])
+  return fp8_mlp(x, w1, b1, w2, axis_name, activation=activation, recipe=config.fp8,
+                 keep_gathered_input=keep_gathered_input,
+                 reuse_gathered=config.reuse_gathered is not False, collectives=collectives,
+                 histories=tuple(fp8_histories))
 
 
 def scoped_activation(activation, x):

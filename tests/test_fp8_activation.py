@@ -194,10 +194,10 @@ def test_block_applies_its_activation_inside_the_cast(monkeypatch):
   assert tanh_sites(CommGemmConfig()) == {False}
 
 
-def _converted_kernels(config, kernel_shapes):
+def _converted_kernels(config, kernel_shapes, new_dtype):
   """The shapes of the block's kernel-shaped arrays that its value-and-grad
-  converts between float32 and bfloat16 (f32 parameters, bf16 compute; 512
-  tokens, so that no activation has a kernel's shape)."""
+  converts between float32 and bfloat16 into `new_dtype` (f32 parameters, bf16
+  compute; 512 tokens, so that no activation has a kernel's shape)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   layout = tb.param_layout(TILE, 2 * TILE, "tp")
   params = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.float32) * 0.01, layout)
@@ -216,7 +216,8 @@ def _converted_kernels(config, kernel_shapes):
       if e.primitive.name == "convert_element_type":
         shape = tuple(e.invars[0].aval.shape)
         if shape in kernel_shapes and {e.invars[0].aval.dtype, e.params["new_dtype"]} == {
-            jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)}:
+            jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)} and (
+            e.params["new_dtype"] == jnp.dtype(new_dtype)):
           found.add(shape)
       for sub in jax.extend.core.jaxprs_in_params(e.params):
         walk(sub)
@@ -226,10 +227,14 @@ def _converted_kernels(config, kernel_shapes):
 
 def test_fp8_block_takes_float32_kernels_as_they_are():
   """Under an FP8 recipe the block hands its float32 kernels to the FP8 ops,
-  which cast them to FP8 in one read and return float32 gradients: no
-  bfloat16 copy of a kernel or of its gradient (bf16 compute makes one each)."""
+  which cast them to FP8 in one read: no bfloat16 copy of a kernel (bf16
+  compute makes one of each). Their gradients leave the GEMM in bfloat16, as
+  bf16 compute's do, and are widened to float32 where they are read."""
   from jax_comm_gemm import CommGemmConfig
   shapes = {(TILE, 3 * TILE), (TILE, TILE), (TILE, 2 * TILE), (2 * TILE, TILE)}
-  assert _converted_kernels(CommGemmConfig(), shapes) == shapes
+  assert _converted_kernels(CommGemmConfig(), shapes, jnp.bfloat16) == shapes
+  assert _converted_kernels(CommGemmConfig(), shapes, jnp.float32) == shapes
   for scaling in ("tensor", "delayed"):
-    assert _converted_kernels(CommGemmConfig(fp8=Fp8Recipe(scaling)), shapes) == set()
+    config = CommGemmConfig(fp8=Fp8Recipe(scaling))
+    assert _converted_kernels(config, shapes, jnp.bfloat16) == set()
+    assert _converted_kernels(config, shapes, jnp.float32) == shapes

@@ -205,10 +205,13 @@ def test_delayed_scaling_on_the_kernels_passes(monkeypatch, op, steady):
   plain = _delayed_step(op, mesh, Fp8Recipe("delayed", amax_history=4, casts="xla"))(x, w, h, ct)
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
   fused = _delayed_step(op, mesh, recipe)(x, w, h, ct)
-  for got, want in zip(fused[:3], plain[:3]):  # as in test_ops_match_with_the_kernel
+  # As in test_ops_match_with_the_kernel; dw is written in x's bfloat16, its
+  # scale applied in bfloat16 too, which XLA's CPU fusions keep in float32 in
+  # one program and not the other (excess precision): one bfloat16 rounding apart.
+  for got, want, rel in zip(fused[:3], plain[:3], (1e-5, 1e-5, 2.0 ** -8)):
     want = np.asarray(want, np.float32)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
-                               atol=1e-5 * np.max(np.abs(want)))
+                               atol=rel * np.max(np.abs(want)))
   # The amaxes are maxima: exact. The newest entry is this step's true amax.
   for name, got, want in zip(AmaxHistory._fields, fused[3], plain[3]):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)

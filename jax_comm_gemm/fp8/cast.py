@@ -3,14 +3,15 @@ bf16 / f16 / f32 `x` once and writes ``sat(x * scale)`` in FP8 row-major, its
 transpose (the TN operand of a GEMM over x's rows), and, where asked, x's
 amax (delayed scaling knows its scale before the cast, so the amax it records
 for the next steps comes from the same pass). Where x is the input of an
-elementwise `prologue` (an activation), the pass applies it first: the
-activation's output is never written in x's dtype.
+elementwise `prologue` (an activation, or the gradient through one), the
+pass applies it first: its output is never written in x's dtype; and where
+a bias's gradient needs the column sums of that output, the pass writes
+them too.
 
-XLA makes each of those a pass of its own (a cast, a transposing cast, a
-reduction). On a GPU a Pallas (Triton) kernel does them in one: each program
-loads one tile, writes it and its transpose, and reduces the tile's amax.
-Elsewhere, or where the tiles do not divide x, the same arithmetic runs in
-plain jax. Both round the same way (to nearest even, after clipping to the
+XLA makes each of those a pass of its own. On a GPU a Pallas (Triton) kernel
+does them in one: each program loads one tile, writes it and its transpose,
+and reduces the tile's amax. Elsewhere, or where the tiles do not divide x,
+the same arithmetic runs in plain jax. Both round the same way (to nearest even, after clipping to the
 FP8 range), so the two agree bit for bit. Measurements: docs/fp8.md ("Fused casts").
 
 >>> import jax.numpy as jnp
@@ -42,17 +43,19 @@ TILE = 128  # both tilings' sides divide it: the kernels take x whose dims it di
 
 
 def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
-                   with_amax: bool = False, implementation: str = "auto", prologue=None):
+                   with_amax: bool = False, implementation: str = "auto", prologue=None,
+                   with_column_sums: bool = False):
   """``(q, qT, amax)`` of a 2-D `x` ``[r, c]``: ``q = sat(x * scale)`` ``[r, c]``
   and its transpose ``qT`` ``[c, r]`` in FP8 `dtype` (each None unless asked
   for by `rows` / `columns`), and ``max(|x|)`` in float32 (None unless
   `with_amax`; NaN if x holds one). `scale` is a float32 scalar.
   `implementation`: ``"pallas"`` (the one-pass GPU kernel), ``"xla"`` (plain
   jax), or ``"auto"`` (the kernel on a GPU where the tiles divide x, for a
-  transposed copy or an amax: XLA fuses a row-major cast alone into the op
-  that produces x). `prologue`: an elementwise function (an activation) that
-  the pass applies to x first, as :func:`activated` says; the copies and the
-  amax are then of ``prologue(x)``.
+  transposed copy, an amax or sums: XLA fuses a row-major cast alone into
+  x's producer). `prologue`: an elementwise function (an activation) that the
+  pass applies first (:func:`activated`): all outputs are of ``prologue(x)``,
+  x then maybe a tuple of its same-shape operands. `with_column_sums`: also
+  return the float32 column sums ``[c]`` of what is cast (a bias's gradient).
 
   >>> q, _, a = cast_transpose(jnp.array([[-1.0, 2.0]]), 1.0, jnp.float8_e4m3fn,
   ...                          columns=False, with_amax=True, prologue=jax.nn.relu)
@@ -60,27 +63,57 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   ([[0.0, 2.0]], 2.0)
   """
   _check_implementation("cast_transpose", implementation)
-  if jnp.ndim(x) != 2:
-    raise ValueError(f"cast_transpose: x must be 2-D, got shape {jnp.shape(x)}")
-  if not (rows or columns or with_amax):
+  xs = _operands("cast_transpose", x, prologue)
+  if not (rows or columns or with_amax or with_column_sums):
     return None, None, None
   if implementation == "auto":  # a row-major cast alone XLA fuses into its producer
-    implementation = "pallas" if (columns or with_amax) and _kernel_runs(x) else "xla"
+    implementation = ("pallas" if (columns or with_amax or with_column_sums)
+                      and _kernel_runs(xs[0]) else "xla")
   if implementation == "xla":
-    return _xla(activated(x, prologue), scale, dtype, rows, columns, with_amax)
+    a = activated(x, prologue)
+    out = _xla(a, scale, dtype, rows, columns, with_amax)
+    return out + (jnp.sum(a.astype(F32), axis=0),) if with_column_sums else out
   # The kernel's operands must vary alike (inside shard_map): the agreed scale as x.
-  x, scale = vma.match(x, jnp.reshape(jnp.asarray(scale, F32), (1,)))
-  return _pallas(x, scale, jnp.dtype(dtype), rows, columns, with_amax, CAST_TILING,
-                 prologue, interpret=jax.default_backend() != "gpu")
+  *xs, scale = vma.match(*xs, jnp.reshape(jnp.asarray(scale, F32), (1,)))
+  out = _pallas(tuple(xs), scale, jnp.dtype(dtype), rows, columns, with_amax,
+                with_column_sums, CAST_TILING, prologue,
+                interpret=jax.default_backend() != "gpu")
+  return out if with_column_sums else out[:3]
+
+
+def _operands(op: str, x, prologue) -> tuple:
+  """x as a tuple of 2-D arrays of one shape (several only as a prologue's operands)."""
+  xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  if len(xs) > 1 and prologue is None:
+    raise ValueError(f"{op}: x may be a tuple only as the operands of a `prologue`, "
+                     f"got {len(xs)} arrays and no prologue")
+  if any(jnp.ndim(a) != 2 or jnp.shape(a) != jnp.shape(xs[0]) for a in xs):
+    raise ValueError(f"{op}: x must be 2-D (a tuple of them: one shape), got shapes "
+                     f"{[jnp.shape(a) for a in xs]}")
+  return xs
 
 
 def activated(x, prologue):
   """``prologue(x)`` computed in float32 and rounded to x's dtype, as the op
   that writes an activation's output would round it; x itself without one.
-  The kernels compute it so too, tile by tile."""
+  With x a tuple, ``prologue(*x)``, rounded to the first's dtype. The kernels
+  compute it so too, tile by tile."""
   if prologue is None:
     return x
-  return prologue(x.astype(F32)).astype(x.dtype)
+  xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  return prologue(*(a.astype(F32) for a in xs)).astype(xs[0].dtype)
+
+
+@functools.cache
+def activation_gradient(activation):
+  """The prologue ``(dy, x) -> vjp(activation at x)(dy)``: the gradient
+  through an elementwise `activation`, made inside the cast of its result
+  (the MLP's backward: fc1's output gradient is never written in bf16). One
+  function per activation: the kernel compiles once."""
+  def gradient(dy, x):
+    return jax.vjp(activation, x)[1](dy)[0]
+  gradient.__name__ = "d" + getattr(activation, "__name__", "activation")
+  return gradient
 
 
 def _check_implementation(op: str, implementation: str) -> None:
@@ -95,9 +128,9 @@ def _kernel_runs(x) -> bool:
 
 
 def _xla(x, scale, dtype, rows, columns, with_amax):
-  q = saturating_cast(x, scale, dtype) if rows else None
-  qT = saturating_cast(x.T, scale, dtype) if columns else None
-  return q, qT, (_xla_amax(x) if with_amax else None)
+  return (saturating_cast(x, scale, dtype) if rows else None,
+          saturating_cast(x.T, scale, dtype) if columns else None,
+          _xla_amax(x) if with_amax else None)
 
 
 def _xla_amax(x):
@@ -118,56 +151,59 @@ def transpose(q, *, implementation: str = "auto"):
     return q.T
   # As bytes: the kernel only moves them.
   b = lax.bitcast_convert_type(q, jnp.uint8)
-  _, bT, _ = _pallas(b, None, jnp.dtype(jnp.uint8), False, True, False, MOVE_TILING, None,
-                     interpret=jax.default_backend() != "gpu")
+  _, bT, _, _ = _pallas((b,), None, jnp.dtype(jnp.uint8), False, True, False, False,
+                        MOVE_TILING, None, interpret=jax.default_backend() != "gpu")
   return lax.bitcast_convert_type(bT, q.dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7), static_argnames=("interpret",))
-def _pallas(x, scale, dtype, rows, columns, with_amax, tiling, prologue, *, interpret=False):
-  """The one-pass kernel, `tiling` = (tile rows, tile columns, warps); `scale`
-  None: no cast (x's bytes, transposed)."""
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8),
+                   static_argnames=("interpret",))
+def _pallas(xs, scale, dtype, rows, columns, with_amax, with_column_sums, tiling, prologue, *,
+            interpret=False):
+  """The one-pass kernel over the tuple `xs` (one array, or a prologue's
+  operands), `tiling` = (tile rows, tile columns, warps); `scale` None: no
+  cast (x's bytes, transposed)."""
+  x = xs[0]
   r, c = x.shape
   tr, tc, warps = tiling
   grid = (r // tr, c // tc)
   spec = pl.BlockSpec((tr, tc), lambda i, j: (i, j))
-  out_shape, out_specs = [], []
-  if rows:
-    out_shape.append(vma.shaped_like(x, (r, c), dtype))
-    out_specs.append(spec)
-  if columns:
-    out_shape.append(vma.shaped_like(x, (c, r), dtype))
-    out_specs.append(pl.BlockSpec((tc, tr), lambda i, j: (j, i)))
-  if with_amax:  # one partial amax per tile, maxed below (a tiny reduction)
-    out_shape.append(vma.shaped_like(x, grid, F32))
-    out_specs.append(pl.BlockSpec((1, 1), lambda i, j: (i, j)))
+  # (written?, shape, dtype, block): the amaxes one per tile and the sums one
+  # row per tile row, reduced below (tiny reductions).
+  outputs = [(rows, (r, c), dtype, spec),
+             (columns, (c, r), dtype, pl.BlockSpec((tc, tr), lambda i, j: (j, i))),
+             (with_amax, grid, F32, pl.BlockSpec((1, 1), lambda i, j: (i, j))),
+             (with_column_sums, (grid[0], c), F32, pl.BlockSpec((1, tc), lambda i, j: (i, j)))]
+  out_shape = [vma.shaped_like(x, shape, dt) for on, shape, dt, _ in outputs if on]
+  out_specs = [block for on, _, _, block in outputs if on]
   if scale is None:
-    kernel, args, in_specs = _move, (x,), [spec]
+    kernel, args, in_specs = _move, xs, [spec]
   else:
-    kernel = functools.partial(_cast, limit=fp8_max(dtype), dtype=dtype, rows=rows,
-                               columns=columns, with_amax=with_amax, prologue=prologue)
-    args, in_specs = (scale, x), [pl.BlockSpec((1,), lambda i, j: (0,)), spec]
+    kernel = functools.partial(_cast, operands=len(xs), limit=fp8_max(dtype), dtype=dtype,
+                               rows=rows, columns=columns, with_amax=with_amax,
+                               with_column_sums=with_column_sums, prologue=prologue)
+    args = (scale, *xs)
+    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + [spec] * len(xs)
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
                         compiler_params=plt.CompilerParams(num_warps=warps),
                         name=_kernel_name(scale is None, rows, columns, with_amax,
-                                          prologue))(*args)
+                                          with_column_sums, prologue))(*args)
   outs = iter(outs)
   q = next(outs) if rows else None
   qT = next(outs) if columns else None
   a = _max_of_tiles(next(outs)) if with_amax else None
-  return q, qT, a
+  sums = jnp.sum(next(outs), axis=0) if with_column_sums else None
+  return q, qT, a, sums
 
 
-def _kernel_name(move, rows, columns, with_amax, prologue) -> str:
+def _kernel_name(move, rows, columns, with_amax, with_column_sums, prologue) -> str:
   """What a kernel writes, in its name, so that a profile tells the casts
   apart: e.g. "fp8_cast_rows_columns_amax_gelu", "fp8_transpose"."""
-  if move:
-    return "fp8_transpose"
-  parts = [p for p, on in (("rows", rows), ("columns", columns), ("amax", with_amax)) if on]
-  if prologue is not None:
-    parts.append(getattr(prologue, "__name__", "prologue"))
-  return "_".join(["fp8_cast", *parts])
+  parts = [p for p, on in (("rows", rows), ("columns", columns), ("amax", with_amax),
+                           ("sums", with_column_sums)) if on]
+  activation = [] if prologue is None else [getattr(prologue, "__name__", "prologue")]
+  return "fp8_transpose" if move else "_".join(["fp8_cast", *parts, *activation])
 
 
 def _max_of_tiles(partial):
@@ -180,11 +216,10 @@ def _max_of_tiles(partial):
 
 def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
   """``max(|x|)`` in float32 where the scalar bool `wanted` (a traced value) is
-  true, else 0, reading x only where wanted: delayed scaling's first step needs
-  this step's amax before its cast, the later steps only the history's. On a
-  GPU a kernel whose programs return at once unless wanted (a ``lax.cond``
-  would wait on the host for its predicate); elsewhere, or where the tiles do
-  not divide x, plain jax. NaN if x holds one (`implementation` and
+  true, else 0, reading x only where wanted (delayed scaling's first step). On
+  a GPU a kernel whose programs return at once unless wanted (a ``lax.cond``
+  waits on the host for its predicate); elsewhere, or where the tiles do not
+  divide x, plain jax. NaN if x holds one (`implementation` and
   `prologue` as in :func:`cast_transpose`).
 
   >>> import jax.numpy as jnp
@@ -192,36 +227,36 @@ def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
   (3.0, 0.0)
   """
   _check_implementation("amax_if", implementation)
-  if jnp.ndim(x) != 2:
-    raise ValueError(f"amax_if: x must be 2-D, got shape {jnp.shape(x)}")
+  xs = _operands("amax_if", x, prologue)
   if implementation == "auto":
-    implementation = "pallas" if _kernel_runs(x) else "xla"
+    implementation = "pallas" if _kernel_runs(xs[0]) else "xla"
   if implementation == "xla":
     return jnp.where(wanted, _xla_amax(activated(x, prologue)), jnp.float32(0))
-  x, flag = vma.match(x, jnp.reshape(jnp.asarray(wanted, jnp.int32), (1,)))
-  return _amax_if(x, flag, prologue, interpret=jax.default_backend() != "gpu")
+  *xs, flag = vma.match(*xs, jnp.reshape(jnp.asarray(wanted, jnp.int32), (1,)))
+  return _amax_if(tuple(xs), flag, prologue, interpret=jax.default_backend() != "gpu")
 
 
 @functools.partial(jax.jit, static_argnums=(2,), static_argnames=("interpret",))
-def _amax_if(x, flag, prologue, *, interpret=False):
-  r, c = x.shape
+def _amax_if(xs, flag, prologue, *, interpret=False):
+  r, c = xs[0].shape
   grid = (r // TILE, c // TILE)
   partial = pl.pallas_call(
       functools.partial(_amax_kernel, prologue=prologue),
-      out_shape=vma.shaped_like(x, grid, F32), grid=grid,
-      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,)),
-                pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))],
+      out_shape=vma.shaped_like(xs[0], grid, F32), grid=grid,
+      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))]
+      + [pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))] * len(xs),
       out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
-      compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, x)
+      compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, *xs)
   return _max_of_tiles(partial)
 
 
-def _amax_kernel(flag_ref, x_ref, out_ref, *, prologue):
+def _amax_kernel(flag_ref, *refs, prologue):
+  *x_refs, out_ref = refs
   wanted = flag_ref[0] != 0
 
   @pl.when(wanted)
   def _():
-    out_ref[...] = jnp.full((1, 1), _tile_amax(_tile(x_ref, prologue)), F32)
+    out_ref[...] = jnp.full((1, 1), _tile_amax(_tile(x_refs, prologue)), F32)
 
   @pl.when(jnp.logical_not(wanted))
   def _():
@@ -240,13 +275,16 @@ def _move(x_ref, xT_ref):
   xT_ref[...] = x_ref[...].T
 
 
-def _tile(x_ref, prologue):
+def _tile(x_refs, prologue):
   """The tile in float32, through `prologue` as :func:`activated` computes it."""
-  return activated(x_ref[...], prologue).astype(F32)
+  tiles = tuple(r[...] for r in x_refs)
+  return activated(tiles if prologue is not None else tiles[0], prologue).astype(F32)
 
 
-def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax, prologue):
-  x = _tile(x_ref, prologue)
+def _cast(scale_ref, *refs, operands, limit, dtype, rows, columns, with_amax,
+          with_column_sums, prologue):
+  x_refs, out_refs = refs[:operands], refs[operands:]
+  x = _tile(x_refs, prologue)
   y = x * scale_ref[0]
   # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
   y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))
@@ -258,3 +296,5 @@ def _cast(scale_ref, x_ref, *out_refs, limit, dtype, rows, columns, with_amax, p
     next(outs)[...] = q.T
   if with_amax:
     next(outs)[...] = jnp.full((1, 1), _tile_amax(x), F32)
+  if with_column_sums:
+    next(outs)[...] = jnp.sum(x, axis=0, keepdims=True)

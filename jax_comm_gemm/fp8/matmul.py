@@ -36,7 +36,7 @@ from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_g
 
 __all__ = ["FUSED_SCOPE", "STANDALONE_SCOPE", "fp8_all_gather_matmul",
            "fp8_matmul_reduce_scatter", "xla_gather"]
-_OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
@@ -81,7 +81,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
   return_gathered = validation.check_flag(op, "return_gathered", return_gathered)
   tokens = int(np.prod(x.shape[:-1])) * lax.axis_size(axis_name)
-  _check(op, x, w, transpose_w, recipe, tokens)
+  check_operands(op, x, w, transpose_w, recipe, tokens)
   s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               keep_gathered_input=keep_gathered_input,
               return_gathered=return_gathered, gather=gather or xla_gather,
@@ -89,7 +89,7 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   size = lax.axis_size(axis_name)
   lead = x.shape[:-1]
   out = _all_gather_matmul(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
-                           _history(op, recipe, history), s)
+                           checked_history(op, recipe, history), s)
   unfold = lambda t: t.reshape((lead[0] * size,) + lead[1:] + t.shape[-1:])
   return (unfold(out[0]), unfold(out[1])) if return_gathered else unfold(out)
 
@@ -123,7 +123,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
   if activation is not None:
     validation.check_callable(op, "activation", activation)
-  _check(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
+  check_operands(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
   size = lax.axis_size(axis_name)
   if x.shape[0] % size:
     raise ValueError(f"{op}: x's tokens ({x.shape[0]}) must be divisible by the size "
@@ -134,18 +134,18 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
               activation=activation)
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
-                             _history(op, recipe, history), s)
+                             checked_history(op, recipe, history), s)
   return y.reshape((lead[0] // size,) + lead[1:] + y.shape[-1:])
 
 
-def _check(op, x, w, transpose_w, recipe, tokens):
+def check_operands(op, x, w, transpose_w, recipe, tokens):
   if not isinstance(recipe, Fp8Recipe):
     raise TypeError(f"{op}: `recipe` must be an Fp8Recipe, got {type(recipe).__name__}")
   if np.ndim(x) < 2 or np.ndim(w) != 2:
     raise ValueError(f"{op}: x must be [tokens, ..., k] and w 2-D, got shapes "
                      f"{np.shape(x)} and {np.shape(w)}")
   for name, a in (("x", x), ("w", w)):
-    if jnp.dtype(a.dtype) not in _OUT_DTYPES:
+    if jnp.dtype(a.dtype) not in OUT_DTYPES:
       raise ValueError(f"{op}: `{name}` must be bfloat16, float16 or float32 (the FP8 "
                        f"copies are made inside), got {a.dtype}")
   validation.check_inner(op, "`x`", x.shape[-1], f"`w` (transpose_w={transpose_w})",
@@ -156,7 +156,7 @@ def _check(op, x, w, transpose_w, recipe, tokens):
                      f"{tuple(w.shape)} and {tokens} tokens")
 
 
-def _history(op, recipe, history):
+def checked_history(op, recipe, history):
   """`history`, checked against the recipe: a "delayed" one needs it (one
   float32 vector of ``recipe.amax_history`` per tensor), the others take none."""
   if recipe.scaling != "delayed":
@@ -180,7 +180,7 @@ def _history(op, recipe, history):
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _all_gather_matmul(x, w, h, s: Static):
-  return _all_gather_matmul_fwd(x, w, h, s)[0]
+  return column_forward(x, w, h, s)[0]
 
 
 def _operands(s: Static, x, w, h):
@@ -192,13 +192,14 @@ def _operands(s: Static, x, w, h):
   return ax, (wf8, wf_inv, wb8, wb_inv), st.next_history(s, None if h is None else h.w, w_seen)
 
 
-def _dy_amax(s: Static, dy, h):
-  """dy's amax to scale with."""
-  (a_dy,) = st.scaling_amaxes(s, (h.dy,) if h is not None else None, (dy,))
+def dy_amax(s: Static, dy, h, prologue=None):
+  """dy's amax to scale with (of ``prologue(*dy)`` where one is given)."""
+  (a_dy,) = st.scaling_amaxes(s, (h.dy,) if h is not None else None, (dy,),
+                              prologues=(prologue,))
   return a_dy
 
 
-def _all_gather_matmul_fwd(x, w, h, s: Static):
+def column_forward(x, w, h, s: Static):
   ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
   x8, x_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
@@ -209,10 +210,17 @@ def _all_gather_matmul_fwd(x, w, h, s: Static):
 
 
 def _all_gather_matmul_bwd(s: Static, res, ct):
-  (o8, o_inv), wb8, wb_inv, h, hx, hw = res
   ct_y, ct_g = ct if s.return_gathered else (ct, None)
-  dy8, dy_inv, dyT8, dyT_inv, dy_seen = st.quantize(s, ct_y, s.recipe.backward_dtype,
-                                                    _dy_amax(s, ct_y, h), columns=True)
+  h = res[3]
+  dy = st.quantize(s, ct_y, s.recipe.backward_dtype, dy_amax(s, ct_y, h), columns=True)
+  return column_gradients(s, res, dy, ct_g)
+
+
+def column_gradients(s: Static, res, dy, ct_g=None):
+  """(dx, dw, next histories) from the output gradient's FP8 copies `dy`
+  ``(dy8, inv, dyT8, inv, amax seen)``."""
+  (o8, o_inv), wb8, wb_inv, h, hx, hw = res
+  dy8, dy_inv, dyT8, dyT_inv, dy_seen = dy
   dx = st.gemm_reduce_scatter(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
   if s.keep_gathered_input or s.return_gathered:
     g8, g_inv = o8, o_inv
@@ -230,17 +238,17 @@ def _next(s: Static, h, hx, hw, dy_seen):
   return None if h is None else AmaxHistory(hx, hw, st.next_history(s, h.dy, dy_seen))
 
 
-_all_gather_matmul.defvjp(_all_gather_matmul_fwd, _all_gather_matmul_bwd)
+_all_gather_matmul.defvjp(column_forward, _all_gather_matmul_bwd)
 
 
 # --- fp8_matmul_reduce_scatter ----------------------------------------------------
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _matmul_reduce_scatter(x, w, h, s: Static):
-  return _matmul_reduce_scatter_fwd(x, w, h, s)[0]
+  return row_forward(x, w, h, s)[0]
 
 
-def _matmul_reduce_scatter_fwd(x, w, h, s: Static):
+def row_forward(x, w, h, s: Static):
   ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
@@ -253,19 +261,27 @@ def _matmul_reduce_scatter_fwd(x, w, h, s: Static):
 
 
 def _matmul_reduce_scatter_bwd(s: Static, res, dy):
-  xT8, xT_inv, wb8, wb_inv, h, hx, hw, pre = res
+  dx, dw, histories = row_gradients(s, res, dy)
+  pre = res[-1]
+  if pre is not None:  # through the activation, recomputed (XLA fuses it)
+    with jax.named_scope("activation"):
+      dx = cast.activated((dx, pre), cast.activation_gradient(s.activation))
+  return dx, dw, histories
+
+
+def row_gradients(s: Static, res, dy):
+  """(dx, dw, next histories), dx the gradient of the activation's output
+  where the op applies one."""
+  xT8, xT_inv, wb8, wb_inv, h, hx, hw, _ = res
   b8 = s.recipe.backward_dtype
-  dy8, dy_inv, dy_seen = st.quantize(s, dy, b8, _dy_amax(s, dy, h))
+  dy8, dy_inv, dy_seen = st.quantize(s, dy, b8, dy_amax(s, dy, h))
   dx, g8, g_inv = st.gather_gemm(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True,
                                  keep=s.reuse_gathered)
   if not s.reuse_gathered:
     g8, g_inv = st.gather(s, dy8, dy_inv, standalone=True)
   dyT8, dyT_inv = st.transposed(s, g8, g_inv, b8)
   dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
-  if pre is not None:  # through the activation, recomputed (XLA fuses it)
-    with jax.named_scope("activation"):
-      dx = jax.vjp(lambda t: cast.activated(t, s.activation), pre)[1](dx)[0]
   return dx, dw, _next(s, h, hx, hw, dy_seen)
 
 
-_matmul_reduce_scatter.defvjp(_matmul_reduce_scatter_fwd, _matmul_reduce_scatter_bwd)
+_matmul_reduce_scatter.defvjp(row_forward, _matmul_reduce_scatter_bwd)

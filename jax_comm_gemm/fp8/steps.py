@@ -139,39 +139,44 @@ def _everywhere(a):
 
 
 def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False,
-             prologue=None):
+             prologue=None, column_sums: bool = False):
   """x [r, c] as FP8 rows (q, inv) and/or transposed columns (qT [c, r], inv),
   then x's amax as the cast's pass saw it (for "delayed"'s history; else
   None): with the agreed amax `a` (one scale per tensor), per row / per
   column ("row"), or per 1 x 128 block along the rows / the columns ("block":
   the blocks run along the contraction of the GEMM each copy feeds).
   `prologue`: the elementwise function whose output ``prologue(x)`` is
-  quantized, applied in the cast's pass (:func:`cast.activated`)."""
+  quantized, applied in the cast's pass (:func:`cast.activated`; x a tuple
+  of its operands where it takes several). `column_sums`: also return, last,
+  the float32 column sums of what is quantized (a bias's gradient), from the
+  same pass."""
   out = []
   if s.recipe.per_tensor:
     scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
     inv = qz.inverse(scale)
     # The cast writes the transposed copy: no FP8 transpose.
-    q, qT, seen = cast.cast_transpose(x, scale, dtype, rows=rows, columns=columns,
-                                      with_amax=s.recipe.scaling == "delayed",
-                                      implementation=casts(s), prologue=prologue)
+    q, qT, seen, *sums = cast.cast_transpose(x, scale, dtype, rows=rows, columns=columns,
+                                             with_amax=s.recipe.scaling == "delayed",
+                                             implementation=casts(s), prologue=prologue,
+                                             with_column_sums=column_sums)
     if rows:
       out += [q, inv]
     if columns:
       out += [qT, inv]
-    return out + [seen]
+    return out + [seen] + sums
   x = cast.activated(x, prologue)  # XLA fuses it into the per-row / block casts
+  sums = [jnp.sum(x.astype(jnp.float32), axis=0)] if column_sums else []
   if s.recipe.scaling == "block":
     if rows:
       out += list(qz.quantize_blocks(x, dtype, 1, margin=s.recipe.margin))
     if columns:
       out += list(qz.quantize_blocks(x.T, dtype, 1, margin=s.recipe.margin))
-    return out + [None]
+    return out + [None] + sums
   if rows:
     out += list(qz.quantize_rows(x, dtype, margin=s.recipe.margin))
   if columns:
     out += list(qz.quantize_columns_transposed(x, dtype, margin=s.recipe.margin))
-  return out + [None]
+  return out + [None] + sums
 
 
 def gather(s: Static, q, inv, *, standalone: bool):
@@ -267,10 +272,13 @@ def gemm_reduce_scatter(s: Static, a8, ia, b8, ib, out_dtype, *, gradient: bool 
 
 
 def weight_gradient(s: Static, xT8, xT_inv, dyT8, dyT_inv):
-  """w [k, m]: dw = x.T @ dy;  w [m, k]: dw = dy.T @ x (TN operands [k|m, n])."""
-  if s.transpose_w:
-    return gemm(s, dyT8, xT8, dyT_inv, xT_inv, s.w_dtype, gradient=True)
-  return gemm(s, xT8, dyT8, xT_inv, dyT_inv, s.w_dtype, gradient=True)
+  """w [k, m]: dw = x.T @ dy;  w [m, k]: dw = dy.T @ x (TN operands [k|m, n]).
+  The GEMM writes it in the computation dtype (x's), as a GEMM of x's dtype
+  would: a float32 master weight's gradient is converted where it is read
+  (XLA fuses the conversion into the optimizer's update), not written and
+  read in float32 (docs/fp8.md, "Training")."""
+  a, b, ia, ib = (dyT8, xT8, dyT_inv, xT_inv) if s.transpose_w else (xT8, dyT8, xT_inv, dyT_inv)
+  return gemm(s, a, b, ia, ib, s.x_dtype, gradient=True).astype(s.w_dtype)
 
 
 def weights(s: Static, w, amax_w):

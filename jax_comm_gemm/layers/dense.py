@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked,
+from jax_comm_gemm.backends.routes import fp8_route
+from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked, fp8_mlp_unchecked,
                                              matmul_reduce_scatter_unchecked, scoped_activation)
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory
@@ -244,11 +245,9 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
   check_column(Names(op, kernel="fc1_kernel", bias="fc1_bias"), x, fc1_kernel, fc1_bias)
   _check_second_kernel(op, fc1_kernel, fc2_kernel, np.shape(x)[-1])
   validation.check_bias(Names(op, bias="fc2_bias"), fc2_bias, np.shape(x)[-1], x)
-  h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
-                      fp8_history=histories["fc1"], **options)
-  del options["keep_gathered_input"]
-  return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name,
-                      fp8_history=histories["fc2"], activation=activation, **options)
+  return mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, axis_name=axis_name,
+                      activation=activation, fp8_histories=(histories["fc1"], histories["fc2"]),
+                      **options)
 
 
 # --- the public layers on global arrays (jcg.sharded.*) -----------------------------------
@@ -431,6 +430,29 @@ def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_C
   return y if bias is None else y + bias
 
 
+def mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, axis_name, activation,
+                 keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG,
+                 dot_general=None, fp8_histories=(None, None)):
+  """:func:`mlp` for callers that checked the arguments: under an FP8 recipe
+  one op for both layers (the gradient through the activation, and fc1's
+  bias's, made inside fc1's gradient cast); else column_parallel, then
+  row_parallel with the activation."""
+  if dot_general is not None or not fp8_route(config).fp8:
+    h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
+                        keep_gathered_input=keep_gathered_input, precision=precision,
+                        config=config, dot_general=dot_general, fp8_history=fp8_histories[0])
+    return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name, precision=precision,
+                        config=config, dot_general=dot_general, fp8_history=fp8_histories[1],
+                        activation=activation)
+  lead = np.shape(x)[:-1]
+  y = fp8_mlp_unchecked(x.reshape(-1, np.shape(x)[-1]), fc1_kernel, fc1_bias, fc2_kernel,
+                        axis_name, activation=activation,
+                        keep_gathered_input=keep_gathered_input, precision=precision,
+                        config=config, fp8_histories=fp8_histories)
+  y = y.reshape(lead + (np.shape(fc2_kernel)[-1],))
+  return y if fc2_bias is None else y + fc2_bias
+
+
 def _injected(dot_general, x, kernel, precision, dot_kwargs):
   """``x @ kernel`` by an injected dot_general, called as Flax's Dense calls it."""
   return dot_general(x, kernel, (((np.ndim(x) - 1,), (0,)), ((), ())), precision=precision,
@@ -486,11 +508,10 @@ def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, *, mesh, axis
   tokens, _ = _specs(np.ndim(x), data_axes, axis_name)
 
   def body(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories):
-    h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
-                        keep_gathered_input=keep_gathered_input, precision=precision,
-                        config=config, fp8_history=histories["fc1"])
-    return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name, precision=precision,
-                        config=config, fp8_history=histories["fc2"], activation=activation)
+    return mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, axis_name=axis_name,
+                        activation=activation, keep_gathered_input=keep_gathered_input,
+                        precision=precision, config=config,
+                        fp8_histories=(histories["fc1"], histories["fc2"]))
 
   specs = (tokens, P(None, axis_name), P(axis_name, None),
            None if fc1_bias is None else P(axis_name), None if fc2_bias is None else P(None),

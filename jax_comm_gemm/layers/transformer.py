@@ -194,24 +194,28 @@ def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=Non
                    histories=(h["qkv"], h["out"]))
     with jax.named_scope("mlp"):
       return sublayer(x, params["ln_2"], params["mlp"]["fc1"], params["mlp"]["fc2"],
-                      activation=o.activation, histories=(h["fc1"], h["fc2"]))
+                      histories=(h["fc1"], h["fc2"]))
 
 
-def _sublayer(x, norm, first, second, *, inner=None, activation=None, axis_name, options,
-              dtype, histories):
+def _sublayer(x, norm, first, second, *, inner=None, axis_name, options, dtype, histories):
   """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
-  row-parallel dense around `inner` (attention) or the elementwise
-  `activation`, which the second dense applies (an FP8 recipe inside its cast)."""
+  row-parallel dense around `inner` (attention); without one, the MLP
+  (:func:`dense.mlp_parallel`: under an FP8 recipe one op for both layers)."""
   o = options
   h = layer_norm(x, norm, o.epsilon, dtype)
-  h = dense.column_parallel(h, *_dense_params(first, dtype, o.config), axis_name=axis_name,
+  (k1, b1), (k2, b2) = _dense_params(first, dtype, o.config), _dense_params(second, dtype,
+                                                                            o.config)
+  if inner is None:
+    return x + dense.mlp_parallel(h, k1, b1, k2, b2, axis_name=axis_name,
+                                  activation=o.activation,
+                                  keep_gathered_input=o.keep_gathered_input,
+                                  precision=o.precision, config=o.config,
+                                  fp8_histories=histories)
+  h = dense.column_parallel(h, k1, b1, axis_name=axis_name,
                             keep_gathered_input=o.keep_gathered_input,
                             precision=o.precision, config=o.config, fp8_history=histories[0])
-  if inner is not None:
-    h = inner(h)
-  return x + dense.row_parallel(h, *_dense_params(second, dtype, o.config), axis_name=axis_name,
-                                precision=o.precision, config=o.config,
-                                fp8_history=histories[1], activation=activation)
+  return x + dense.row_parallel(inner(h), k2, b2, axis_name=axis_name, precision=o.precision,
+                                config=o.config, fp8_history=histories[1])
 
 
 def _checked_histories(op, options, fp8_histories):

@@ -425,10 +425,82 @@ def check_activation_casts():
   return "; ".join(notes)
 
 
+def check_gradient_casts():
+  """fc1's output gradient made inside its cast, compiled: the kernel's
+  (dh, pre) -> GELU'-weighted FP8 codes against float64's derivative rounded
+  to bf16 and cast (at most one step off, and few), its amax and column sums
+  (b1's gradient) against float64; and ``fp8_mlp`` at tp = 1 (delayed, bias)
+  against the two ops it replaces, loss and every gradient."""
+  from jax_comm_gemm.fp8 import AmaxHistory, cast, fp8_mlp
+  k1, k2 = jax.random.split(jax.random.key(12))
+  dh = jax.random.normal(k1, (1024, 768), jnp.bfloat16)
+  pre = (jax.random.normal(k2, (1024, 768)) * 3).astype(jnp.bfloat16)
+  d64, p64 = np.asarray(dh, np.float64), np.asarray(pre, np.float64)
+  c = np.sqrt(2 / np.pi)
+  t = np.tanh(c * (p64 + 0.044715 * p64 ** 3))
+  exact64 = d64 * (0.5 * (1 + t) + 0.5 * p64 * (1 - t ** 2) * c * (1 + 3 * 0.044715 * p64 ** 2))
+  exact = jnp.asarray(exact64, jnp.float32).astype(jnp.bfloat16)
+
+  def codes(a):  # FP8 codes in value order (sign-magnitude to signed; -0 and +0 alike)
+    c = np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)).astype(np.int16)
+    return np.where(c & 0x80, -(c & 0x7F), c)
+  grad = cast.activation_gradient(jax.nn.gelu)
+  notes = []
+  # XLA computing the same float32 derivative (jax.nn.gelu's), rounded to bf16:
+  # float64's differs from it where float32's 1 + tanh cancels (pre << 0).
+  same = jax.jit(lambda a, b: cast.activated((a, b), grad))(dh, pre)
+  for f8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    want = cast.cast_transpose(same, 40.0, f8, with_amax=True, implementation="xla")
+    got = cast.cast_transpose((dh, pre), 40.0, f8, with_amax=True, with_column_sums=True,
+                              implementation="pallas", prologue=grad)
+    for g, w in zip(got[:2], want[:2]):  # a tanh's last bits move a bf16 rounding now and then
+      diff = np.abs(codes(g) - codes(w))
+      assert diff.max() <= 1 and np.mean(diff > 0) <= 2e-2, (diff.max(), np.mean(diff > 0))
+    assert abs(float(got[2]) - float(want[2])) <= 1e-2 * float(want[2]), (got[2], want[2])
+    sums_err = _relative_error(got[3], exact64.sum(0))
+    assert sums_err < 1e-2, f"column sums against float64 {sums_err:.3g}"
+    exact_off = np.mean(codes(cast.cast_transpose(exact, 40.0, f8, implementation="xla")[0])
+                        != codes(got[0]))
+    notes.append(f"{np.dtype(f8).name}: {np.mean(codes(got[0]) != codes(want[0])):.2%} of "
+                 f"codes off XLA's ({exact_off:.2%} off float64's), sums {sums_err:.1e}")
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  n, k, m = 1024, 512, 768
+  xs, w1, w2 = _mlp_inputs(13, n, k, m)
+  b1 = (jax.random.normal(jax.random.key(14), (m,)) * 0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(jax.random.key(15), (n, k), jnp.float32)
+  recipe = Fp8Recipe("delayed")
+  results = {}
+  for one_op in (True, False):
+    def layers(x, w1, b1, w2, h1, h2, one_op=one_op):
+      h1, h2 = AmaxHistory(*h1), AmaxHistory(*h2)
+      if one_op:
+        return fp8_mlp(x, w1, b1, w2, "tp", activation=jax.nn.gelu, recipe=recipe,
+                       histories=(h1, h2))
+      y = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=h1) + b1
+      return fp8_matmul_reduce_scatter(y, w2, "tp", recipe=recipe, activation=jax.nn.gelu,
+                                       history=h2)
+    h = [tuple(AmaxHistory.zeros(recipe))] * 2
+    mlp = jax.shard_map(layers, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"),
+                                                     P("tp"), P(), P()), out_specs=P("tp"))
+    f = jax.jit(jax.value_and_grad(
+        lambda x, w1, b1, w2, c, *h: jnp.sum(mlp(x, w1, b1, w2, *h).astype(jnp.float32) * c),
+        argnums=(0, 1, 2, 3)))
+    results[one_op] = jax.block_until_ready(f(xs, w1, b1, w2, ct, *h))
+  assert abs(float(results[True][0]) - float(results[False][0])) <= 1e-3 * abs(
+      float(results[False][0]))
+  for name, a, b in zip(("dx", "dw1", "db1", "dw2"), results[True][1], results[False][1]):
+    err = _relative_error(a, b)
+    # As check_activation_casts: the same FP8 arithmetic but for XLA's excess
+    # precision in the two ops' derivative (f32 into the cast, not bf16).
+    assert err < 0.106, f"{name}: one op vs the two ops {err:.3g}"
+    notes.append(f"{name} {err:.1e}")
+  return "; ".join(notes)
+
+
 CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
           check_gemm_error_reaches_python,
           check_gemm_workspace_per_call_site, check_layers_tp1, check_fused_casts,
-          check_activation_casts,
+          check_activation_casts, check_gradient_casts,
           check_delayed_casts,
           *one_rank.CHECKS]
 

@@ -1,0 +1,139 @@
+"""The MLP's two FP8 ops as one ``jax.custom_vjp``: ``fp8_mlp`` is
+:func:`~jax_comm_gemm.fp8.matmul.fp8_all_gather_matmul` (fc1), its bias, and
+:func:`~jax_comm_gemm.fp8.matmul.fp8_matmul_reduce_scatter` with the
+activation (fc2), composed from their rules' halves. One rule for both lets
+the backward make fc1's output gradient, ``dh * activation'(pre)``, and its
+bias's gradient inside fc1's gradient cast, from fc2's input gradient and
+the saved pre-activation: that bf16 tensor (n x F/P) is never written, nor
+read again (docs/fp8.md, "Fused casts")."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_comm_gemm.fp8.cast as cast
+import jax_comm_gemm.fp8.steps as st
+from jax_comm_gemm import validation, vma
+from jax_comm_gemm.fp8.matmul import (OUT_DTYPES, check_operands, checked_history,
+                                      column_forward, column_gradients, dy_amax, row_forward,
+                                      row_gradients)
+from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.steps import Static, xla_gather
+
+__all__ = ["fp8_mlp"]
+
+
+def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
+            recipe: Fp8Recipe = Fp8Recipe(), keep_gathered_input: bool = False,
+            reuse_gathered: bool = True, gather: Callable | None = None,
+            collectives=("xla", "xla"), histories=(None, None)):
+  """The MLP's two FP8 ops, ``RS(activation(AG(x) @ w1 + b1) @ w2)``, as one
+  ``jax.custom_vjp``; call inside ``jax.shard_map``. The forward is
+  :func:`fp8_all_gather_matmul`, the bias, then
+  :func:`fp8_matmul_reduce_scatter` with `activation` (made inside fc2's
+  cast). In one rule the backward makes the gradient through the activation,
+  and b1's gradient, inside the cast of fc1's output gradient: that
+  gradient (bf16, ``[n, F/P]``) is never written, nor read back for the bias.
+
+  Args:
+    x: local tokens ``[n/P, ..., k]``; w1 ``[k, F/P]``; b1 ``[F/P]`` or None;
+      w2 ``[F/P, k]``.
+    activation: the elementwise activation (``jax.nn.gelu``, say).
+    collectives: fc1's and fc2's, each as `collectives` in
+      :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`.
+    histories: fc1's and fc2's :class:`AmaxHistory` (a ``"delayed"``
+      recipe; their gradients are the next step's), else Nones.
+    The rest as in the two ops.
+
+  Returns:
+    This rank's tokens ``[n/P, ..., k]`` in x's dtype (fc2's bias not added).
+
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jax.sharding import Mesh, PartitionSpec as P
+  >>> mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  >>> f = jax.shard_map(lambda x, a, b: fp8_mlp(x, a, None, b, "tp", activation=jax.nn.relu),
+  ...                   mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")),
+  ...                   out_specs=P("tp"))
+  >>> f(jnp.ones((4, 8), jnp.bfloat16), jnp.full((8, 2), 0.5), jnp.ones((2, 8))).tolist()[0]
+  [8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0]
+  """
+  op = "fp8_mlp"
+  validation.check_callable(op, "activation", activation)
+  keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
+  reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
+  size = lax.axis_size(axis_name)
+  tokens = int(np.prod(x.shape[:-1])) * size
+  check_operands(op, x, w1, False, recipe, tokens)
+  hidden = jax.ShapeDtypeStruct((tokens, w1.shape[1]), x.dtype)
+  check_operands(op, hidden, w2, False, recipe, tokens)
+  if w2.shape[1] != x.shape[-1]:
+    raise ValueError(f"{op}: `w2` must be [F/P, k] with k = x's features ({x.shape[-1]}), "
+                     f"got shape {tuple(w2.shape)}")
+  if b1 is not None and (np.shape(b1) != (w1.shape[1],)
+                         or jnp.dtype(b1.dtype) not in OUT_DTYPES):
+    raise ValueError(f"{op}: `b1` must be None or a float vector of w1's columns "
+                     f"({w1.shape[1]},), got {np.shape(b1)} {getattr(b1, 'dtype', '')}")
+  if len(collectives) != 2 or len(histories) != 2:
+    raise ValueError(f"{op}: `collectives` and `histories` take one entry per layer "
+                     f"(fc1, fc2), got {len(collectives)} and {len(histories)}")
+  gather = gather or xla_gather
+  s1 = Static(axis_name, recipe, False, jnp.dtype(x.dtype), jnp.dtype(w1.dtype),
+              keep_gathered_input=keep_gathered_input, gather=gather,
+              collectives=st.checked_collectives(op, collectives[0], recipe, w1))
+  s2 = Static(axis_name, recipe, False, jnp.dtype(x.dtype), jnp.dtype(w2.dtype),
+              reuse_gathered=reuse_gathered, gather=gather,
+              collectives=st.checked_collectives(op, collectives[1], recipe, w2),
+              activation=activation)
+  bias_dtype = None if b1 is None else jnp.dtype(b1.dtype)
+  lead = x.shape[:-1]
+  # b1 varies with the rest: its gradient (dh's column sums) varies wherever x does.
+  x, w1, w2, *bias = vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w1, w2,
+                                      *(() if b1 is None else (b1,)))
+  b1 = bias[0] if bias else None
+  y = _mlp(x, w1, b1, w2, checked_history(op, recipe, histories[0]),
+           checked_history(op, recipe, histories[1]), (s1, s2, bias_dtype))
+  return y.reshape(lead + y.shape[-1:])
+
+
+# --- fp8_mlp -------------------------------------------------------------------------
+# `s` is (fc1's Static, fc2's Static, b1's dtype or None).
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _mlp(x, w1, b1, w2, h1, h2, s):
+  return _mlp_fwd(x, w1, b1, w2, h1, h2, s)[0]
+
+
+def _mlp_fwd(x, w1, b1, w2, h1, h2, s):
+  s1, s2, _ = s
+  pre, res1 = column_forward(x, w1, h1, s1)
+  if b1 is not None:
+    pre = pre + b1
+  y, res2 = row_forward(pre, w2, h2, s2)
+  return y, (res1, res2)
+
+
+def _mlp_bwd(s, res, dy):
+  s1, s2, bias_dtype = s
+  res1, res2 = res
+  dh, dw2, next2 = row_gradients(s2, res2, dy)
+  # fc1's output gradient, through the activation, made inside its cast from
+  # (dh, pre); with it the column sums that are b1's gradient.
+  operands, grad = (dh, res2[-1]), cast.activation_gradient(s2.activation)
+  with jax.named_scope("activation"):
+    dy1 = st.quantize(s1, operands, s1.recipe.backward_dtype,
+                      dy_amax(s1, operands, res1[3], grad), columns=True,
+                      prologue=grad, column_sums=bias_dtype is not None)
+  db = None
+  if bias_dtype is not None:
+    dy1, db = dy1[:-1], dy1[-1].astype(bias_dtype)
+  dx, dw1, next1 = column_gradients(s1, res1, dy1)
+  return dx, dw1, db, dw2, next1, next2
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
