@@ -12,7 +12,10 @@ load; prints the SM clock before and after and a markdown table last.
 
 With --activation, GELU (the MLP's activation) before the delayed cast: in a
 pass of its own (``gelu_two_passes``), as the kernel's prologue
-(``gelu_prologue``), and as the prologue with PTX's approximate tanh. Per
+(``gelu_prologue``, also per tiling), and as the prologue with PTX's
+approximate tanh; and GELU's derivative from (dh, pre) before the delayed
+cast with column sums (``dgelu_*``: the MLP's backward), in a pass of its
+own and per tiling as the prologue. Per
 tiling, ``*_delayed_float32_transpose`` transposes the float32 tile where the
 kernel transposes the FP8 one (until 2026-12-04 the kernel did the former:
 that run's ``*_delayed`` columns are it, its ``*_delayed_convert_first``
@@ -95,6 +98,18 @@ def variants(tilings, activation=False):
     out["gelu_prologue"] = (with_prologue(jax.nn.gelu), "x, scale")
     if not interpret:  # the tanh of PTX's tanh.approx.f32 (no CPU lowering)
       out["gelu_prologue_approx_tanh"] = (with_prologue(_gelu_approx_tanh), "x, scale")
+    # The MLP's backward: fc1's output gradient from (dh, pre) through GELU's
+    # derivative, both copies, the amax and the column sums (b1's gradient).
+    dgelu = cast.activation_gradient(jax.nn.gelu)
+    out["dgelu_two_passes"] = (jax.jit(lambda dh, x, scale: delayed(
+        "pallas", cast.CAST_TILING)(cast.activated((dh, x), dgelu), scale)), "dh, x, scale")
+    for t in tilings:
+      name = "pallas{}x{}w{}".format(*t)
+      out[f"{name}_gelu_prologue"] = (with_prologue(jax.nn.gelu, t), "x, scale")
+      out[f"{name}_dgelu_sums_prologue"] = (jax.jit(
+          lambda dh, x, scale, t=t: cast._pallas((dh, x), scale.reshape(1), jnp.dtype(E4M3),
+                                                 True, True, True, True, t, dgelu,
+                                                 interpret=interpret)), "dh, x, scale")
   return out
 
 
@@ -162,6 +177,7 @@ def main() -> None:
   for shape in shapes:
     x = (jax.random.normal(jax.random.key(1), shape, jnp.float32) * 3).astype(jnp.bfloat16)
     scale = jnp.float32(37.0)
+    dh = jax.random.normal(jax.random.key(2), shape, jnp.bfloat16)
     ref = vs["xla_delayed"][0](x, scale)
     bad = x.at[5, 7].set(jnp.inf).at[9, 11].set(jnp.nan)
     ref_bad = vs["xla_delayed"][0](bad, scale)
@@ -185,7 +201,8 @@ def main() -> None:
     for rnd in range(10):
       for n in (names if rnd % 2 == 0 else names[::-1]):
         f, kind = vs[n]
-        argv = {"x": (x,), "x, scale": (x, scale), "q8": (q8,)}[kind]
+        argv = {"x": (x,), "x, scale": (x, scale), "q8": (q8,),
+                "dh, x, scale": (dh, x, scale)}[kind]
         jax.block_until_ready(f(*argv))
         t0 = time.perf_counter()
         for _ in range(20):

@@ -153,6 +153,8 @@ def steps(mesh, heads, attention, layers):
           # The project's own FP8 GEMM custom call (xla_ffi/fp8_gemm.cc) in place of XLA's.
           "project_fp8_tensor_cublaslt": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", gemm_form="cublaslt"))),
+          "project_fp8_delayed_cublaslt": project(jcg.CommGemmConfig(
+              fp8=Fp8Recipe("delayed", gemm_form="cublaslt"))),
           "project_fp8_tensor_cublaslt_fast_forward": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", gemm_form="cublaslt", accumulation="fast_forward"))),
           "project_fp8_row_cublaslt": project(jcg.CommGemmConfig(

@@ -264,11 +264,11 @@ def _amax_kernel(flag_ref, *refs, prologue):
 
 
 def _tile_amax(x):
-  """A tile's ``max(|x|)``, NaN if it holds one: Triton's max drops NaN, and the
-  amax must carry it (quantize.agree makes it inf). (jnp.any has no Triton
-  lowering: a max of the NaN flags instead.)"""
-  nan = jnp.max(jnp.where(x != x, jnp.float32(1), jnp.float32(0))) > 0
-  return jnp.where(nan, jnp.float32(jnp.nan), jnp.max(jnp.abs(x)))
+  """A float32 tile's ``max(|x|)``, NaN if it holds one (Triton's float max drops
+  NaN): one integer max of the magnitudes' bits, which order as the magnitudes
+  do, every NaN's above inf's."""
+  bits = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
+  return lax.bitcast_convert_type(jnp.max(bits), F32)
 
 
 def _move(x_ref, xT_ref):

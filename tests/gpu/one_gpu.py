@@ -453,9 +453,19 @@ def check_gradient_casts():
     want = cast.cast_transpose(same, 40.0, f8, with_amax=True, implementation="xla")
     got = cast.cast_transpose((dh, pre), 40.0, f8, with_amax=True, with_column_sums=True,
                               implementation="pallas", prologue=grad)
-    for g, w in zip(got[:2], want[:2]):  # a tanh's last bits move a bf16 rounding now and then
+    # Triton's tanh and XLA's differ in their last bits, which moves a bf16
+    # rounding now and then: at most one FP8 step apart, and few. Where float32's
+    # 1 + tanh cancels (pre << 0) both are noise far below the amax: there only
+    # the value counts, within 1e-3 of the amax.
+    floor = 1e-3 * 40.0 * float(want[2])
+    for g, w in zip(got[:2], want[:2]):
       diff = np.abs(codes(g) - codes(w))
-      assert diff.max() <= 1 and np.mean(diff > 0) <= 2e-2, (diff.max(), np.mean(diff > 0))
+      gv, wv = (np.asarray(a, np.float64) for a in (g, w))
+      far = (diff > 1) & (np.abs(gv - wv) > floor)
+      assert not far.any() and np.mean(diff > 0) <= 2e-2, (
+          f"{np.dtype(f8).name}: {far.sum()} codes more than one step off XLA's and "
+          f"{np.abs(gv - wv)[far].max() if far.any() else 0:.3g} apart (floor {floor:.3g}); "
+          f"{np.mean(diff > 0):.2%} off")
     assert abs(float(got[2]) - float(want[2])) <= 1e-2 * float(want[2]), (got[2], want[2])
     sums_err = _relative_error(got[3], exact64.sum(0))
     assert sums_err < 1e-2, f"column sums against float64 {sums_err:.3g}"
