@@ -169,29 +169,34 @@ def _eqns(jaxpr, inside=False):
       yield from _eqns(sub, inside or e.primitive.name == "pallas_call")
 
 
+def block_tanh_sites(config, *, grad: bool = False):
+  """For each tanh that the transformer block's forward (`grad`: its value and
+  gradient) computes, whether it is inside a pallas_call (2 heads, one rank)."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
+  params = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.bfloat16) * 0.01,
+                        tb.param_layout(TILE, 2 * TILE, "tp"))
+  x = jnp.ones((TILE, 1, TILE), jnp.bfloat16)
+  options = tb.BlockOptions(num_heads=2, config=config)
+  h = tb.init_fp8_histories(options)
+  f = jax.shard_map(lambda x, p, h: tb.transformer_block(x, p, axis_name="tp",
+                                                          options=options, fp8_histories=h),
+                    mesh=mesh, in_specs=(P("tp"), tb.partition_specs(params, "tp"), P()),
+                    out_specs=P("tp"), check_vma=False)
+  loss = lambda p, x, h: jnp.sum(f(x, p, h).astype(jnp.float32))
+  traced = jax.value_and_grad(loss, argnums=(0, 2)) if grad else (lambda p, x, h: f(x, p, h))
+  return [inside for name, inside in _eqns(jax.make_jaxpr(traced)(params, x, h).jaxpr)
+          if name == "tanh"]
+
+
 def test_block_applies_its_activation_inside_the_cast(monkeypatch):
   """The transformer block's forward under delayed FP8 computes GELU's tanh
   only inside the kernels (the cast and the first step's amax: its output is
   never written in bf16); in bf16 outside. ("tensor" also reads it in XLA's
   amax reduction, which fuses it and writes nothing.)"""
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  params = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.bfloat16) * 0.01,
-                        tb.param_layout(TILE, 2 * TILE, "tp"))
-  x = jnp.ones((TILE, 1, TILE), jnp.bfloat16)
-
-  def tanh_sites(config):
-    options = tb.BlockOptions(num_heads=2, config=config)
-    h = tb.init_fp8_histories(options)
-    f = jax.shard_map(lambda x, p, h: tb.transformer_block(x, p, axis_name="tp",
-                                                            options=options, fp8_histories=h),
-                      mesh=mesh, in_specs=(P("tp"), tb.partition_specs(params, "tp"), P()),
-                      out_specs=P("tp"), check_vma=False)
-    return {inside for name, inside in _eqns(jax.make_jaxpr(f)(x, params, h).jaxpr)
-            if name == "tanh"}
   from jax_comm_gemm import CommGemmConfig
-  assert tanh_sites(CommGemmConfig(fp8=Fp8Recipe("delayed"))) == {True}
-  assert tanh_sites(CommGemmConfig()) == {False}
+  assert set(block_tanh_sites(CommGemmConfig(fp8=Fp8Recipe("delayed")))) == {True}
+  assert set(block_tanh_sites(CommGemmConfig())) == {False}
 
 
 def _converted_kernels(config, kernel_shapes, new_dtype):

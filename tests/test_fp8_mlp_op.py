@@ -19,7 +19,7 @@ from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe, cast, fp8_mlp
 from jax_comm_gemm.layers import transformer as tb
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
-from test_fp8_activation import _eqns, _gelu64
+from test_fp8_activation import _gelu64, block_tanh_sites
 from test_fp8_cast import _bytes
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -171,25 +171,10 @@ def test_block_backward_runs_the_activations_derivative_inside_the_cast(monkeypa
   inside kernels: the forward's cast and the backward's gradient cast; fc1's
   output gradient is never written in bf16. bf16 computes it in XLA."""
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  params = jax.tree.map(lambda s: jnp.ones(s.shape, jnp.bfloat16) * 0.01,
-                        tb.param_layout(TILE, 2 * TILE, "tp"))
-  x = jnp.ones((TILE, 1, TILE), jnp.bfloat16)
-
-  def tanh_sites(config):
-    options = tb.BlockOptions(num_heads=2, config=config)
-    h = tb.init_fp8_histories(options)
-    f = jax.shard_map(lambda x, p, h: tb.transformer_block(x, p, axis_name="tp",
-                                                            options=options, fp8_histories=h),
-                      mesh=mesh, in_specs=(P("tp"), tb.partition_specs(params, "tp"), P()),
-                      out_specs=P("tp"), check_vma=False)
-    loss = lambda p, x, h: jnp.sum(f(x, p, h).astype(jnp.float32))
-    jaxpr = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 2)))(params, x, h).jaxpr
-    return [inside for name, inside in _eqns(jaxpr) if name == "tanh"]
-  fp8 = tanh_sites(CommGemmConfig(fp8=Fp8Recipe("delayed")))
+  fp8 = block_tanh_sites(CommGemmConfig(fp8=Fp8Recipe("delayed")), grad=True)
   # forward cast, first step's amax, backward cast, its first step's amax
   assert set(fp8) == {True} and len(fp8) >= 4
-  assert set(tanh_sites(CommGemmConfig())) == {False}
+  assert set(block_tanh_sites(CommGemmConfig(), grad=True)) == {False}
 
 
 def test_block_gradients_match_the_two_ops(monkeypatch):
