@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as plt
 
-from jax_comm_gemm.fp8 import cast
+from jax_comm_gemm.fp8 import cast, prologue
 from jax_comm_gemm.fp8.quantize import amax, inverse, scale_from_amax
 from fp8_step import clocks  # beside this file
 
@@ -94,15 +94,15 @@ def variants(tilings, activation=False):
                                                    True, True, True, False, tile, prologue,
                                                    interpret=interpret)[:3])
     out["gelu_two_passes"] = (jax.jit(lambda x, scale: delayed("pallas", cast.CAST_TILING)(
-        cast.activated(x, jax.nn.gelu), scale)), "x, scale")
+        prologue.activated(x, jax.nn.gelu), scale)), "x, scale")
     out["gelu_prologue"] = (with_prologue(jax.nn.gelu), "x, scale")
     if not interpret:  # the tanh of PTX's tanh.approx.f32 (no CPU lowering)
       out["gelu_prologue_approx_tanh"] = (with_prologue(_gelu_approx_tanh), "x, scale")
     # The MLP's backward: fc1's output gradient from (dh, pre) through GELU's
     # derivative, both copies, the amax and the column sums (b1's gradient).
-    dgelu = cast.activation_gradient(jax.nn.gelu)
+    dgelu = prologue.activation_gradient(jax.nn.gelu)
     out["dgelu_two_passes"] = (jax.jit(lambda dh, x, scale: delayed(
-        "pallas", cast.CAST_TILING)(cast.activated((dh, x), dgelu), scale)), "dh, x, scale")
+        "pallas", cast.CAST_TILING)(prologue.activated((dh, x), dgelu), scale)), "dh, x, scale")
     for t in tilings:
       name = "pallas{}x{}w{}".format(*t)
       out[f"{name}_gelu_prologue"] = (with_prologue(jax.nn.gelu, t), "x, scale")

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
 from jax_comm_gemm import CommGemmConfig
-from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe, cast, fp8_mlp
+from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe, cast, fp8_mlp, prologue
 from jax_comm_gemm.layers import transformer as tb
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
 from test_fp8_activation import _gelu64, block_tanh_sites
@@ -24,7 +24,7 @@ from test_fp8_cast import _bytes
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TILE = cast.TILE
-DGELU = cast.activation_gradient(jax.nn.gelu)
+DGELU = prologue.activation_gradient(jax.nn.gelu)
 
 
 def _inputs(seed, n, k, f):
@@ -35,13 +35,16 @@ def _inputs(seed, n, k, f):
   return x, w1 / np.sqrt(k) * 2, b1 * 0.5, w2 / np.sqrt(f), ct
 
 
-def _run(mesh, recipe, histories, x, w1, b1, w2, ct):
-  """(y, dx, dw1, db1, dw2, next histories) under jit(value_and_grad(sum(y * ct)))."""
+def _run(mesh, recipe, histories, x, w1, b1, w2, ct, mlp=None):
+  """(y, dx, dw1, db1, dw2, next histories) under jit(value_and_grad(sum(y * ct)))
+  of `mlp` (x, w1, b1, w2, histories), fp8_mlp by default."""
   size = mesh.shape["tp"]
+  mlp = mlp or (lambda x, w1, b1, w2, hs: fp8_mlp(x, w1, b1, w2, "tp", activation=jax.nn.gelu,
+                                                  recipe=recipe, histories=hs))
 
   def f(x, w1, b1, w2, hs):
-    hs = tuple(None if h is None else AmaxHistory(*(a[0] for a in h)) for h in hs)
-    return fp8_mlp(x, w1, b1, w2, "tp", activation=jax.nn.gelu, recipe=recipe, histories=hs)
+    return mlp(x, w1, b1, w2, tuple(None if h is None else AmaxHistory(*(a[0] for a in h))
+                                    for h in hs))
   g = jax.shard_map(f, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"), P("tp"),
                                             P("tp")),
                     out_specs=P("tp"), check_vma=False)
@@ -90,35 +93,42 @@ def test_fp8_mlp_matches_float64(monkeypatch, scaling, kernel):
     assert float(got[5][0].dy[1]) == 0.0  # the history shifted, nothing else recorded
 
 
-def test_fp8_mlp_equals_its_two_ops(monkeypatch):
-  """With XLA's casts, the one custom_vjp computes what the two ops compute
-  (fc1's bias's gradient summed in float32 here, in bf16 there)."""
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_fp8_mlp_equals_its_two_ops(bias):
+  """With XLA's casts, the one custom_vjp computes what the two ops compute:
+  bit for bit without fc1's bias; with it within FP8's tolerance (one op adds
+  it in float32 inside fc2's cast, the two ops in bf16 before it) and the
+  histories' amaxes within 1%."""
   from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
   mesh = cpu_mesh(2)
   x, w1, b1, w2, ct = _inputs(22, 4 * TILE, 2 * TILE, 4 * TILE)
   recipe = Fp8Recipe("delayed")
   hs = (AmaxHistory.zeros(recipe),) * 2
-  got = _run(mesh, recipe, hs, x, w1, b1, w2, ct)
+
+  def one(x, w1, b1, w2, hs):
+    return fp8_mlp(x, w1, b1 if bias else None, w2, "tp", activation=jax.nn.gelu,
+                   recipe=recipe, histories=hs)
 
   def two(x, w1, b1, w2, hs):
-    hs = tuple(AmaxHistory(*(a[0] for a in h)) for h in hs)
-    h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=hs[0]) + b1
-    return fp8_matmul_reduce_scatter(h, w2, "tp", recipe=recipe, history=hs[1],
-                                     activation=jax.nn.gelu)
-  g = jax.shard_map(two, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"), P("tp"),
-                                              P("tp")), out_specs=P("tp"), check_vma=False)
-  stacked = tuple(AmaxHistory(*(jnp.stack([a] * 2) for a in h)) for h in hs)
-  loss = lambda *a: jnp.sum(g(*a).astype(jnp.float32) * ct)
-  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(x, w1, b1, w2, stacked)
-  for name, a, b in zip(("dx", "dw1", "dw2"), (got[1], got[2], got[4]),
-                        (want[0], want[1], want[3])):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                  err_msg=name)
-  np.testing.assert_allclose(np.asarray(got[3], np.float32), np.asarray(want[2], np.float32),
-                             rtol=0, atol=2e-2 * float(np.max(np.abs(want[2]))))
-  for h_got, h_want in zip(got[5], want[4]):
+    h = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=hs[0])
+    return fp8_matmul_reduce_scatter(h + b1 if bias else h, w2, "tp", recipe=recipe,
+                                     history=hs[1], activation=jax.nn.gelu)
+  got, want = (_run(mesh, recipe, hs, x, w1, b1, w2, ct, mlp=f) for f in (one, two))
+  names = ("y", "dx", "dw1", "db1", "dw2")
+  if not bias:
+    for name, a, b in zip(names, got[:5], want[:5]):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                    err_msg=name)
+    for h_got, h_want in zip(got[5], want[5]):
+      for a, b in zip(h_got, h_want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return
+  tols = (TOL_FORWARD, TOL_DX, TOL_DW[("tensor", "ag")], TOL_DX, TOL_DW[("tensor", "ag")])
+  for name, a, b, tol in zip(names, got[:5], want[:5], tols):
+    assert 0 < _err(a, b) <= tol, f"{name}: {_err(a, b):.4f} (tolerance {tol})"
+  for h_got, h_want in zip(got[5], want[5]):
     for a, b in zip(h_got, h_want):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b[0]))
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-2)
 
 
 @pytest.mark.parametrize("f8", [E4, E5])
@@ -135,7 +145,7 @@ def test_kernel_casts_the_gradient_through_the_activation(f8, outputs):
                             **outputs)
   want = jax.jit(lambda dh, pre: cast.cast_transpose(
       (dh, pre), scale, f8, implementation="xla", prologue=DGELU, **outputs))(dh, pre)
-  rounded = jax.jit(lambda dh, pre: cast.activated((dh, pre), DGELU))(dh, pre)
+  rounded = jax.jit(lambda dh, pre: prologue.activated((dh, pre), DGELU))(dh, pre)
   codes = 0
   for g, w in zip(got[:2], want[:2]):
     assert (g is None) == (w is None)
@@ -158,12 +168,43 @@ def test_kernel_casts_the_gradient_through_the_activation(f8, outputs):
 def test_conditional_amax_of_the_gradient_through_the_activation():
   dh, pre = _normal(24, [(TILE, 2 * TILE)] * 2, [jnp.bfloat16] * 2)
   want = float(jax.jit(lambda a, b: jnp.max(jnp.abs(
-      cast.activated((a, b), DGELU).astype(jnp.float32))))(dh, pre))
+      prologue.activated((a, b), DGELU).astype(jnp.float32))))(dh, pre))
   for impl in ("pallas", "xla"):
     got = cast.amax_if((dh, pre), jnp.bool_(True), implementation=impl, prologue=DGELU)
     assert float(got) == pytest.approx(want, rel=1e-2), impl
   assert float(cast.amax_if((dh, pre), jnp.bool_(False), implementation="pallas",
                             prologue=DGELU)) == 0.0
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["bias_gelu", "d_bias_gelu"])
+def test_kernel_takes_the_bias_as_a_vector_operand(backward):
+  """fc1's bias inside fc2's cast: a vector operand, each tile reading its
+  columns' slice. The kernel writes XLA's bytes for GELU(h + b) (and for its
+  derivative from (dh, h, b)), the amax and the conditional amax too, and
+  differs from the cast of GELU(h) (the bias counts)."""
+  dh, h = _normal(25, [(2 * TILE, 3 * TILE)] * 2, [jnp.bfloat16] * 2)
+  b = jnp.linspace(-2.0, 2.0, 3 * TILE).astype(jnp.bfloat16)
+  f = prologue.with_bias(jax.nn.gelu)
+  if backward:
+    f, operands = prologue.activation_gradient(f), (dh, h, b)
+  else:
+    operands = (h, b)
+  scale = jnp.float32(100.0)
+  got = cast.cast_transpose(operands, scale, E4, with_amax=True, with_column_sums=True,
+                            implementation="pallas", prologue=f)
+  want = jax.jit(lambda *a: cast.cast_transpose(
+      a, scale, E4, with_amax=True, with_column_sums=True, implementation="xla",
+      prologue=f))(*operands)
+  codes = sum(np.sum(_bytes(g) != _bytes(w)) for g, w in zip(got[:2], want[:2]))
+  assert codes <= 0.01 * h.size  # up to the last bits of a tanh (kernel vs fusion)
+  assert float(got[2]) == pytest.approx(float(want[2]), rel=1e-2)
+  np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want[3]), rtol=0,
+                             atol=1e-2 * float(np.max(np.abs(want[3]))))
+  unbiased = cast.cast_transpose(operands[:-1], scale, E4, implementation="xla",
+                                 prologue=DGELU if backward else jax.nn.gelu)
+  assert np.mean(_bytes(unbiased[0]) != _bytes(got[0])) > 0.5
+  assert float(cast.amax_if(operands, jnp.bool_(True), implementation="pallas",
+                            prologue=f)) == pytest.approx(float(want[2]), rel=1e-2)
 
 
 def test_block_backward_runs_the_activations_derivative_inside_the_cast(monkeypatch):
@@ -179,8 +220,9 @@ def test_block_backward_runs_the_activations_derivative_inside_the_cast(monkeypa
 
 def test_block_gradients_match_the_two_ops(monkeypatch):
   """The block under delayed FP8 (one op for the MLP) against the same block
-  built from the two ops, on the kernels: equal loss and equal gradients,
-  fc1's bias within the bf16 rounding of its sum."""
+  built from the two ops, on the kernels: the loss within 0.1% and the
+  gradients within FP8's tolerance (the one op adds fc1's bias in float32
+  inside fc2's cast, the two ops in bf16 before it)."""
   from jax_comm_gemm.layers import dense
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -212,7 +254,7 @@ def test_block_gradients_match_the_two_ops(monkeypatch):
                               activation=activation)
   monkeypatch.setattr(dense, "mlp_parallel", two_ops)
   two = grads()
-  assert float(fused[0]) == float(two[0])
+  assert float(fused[0]) == pytest.approx(float(two[0]), rel=1e-3)
   for path, a in jax.tree_util.tree_leaves_with_path(fused[1]):
     b = two[1]
     for p in path:

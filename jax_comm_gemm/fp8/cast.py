@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jax_comm_gemm import vma
+from jax_comm_gemm.fp8.prologue import activated
 from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -52,10 +53,10 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   `implementation`: ``"pallas"`` (the one-pass GPU kernel), ``"xla"`` (plain
   jax), or ``"auto"`` (the kernel on a GPU where the tiles divide x, for a
   transposed copy, an amax or sums: XLA fuses a row-major cast alone into
-  x's producer). `prologue`: an elementwise function (an activation) that the
-  pass applies first (:func:`activated`): all outputs are of ``prologue(x)``,
-  x then maybe a tuple of its same-shape operands. `with_column_sums`: also
-  return the float32 column sums ``[c]`` of what is cast (a bias's gradient).
+  x's producer). `prologue`: an elementwise function (:mod:`.prologue`) that
+  the pass applies first: all outputs are of ``prologue(x)``, x then maybe a
+  tuple of its operands. `with_column_sums`: also return the float32 column
+  sums ``[c]`` of what is cast (a bias's gradient).
 
   >>> q, _, a = cast_transpose(jnp.array([[-1.0, 2.0]]), 1.0, jnp.float8_e4m3fn,
   ...                          columns=False, with_amax=True, prologue=jax.nn.relu)
@@ -82,38 +83,23 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
 
 
 def _operands(op: str, x, prologue) -> tuple:
-  """x as a tuple of 2-D arrays of one shape (several only as a prologue's operands)."""
+  """x as a tuple: a 2-D array, or a prologue's operands (2-D of the first's
+  shape, or vectors of its columns, :mod:`.prologue`)."""
   xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   if len(xs) > 1 and prologue is None:
     raise ValueError(f"{op}: x may be a tuple only as the operands of a `prologue`, "
                      f"got {len(xs)} arrays and no prologue")
-  if any(jnp.ndim(a) != 2 or jnp.shape(a) != jnp.shape(xs[0]) for a in xs):
-    raise ValueError(f"{op}: x must be 2-D (a tuple of them: one shape), got shapes "
-                     f"{[jnp.shape(a) for a in xs]}")
+  shape = jnp.shape(xs[0])
+  if len(shape) != 2 or any(jnp.shape(a) not in (shape, shape[1:]) for a in xs):
+    raise ValueError(f"{op}: x must be 2-D (a tuple: 2-D of one shape, or vectors of its "
+                     f"columns), got shapes {[jnp.shape(a) for a in xs]}")
   return xs
 
 
-def activated(x, prologue):
-  """``prologue(x)`` computed in float32 and rounded to x's dtype, as the op
-  that writes an activation's output would round it; x itself without one.
-  With x a tuple, ``prologue(*x)``, rounded to the first's dtype. The kernels
-  compute it so too, tile by tile."""
-  if prologue is None:
-    return x
-  xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  return prologue(*(a.astype(F32) for a in xs)).astype(xs[0].dtype)
-
-
-@functools.cache
-def activation_gradient(activation):
-  """The prologue ``(dy, x) -> vjp(activation at x)(dy)``: the gradient
-  through an elementwise `activation`, made inside the cast of its result
-  (the MLP's backward: fc1's output gradient is never written in bf16). One
-  function per activation: the kernel compiles once."""
-  def gradient(dy, x):
-    return jax.vjp(activation, x)[1](dy)[0]
-  gradient.__name__ = "d" + getattr(activation, "__name__", "activation")
-  return gradient
+def _blocks(xs, rows, columns):
+  """Each operand's block: a tile, or a vector operand's slice of columns."""
+  return [pl.BlockSpec((rows, columns), lambda i, j: (i, j)) if a.ndim == 2
+          else pl.BlockSpec((columns,), lambda i, j: (j,)) for a in xs]
 
 
 def _check_implementation(op: str, implementation: str) -> None:
@@ -183,7 +169,7 @@ def _pallas(xs, scale, dtype, rows, columns, with_amax, with_column_sums, tiling
                                rows=rows, columns=columns, with_amax=with_amax,
                                with_column_sums=with_column_sums, prologue=prologue)
     args = (scale, *xs)
-    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + [spec] * len(xs)
+    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + _blocks(xs, tr, tc)
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
                         compiler_params=plt.CompilerParams(num_warps=warps),
@@ -244,7 +230,7 @@ def _amax_if(xs, flag, prologue, *, interpret=False):
       functools.partial(_amax_kernel, prologue=prologue),
       out_shape=vma.shaped_like(xs[0], grid, F32), grid=grid,
       in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))]
-      + [pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))] * len(xs),
+      + _blocks(xs, TILE, TILE),
       out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, *xs)
   return _max_of_tiles(partial)

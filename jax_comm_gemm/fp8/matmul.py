@@ -28,9 +28,9 @@ import numpy as np
 from jax import lax
 
 from jax_comm_gemm import validation, vma
-import jax_comm_gemm.fp8.cast as cast
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
+from jax_comm_gemm.fp8.prologue import activated, activation_gradient
 from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
 from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 
@@ -265,7 +265,7 @@ def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   pre = res[-1]
   if pre is not None:  # through the activation, recomputed (XLA fuses it)
     with jax.named_scope("activation"):
-      dx = cast.activated((dx, pre), cast.activation_gradient(s.activation))
+      dx = activated((dx, pre), activation_gradient(s.activation))
   return dx, dw, histories
 
 

@@ -1,11 +1,12 @@
 """The MLP's two FP8 ops as one ``jax.custom_vjp``: ``fp8_mlp`` is
 :func:`~jax_comm_gemm.fp8.matmul.fp8_all_gather_matmul` (fc1), its bias, and
 :func:`~jax_comm_gemm.fp8.matmul.fp8_matmul_reduce_scatter` with the
-activation (fc2), composed from their rules' halves. One rule for both lets
-the backward make fc1's output gradient, ``dh * activation'(pre)``, and its
-bias's gradient inside fc1's gradient cast, from fc2's input gradient and
-the saved pre-activation: that bf16 tensor (n x F/P) is never written, nor
-read again (docs/fp8.md, "Fused casts")."""
+activation (fc2), composed from their rules' halves. fc1's bias is added
+inside fc2's cast, with the activation (a GEMM's epilogue takes a bf16 bias
+only). One rule for both lets the backward make fc1's output gradient,
+``dh * activation'(h + b1)``, and its bias's gradient inside fc1's gradient
+cast, from fc2's input gradient and the saved GEMM output: that bf16 tensor
+(n x F/P) is never written, nor read again (docs/fp8.md, "Fused casts")."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import jax_comm_gemm.fp8.cast as cast
 import jax_comm_gemm.fp8.steps as st
+from jax_comm_gemm.fp8.prologue import activation_gradient, with_bias
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.fp8.matmul import (OUT_DTYPES, check_operands, checked_history,
                                       column_forward, column_gradients, dy_amax, row_forward,
@@ -89,7 +90,7 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   s2 = Static(axis_name, recipe, False, jnp.dtype(x.dtype), jnp.dtype(w2.dtype),
               reuse_gathered=reuse_gathered, gather=gather,
               collectives=st.checked_collectives(op, collectives[1], recipe, w2),
-              activation=activation)
+              activation=activation if b1 is None else with_bias(activation))
   bias_dtype = None if b1 is None else jnp.dtype(b1.dtype)
   lead = x.shape[:-1]
   # b1 varies with the rest: its gradient (dh's column sums) varies wherever x does.
@@ -111,10 +112,9 @@ def _mlp(x, w1, b1, w2, h1, h2, s):
 
 def _mlp_fwd(x, w1, b1, w2, h1, h2, s):
   s1, s2, _ = s
-  pre, res1 = column_forward(x, w1, h1, s1)
-  if b1 is not None:
-    pre = pre + b1
-  y, res2 = row_forward(pre, w2, h2, s2)
+  h, res1 = column_forward(x, w1, h1, s1)
+  # fc2's input, made inside its cast: activation(h) or activation(h + b1).
+  y, res2 = row_forward(h if b1 is None else (h, b1), w2, h2, s2)
   return y, (res1, res2)
 
 
@@ -123,8 +123,10 @@ def _mlp_bwd(s, res, dy):
   res1, res2 = res
   dh, dw2, next2 = row_gradients(s2, res2, dy)
   # fc1's output gradient, through the activation, made inside its cast from
-  # (dh, pre); with it the column sums that are b1's gradient.
-  operands, grad = (dh, res2[-1]), cast.activation_gradient(s2.activation)
+  # (dh, h[, b1]); with it the column sums that are b1's gradient.
+  pre = res2[-1]
+  operands = (dh, *pre) if isinstance(pre, tuple) else (dh, pre)
+  grad = activation_gradient(s2.activation)
   with jax.named_scope("activation"):
     dy1 = st.quantize(s1, operands, s1.recipe.backward_dtype,
                       dy_amax(s1, operands, res1[3], grad), columns=True,

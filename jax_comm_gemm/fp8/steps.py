@@ -20,6 +20,7 @@ import jax_comm_gemm.fp8.cast as cast
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.ring as ring
 from jax_comm_gemm import vma
+from jax_comm_gemm.fp8.prologue import activated
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn, weight_copies
 from jax_comm_gemm.fp8.recipe import Fp8Recipe, pushed, scaling_amax
 
@@ -114,7 +115,7 @@ def scaling_amaxes(s: Static, histories, xs, prologues=None):
     return (None,) * len(xs)
   prologues = prologues or (None,) * len(xs)
   if s.recipe.scaling != "delayed":  # XLA fuses the prologue into the reduction
-    return qz.agree(tuple(qz.amax(cast.activated(x, f)) for x, f in zip(xs, prologues)),
+    return qz.agree(tuple(qz.amax(activated(x, f)) for x, f in zip(xs, prologues)),
                     s.axis_name)
   empty = tuple(jnp.max(h) == 0 for h in histories)
   currents = qz.agree(tuple(cast.amax_if(x, e, implementation=casts(s), prologue=f)
@@ -146,7 +147,7 @@ def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False
   column ("row"), or per 1 x 128 block along the rows / the columns ("block":
   the blocks run along the contraction of the GEMM each copy feeds).
   `prologue`: the elementwise function whose output ``prologue(x)`` is
-  quantized, applied in the cast's pass (:func:`cast.activated`; x a tuple
+  quantized, applied in the cast's pass (:func:`.prologue.activated`; x a tuple
   of its operands where it takes several). `column_sums`: also return, last,
   the float32 column sums of what is quantized (a bias's gradient), from the
   same pass."""
@@ -164,7 +165,7 @@ def quantize(s: Static, x, dtype, a, *, rows: bool = True, columns: bool = False
     if columns:
       out += [qT, inv]
     return out + [seen] + sums
-  x = cast.activated(x, prologue)  # XLA fuses it into the per-row / block casts
+  x = activated(x, prologue)  # XLA fuses it into the per-row / block casts
   sums = [jnp.sum(x.astype(jnp.float32), axis=0)] if column_sums else []
   if s.recipe.scaling == "block":
     if rows:

@@ -309,7 +309,7 @@ def check_delayed_casts():
   wanted or not) equals XLA's, and an MLP at tp = 1 inside
   shard_map(check_vma=True), at its first step and after, gives the same
   outputs, gradients and next histories as on XLA's passes."""
-  from jax_comm_gemm.fp8 import AmaxHistory, cast
+  from jax_comm_gemm.fp8 import AmaxHistory, cast, prologue
   x = (jax.random.normal(jax.random.key(7), (1024, 768)) * 30).astype(jnp.bfloat16)
   for planted in (x, x.at[3, 4].set(jnp.inf), x.at[900, 700].set(jnp.nan)):
     for wanted in (True, False):
@@ -369,7 +369,7 @@ def check_activation_casts():
   rounding now and then; XLA's own fused cast is reported beside it), its amax that output's; and an FP8 MLP at tp = 1 with the
   activation inside fc2's cast (delayed and tensor) gives the gradients of
   the activation applied before the op."""
-  from jax_comm_gemm.fp8 import AmaxHistory, cast
+  from jax_comm_gemm.fp8 import AmaxHistory, cast, prologue
   x = (jax.random.normal(jax.random.key(9), (1024, 768)) * 3).astype(jnp.bfloat16)
   x64 = np.asarray(x, np.float64)
   c = np.sqrt(2 / np.pi)
@@ -431,7 +431,7 @@ def check_gradient_casts():
   to bf16 and cast (at most one step off, and few), its amax and column sums
   (b1's gradient) against float64; and ``fp8_mlp`` at tp = 1 (delayed, bias)
   against the two ops it replaces, loss and every gradient."""
-  from jax_comm_gemm.fp8 import AmaxHistory, cast, fp8_mlp
+  from jax_comm_gemm.fp8 import AmaxHistory, cast, fp8_mlp, prologue
   k1, k2 = jax.random.split(jax.random.key(12))
   dh = jax.random.normal(k1, (1024, 768), jnp.bfloat16)
   pre = (jax.random.normal(k2, (1024, 768)) * 3).astype(jnp.bfloat16)
@@ -444,11 +444,11 @@ def check_gradient_casts():
   def codes(a):  # FP8 codes in value order (sign-magnitude to signed; -0 and +0 alike)
     c = np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)).astype(np.int16)
     return np.where(c & 0x80, -(c & 0x7F), c)
-  grad = cast.activation_gradient(jax.nn.gelu)
+  grad = prologue.activation_gradient(jax.nn.gelu)
   notes = []
   # XLA computing the same float32 derivative (jax.nn.gelu's), rounded to bf16:
   # float64's differs from it where float32's 1 + tanh cancels (pre << 0).
-  same = jax.jit(lambda a, b: cast.activated((a, b), grad))(dh, pre)
+  same = jax.jit(lambda a, b: prologue.activated((a, b), grad))(dh, pre)
   for f8 in (jnp.float8_e4m3fn, jnp.float8_e5m2):
     want = cast.cast_transpose(same, 40.0, f8, with_amax=True, implementation="xla")
     got = cast.cast_transpose((dh, pre), 40.0, f8, with_amax=True, with_column_sums=True,
