@@ -130,6 +130,18 @@ def test_recipe_key_names_the_casts_only_when_not_fused():
     Fp8Recipe.from_key(Fp8Recipe().key + " casts=xla extra")
 
 
+def _assert_same_outputs(got, want):
+  """(y, dx, dw) of an op on the kernel's casts against XLA's: the same FP8
+  bytes, but the GEMMs read them in other layouts, so the CPU's f32 sums may
+  round differently in the last bit. dw (float32 w) is written in x's bf16
+  with its scale applied in bf16 too, which XLA's CPU fusions keep in float32
+  in one program and not the other (excess precision): one bf16 rounding."""
+  for g, w, rel in zip(got, want, (1e-5, 1e-5, 2.0 ** -8)):
+    w = np.asarray(w, np.float32)
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=0,
+                               atol=rel * np.max(np.abs(w)))
+
+
 @pytest.mark.parametrize("op", ["ag", "rs"])
 @pytest.mark.parametrize("scaling", ["tensor", "delayed"])
 def test_ops_match_with_the_kernel(monkeypatch, op, scaling):
@@ -148,12 +160,7 @@ def test_ops_match_with_the_kernel(monkeypatch, op, scaling):
                  check_vma=False, **flags)
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
   fused = run_op(op, mesh, x, w, ct, recipe=recipe, check_vma=False, **flags)
-  # The same FP8 bytes; the GEMMs read them in other layouts, so the CPU's f32
-  # sums may round differently in the last bit.
-  for got, want in zip(fused[:3], plain[:3]):
-    want = np.asarray(want, np.float32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
-                               atol=1e-5 * np.max(np.abs(want)))
+  _assert_same_outputs(fused[:3], plain[:3])
   ref = reference(x, w, ct)
   assert _err(fused[0], ref[0]) < TOL_FORWARD
   assert _err(fused[1], ref[1]) < TOL_DX
@@ -205,13 +212,7 @@ def test_delayed_scaling_on_the_kernels_passes(monkeypatch, op, steady):
   plain = _delayed_step(op, mesh, Fp8Recipe("delayed", amax_history=4, casts="xla"))(x, w, h, ct)
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
   fused = _delayed_step(op, mesh, recipe)(x, w, h, ct)
-  # As in test_ops_match_with_the_kernel; dw is written in x's bfloat16, its
-  # scale applied in bfloat16 too, which XLA's CPU fusions keep in float32 in
-  # one program and not the other (excess precision): one bfloat16 rounding apart.
-  for got, want, rel in zip(fused[:3], plain[:3], (1e-5, 1e-5, 2.0 ** -8)):
-    want = np.asarray(want, np.float32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=0,
-                               atol=rel * np.max(np.abs(want)))
+  _assert_same_outputs(fused[:3], plain[:3])
   # The amaxes are maxima: exact. The newest entry is this step's true amax.
   for name, got, want in zip(AmaxHistory._fields, fused[3], plain[3]):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
