@@ -90,7 +90,7 @@ def variants(tilings, activation=False):
     out[f"{name}_transpose"] = (transposed("pallas", t), "q8")
     out[f"{name}_delayed_unclipped"] = (unclipped(t, interpret), "x, scale")
   if activation:  # the MLP's activation before the delayed cast of its output
-    def with_prologue(prologue, tile=cast.CAST_TILING):
+    def with_prologue(prologue, tile=cast.PROLOGUE_TILING):
       return jax.jit(lambda x, scale: cast._pallas((x,), scale.reshape(1), jnp.dtype(E4M3),
                                                    True, True, True, False, tile, prologue,
                                                    interpret=interpret)[:3])

@@ -11,8 +11,9 @@ them too.
 XLA makes each of those a pass of its own. On a GPU a Pallas (Triton) kernel
 does them in one: each program loads one tile, writes it and its transpose,
 and reduces the tile's amax. Elsewhere, or where the tiles do not divide x,
-the same arithmetic runs in plain jax. Both round the same way (to nearest even, after clipping to the
-FP8 range), so the two agree bit for bit. Measurements: docs/fp8.md ("Fused casts").
+the same arithmetic runs in plain jax. Both round the same way (to nearest
+even, after clipping to the FP8 range), so the two agree bit for bit.
+Measurements: docs/fp8.md ("Fused casts").
 
 >>> import jax.numpy as jnp
 >>> q, qT, a = cast_transpose(jnp.array([[1.0, -2.0], [0.5, 1000.0]]), 1.0,
@@ -36,9 +37,11 @@ from jax_comm_gemm.fp8.prologue import activated
 from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
-# Each program's tile (rows, columns) and Triton warps, for the cast and for
-# the FP8 transpose: measured on an H200 (docs/fp8.md, "Fused casts").
+# Each program's tile (rows, columns) and Triton warps, for the cast, the cast
+# with a prologue (it reads more per tile), and the FP8 transpose: measured
+# on an H200 (docs/fp8.md, "Fused casts").
 CAST_TILING = (64, 64, 8)
+PROLOGUE_TILING = (64, 64, 8)
 MOVE_TILING = (128, 128, 4)
 TILE = 128  # both tilings' sides divide it: the kernels take x whose dims it divides
 
@@ -77,7 +80,7 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   # The kernel's operands must vary alike (inside shard_map): the agreed scale as x.
   *xs, scale = vma.match(*xs, jnp.reshape(jnp.asarray(scale, F32), (1,)))
   out = _pallas(tuple(xs), scale, jnp.dtype(dtype), rows, columns, with_amax,
-                with_column_sums, CAST_TILING, prologue,
+                with_column_sums, PROLOGUE_TILING if prologue else CAST_TILING, prologue,
                 interpret=jax.default_backend() != "gpu")
   return out if with_column_sums else out[:3]
 
