@@ -219,3 +219,40 @@ def test_delayed_scaling_on_the_kernels_passes(monkeypatch, op, steady):
   assert float(fused[3].x[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
   assert float(fused[3].w[0]) == float(jnp.max(jnp.abs(w)))
   np.testing.assert_array_equal(np.asarray(fused[3].x[1:]), np.asarray(h.x[:-1]))
+
+
+def test_every_kernel_lowers_to_triton():
+  """Each kernel's Pallas program lowers to a Triton call for a CUDA device,
+  here on CPU: a primitive with no Triton lowering rule (a NaN test, a bit
+  cast, a vector operand's block) fails here, not first on a GPU."""
+  from jax_comm_gemm.fp8 import prologue
+  e4 = jnp.dtype(jnp.float8_e4m3fn)
+  x = jax.ShapeDtypeStruct((2 * TILE, 4 * TILE), jnp.bfloat16)
+  b = jax.ShapeDtypeStruct((4 * TILE,), jnp.bfloat16)
+  one = jax.ShapeDtypeStruct((1,), jnp.float32)
+  gelu = prologue.with_bias(jax.nn.gelu)
+  kernels = {
+      "cast": (lambda x, s: cast._pallas((x,), s, e4, True, True, True, False,
+                                         cast.CAST_TILING, None), (x, one)),
+      "transpose": (lambda q: cast._pallas((q,), None, jnp.dtype(jnp.uint8), False, True,
+                                           False, False, cast.MOVE_TILING, None),
+                    (jax.ShapeDtypeStruct(x.shape, jnp.uint8),)),
+      "bias_gelu": (lambda x, b, s: cast._pallas((x, b), s, e4, True, True, True, False,
+                                                 cast.PROLOGUE_TILING, gelu), (x, b, one)),
+      "dbias_gelu_sums": (lambda d, x, b, s: cast._pallas(
+          (d, x, b), s, e4, True, True, True, True, cast.PROLOGUE_TILING,
+          prologue.activation_gradient(gelu)), (x, x, b, one)),
+      "amax_if": (lambda x, b, f: cast._amax_if((x, b), f, gelu),
+                  (x, b, jax.ShapeDtypeStruct((1,), jnp.int32))),
+  }
+  triton = "__gpu$xla.gpu.triton"
+  for name, (f, args) in kernels.items():
+    try:
+      exported = jax.export.export(
+          jax.jit(f), platforms=["cuda"],
+          disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    except RuntimeError as e:  # newer jax reads the GPU's compute capability here
+      if "No supported GPU devices" in str(e):
+        pytest.skip(f"jax {jax.__version__} lowers Pallas for Triton only with a GPU")
+      raise
+    assert triton in exported.mlir_module(), name
