@@ -28,6 +28,7 @@ from jax_comm_gemm.backends.routes import AG, RS, OpRoute, fp8_collectives, fp8_
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter, fp8_mlp
+from jax_comm_gemm.fp8.prologue import scoped
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -113,15 +114,21 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 
 
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
-                                keep_gathered_input, precision, config, fp8_history=None):
-  """:func:`all_gather_matmul` for callers that validated the arguments."""
+                                keep_gathered_input, precision, config, fp8_history=None,
+                                prologue=None):
+  """:func:`all_gather_matmul` for callers that validated the arguments, of
+  ``prologue(*x)`` where one is given (an elementwise function of the tuple x,
+  :mod:`jax_comm_gemm.fp8.prologue`: the FP8 op applies it inside x's cast)."""
   precision = validation.check_op_options("all_gather_matmul", config, fp8_history, precision)
   if fp8_route(config).fp8:
     gathered = return_gathered or keep_gathered_input
+    first = x[0] if prologue is not None else x
     return fp8_all_gather_matmul(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
         keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
-        collectives=fp8_collectives(config, AG, x, w, transpose_w, axis_name, gathered)[0])
+        collectives=fp8_collectives(config, AG, first, w, transpose_w, axis_name,
+                                    gathered)[0], prologue=prologue)
+  x = scoped(x, prologue)
   route = op_route(config, AG, x, w, transpose_w, axis_name, precision,
                    hands_out=return_gathered or keep_gathered_input)
   if keep_gathered_input and config.reuse_gathered is not False and not (
@@ -154,21 +161,24 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
 
 
 def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_input, precision,
-                      config, fp8_histories=(None, None)):
+                      config, fp8_histories=(None, None), prologue=None):
   """``RS(activation(AG(x) @ w1 + b1) @ w2)`` under ``config.fp8``, for callers
-  that validated the arguments (x ``[n/P, k]``): the two FP8 ops in one
-  custom_vjp (:func:`jax_comm_gemm.fp8.fp8_mlp`), so that the gradients
-  through the activation and of b1 come from fc1's gradient cast."""
+  that validated the arguments (x ``[n/P, k]``, or `prologue`'s operands as in
+  :func:`all_gather_matmul_unchecked`): the two FP8 ops in one custom_vjp
+  (:func:`jax_comm_gemm.fp8.fp8_mlp`), so that the gradients through the
+  activation and of b1 come from fc1's gradient cast."""
   for history in fp8_histories:
     precision = validation.check_op_options("mlp", config, history, precision)
-  hidden = jax.ShapeDtypeStruct((x.shape[0] * lax.axis_size(axis_name), w1.shape[1]), x.dtype)
+  first = x[0] if prologue is not None else x
+  hidden = jax.ShapeDtypeStruct((first.shape[0] * lax.axis_size(axis_name), w1.shape[1]),
+                                first.dtype)
   collectives = (
-      fp8_collectives(config, AG, x, w1, False, axis_name, keep_gathered_input)[0],
+      fp8_collectives(config, AG, first, w1, False, axis_name, keep_gathered_input)[0],
       fp8_collectives(config, RS, hidden, w2, False, axis_name)[0])
   return fp8_mlp(x, w1, b1, w2, axis_name, activation=activation, recipe=config.fp8,
                  keep_gathered_input=keep_gathered_input,
                  reuse_gathered=config.reuse_gathered is not False, collectives=collectives,
-                 histories=tuple(fp8_histories))
+                 histories=tuple(fp8_histories), prologue=prologue)
 
 
 def scoped_activation(activation, x):

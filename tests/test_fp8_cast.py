@@ -224,12 +224,13 @@ def test_delayed_scaling_on_the_kernels_passes(monkeypatch, op, steady):
 def test_every_kernel_lowers_to_triton():
   """Each kernel's Pallas program lowers to a Triton call for a CUDA device,
   here on CPU: a primitive with no Triton lowering rule (a NaN test, a bit
-  cast, a vector operand's block) fails here, not first on a GPU."""
+  cast, a vector's or a column's block) fails here, not first on a GPU."""
   from jax_comm_gemm.fp8 import prologue
   e4 = jnp.dtype(jnp.float8_e4m3fn)
   x = jax.ShapeDtypeStruct((2 * TILE, 4 * TILE), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((4 * TILE,), jnp.bfloat16)
   one = jax.ShapeDtypeStruct((1,), jnp.float32)
+  column = jax.ShapeDtypeStruct((2 * TILE, 1), jnp.float32)  # a row statistic
   gelu = prologue.with_bias(jax.nn.gelu)
   kernels = {
       "cast": (lambda x, s: cast._pallas((x,), s, e4, True, True, True, False,
@@ -242,6 +243,9 @@ def test_every_kernel_lowers_to_triton():
       "dbias_gelu_sums": (lambda d, x, b, s: cast._pallas(
           (d, x, b), s, e4, True, True, True, True, cast.PROLOGUE_TILING,
           prologue.activation_gradient(gelu)), (x, x, b, one)),
+      "layer_norm": (lambda x, m, r, b, s: cast._pallas(
+          (x, m, r, b, b), s, e4, True, False, True, False, cast.PROLOGUE_TILING,
+          prologue.layer_norm), (x, column, column, b, one)),
       "amax_if": (lambda x, b, f: cast._amax_if((x, b), f, gelu),
                   (x, b, jax.ShapeDtypeStruct((1,), jnp.int32))),
   }

@@ -87,22 +87,25 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
 
 def _operands(op: str, x, prologue) -> tuple:
   """x as a tuple: a 2-D array, or a prologue's operands (2-D of the first's
-  shape, or vectors of its columns, :mod:`.prologue`)."""
+  shape ``[r, c]``, vectors ``[c]`` or columns ``[r, 1]``, :mod:`.prologue`)."""
   xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   if len(xs) > 1 and prologue is None:
     raise ValueError(f"{op}: x may be a tuple only as the operands of a `prologue`, "
                      f"got {len(xs)} arrays and no prologue")
   shape = jnp.shape(xs[0])
-  if len(shape) != 2 or any(jnp.shape(a) not in (shape, shape[1:]) for a in xs):
-    raise ValueError(f"{op}: x must be 2-D (a tuple: 2-D of one shape, or vectors of its "
-                     f"columns), got shapes {[jnp.shape(a) for a in xs]}")
+  if len(shape) != 2 or any(jnp.shape(a) not in (shape, shape[1:], (shape[0], 1))
+                            for a in xs):
+    raise ValueError(f"{op}: x must be 2-D (a tuple: [r, c], vectors [c] or columns "
+                     f"[r, 1]), got shapes {[jnp.shape(a) for a in xs]}")
   return xs
 
 
 def _blocks(xs, rows, columns):
-  """Each operand's block: a tile, or a vector operand's slice of columns."""
-  return [pl.BlockSpec((rows, columns), lambda i, j: (i, j)) if a.ndim == 2
-          else pl.BlockSpec((columns,), lambda i, j: (j,)) for a in xs]
+  """Each operand's block: a tile, a vector's slice of columns, or a column's
+  slice of rows."""
+  return [pl.BlockSpec((columns,), lambda i, j: (j,)) if a.ndim == 1
+          else pl.BlockSpec((rows, 1), lambda i, j: (i, 0)) if a.shape[1] == 1 < columns
+          else pl.BlockSpec((rows, columns), lambda i, j: (i, j)) for a in xs]
 
 
 def _check_implementation(op: str, implementation: str) -> None:

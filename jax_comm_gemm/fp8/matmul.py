@@ -30,7 +30,8 @@ from jax import lax
 from jax_comm_gemm import validation, vma
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
-from jax_comm_gemm.fp8.prologue import activated, activation_gradient
+from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, flat_operands,
+                                        gradients)
 from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
 from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 
@@ -42,13 +43,14 @@ OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.flo
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                           transpose_w: bool = False, keep_gathered_input: bool = False,
                           return_gathered: bool = False, gather: Callable | None = None,
-                          collectives="xla", history: AmaxHistory | None = None):
+                          collectives="xla", history: AmaxHistory | None = None,
+                          prologue: Callable | None = None):
   """``all_gather(x) @ w`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``.
 
   Args:
     x: local tokens ``[n/P, ..., k]`` (bf16, f16 or f32; leading dims fold
-      into the tokens).
+      into the tokens); with `prologue`, the tuple of its operands.
     w: local weight ``[k, m]``, or ``[m, k]`` with `transpose_w`.
     axis_name: the tensor-parallel axis (size P).
     recipe: the :class:`Fp8Recipe`.
@@ -64,6 +66,10 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
       w's dims multiples of 16.
     history: the :class:`AmaxHistory` of a ``"delayed"`` recipe (its gradient
       is the next step's history); None for the other recipes.
+    prologue: an elementwise function (:mod:`.prologue`: a LayerNorm's
+      normalization) whose output is the op's input, made inside x's FP8 cast:
+      x is then the tuple of its operands (x first; the others of its shape,
+      ``[k]`` or ``[n/P, ..., 1]``), each of which gets its gradient.
 
   Returns:
     ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``.
@@ -80,15 +86,16 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
   keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
   return_gathered = validation.check_flag(op, "return_gathered", return_gathered)
-  tokens = int(np.prod(x.shape[:-1])) * lax.axis_size(axis_name)
-  check_operands(op, x, w, transpose_w, recipe, tokens)
-  s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
+  xs, lead = flat_operands(op, x, prologue)
+  size = lax.axis_size(axis_name)
+  check_operands(op, xs[0], w, transpose_w, recipe, xs[0].shape[0] * size)
+  s = Static(axis_name, recipe, transpose_w, jnp.dtype(xs[0].dtype), jnp.dtype(w.dtype),
               keep_gathered_input=keep_gathered_input,
               return_gathered=return_gathered, gather=gather or xla_gather,
-              collectives=st.checked_collectives(op, collectives, recipe, w))
-  size = lax.axis_size(axis_name)
-  lead = x.shape[:-1]
-  out = _all_gather_matmul(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
+              collectives=st.checked_collectives(op, collectives, recipe, w),
+              prologue=prologue)
+  *xs, w = vma.varying_along(axis_name, *xs, w)
+  out = _all_gather_matmul(tuple(xs) if prologue else xs[0], w,
                            checked_history(op, recipe, history), s)
   unfold = lambda t: t.reshape((lead[0] * size,) + lead[1:] + t.shape[-1:])
   return (unfold(out[0]), unfold(out[1])) if return_gathered else unfold(out)
@@ -131,7 +138,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               reuse_gathered=reuse_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w),
-              activation=activation)
+              prologue=activation)
   lead = x.shape[:-1]
   y = _matmul_reduce_scatter(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
                              checked_history(op, recipe, history), s)
@@ -187,7 +194,7 @@ def _operands(s: Static, x, w, h):
   """x's amax to scale with, the weight's two FP8 copies (forward, backward)
   with their inverse scales, and w's next history (delayed; else None)."""
   ax, aw = st.scaling_amaxes(s, (h.x, h.w) if h is not None else None, (x, w),
-                             prologues=(s.activation, None))
+                             prologues=(s.prologue, None))
   wf8, wf_inv, wb8, wb_inv, w_seen = st.weights(s, w, aw)
   return ax, (wf8, wf_inv, wb8, wb_inv), st.next_history(s, None if h is None else h.w, w_seen)
 
@@ -201,12 +208,13 @@ def dy_amax(s: Static, dy, h, prologue=None):
 
 def column_forward(x, w, h, s: Static):
   ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
-  x8, x_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax)
+  x8, x_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax, prologue=s.prologue)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
   keep = s.keep_gathered_input or s.return_gathered
   y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
-  return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw)
+  pre = x if s.prologue is not None else None  # the backward's vjp recomputes from it
+  return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw, pre)
 
 
 def _all_gather_matmul_bwd(s: Static, res, ct):
@@ -218,8 +226,9 @@ def _all_gather_matmul_bwd(s: Static, res, ct):
 
 def column_gradients(s: Static, res, dy, ct_g=None):
   """(dx, dw, next histories) from the output gradient's FP8 copies `dy`
-  ``(dy8, inv, dyT8, inv, amax seen)``."""
-  (o8, o_inv), wb8, wb_inv, h, hx, hw = res
+  ``(dy8, inv, dyT8, inv, amax seen)``; with a prologue dx is the tuple of its
+  operands' gradients."""
+  (o8, o_inv), wb8, wb_inv, h, hx, hw, pre = res
   dy8, dy_inv, dyT8, dyT_inv, dy_seen = dy
   dx = st.gemm_reduce_scatter(s, dy8, dy_inv, wb8, wb_inv, s.x_dtype, gradient=True)
   if s.keep_gathered_input or s.return_gathered:
@@ -230,6 +239,9 @@ def column_gradients(s: Static, res, dy, ct_g=None):
   dw = st.weight_gradient(s, xT8, xT_inv, dyT8, dyT_inv)
   if ct_g is not None:
     dx = dx + st.reduce_scatter(s, ct_g).astype(s.x_dtype)
+  if pre is not None:  # through the prologue, recomputed (XLA fuses it)
+    with jax.named_scope(getattr(s.prologue, "__name__", "prologue")):
+      dx = gradients(pre, s.prologue, dx)
   return dx, dw, _next(s, h, hx, hw, dy_seen)
 
 
@@ -253,10 +265,10 @@ def row_forward(x, w, h, s: Static):
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
   x8, x_inv, xT8, xT_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax,
-                                               columns=True, prologue=s.activation)
+                                               columns=True, prologue=s.prologue)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
   y = st.gemm_reduce_scatter(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
-  pre = x if s.activation is not None else None  # the backward recomputes from it
+  pre = x if s.prologue is not None else None  # the backward recomputes from it
   return y, (xT8, xT_inv, wb8, wb_inv, h, hx, hw, pre)
 
 
@@ -265,7 +277,7 @@ def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   pre = res[-1]
   if pre is not None:  # through the activation, recomputed (XLA fuses it)
     with jax.named_scope("activation"):
-      dx = activated((dx, pre), activation_gradient(s.activation))
+      dx = activated((dx, pre), activation_gradient(s.prologue))
   return dx, dw, histories
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 import jax_comm_gemm.fp8.steps as st
-from jax_comm_gemm.fp8.prologue import activation_gradient, with_bias
+from jax_comm_gemm.fp8.prologue import activation_gradient, flat_operands, with_bias
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.fp8.matmul import (OUT_DTYPES, check_operands, checked_history,
                                       column_forward, column_gradients, dy_amax, row_forward,
@@ -33,7 +33,8 @@ __all__ = ["fp8_mlp"]
 def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
             recipe: Fp8Recipe = Fp8Recipe(), keep_gathered_input: bool = False,
             reuse_gathered: bool = True, gather: Callable | None = None,
-            collectives=("xla", "xla"), histories=(None, None)):
+            collectives=("xla", "xla"), histories=(None, None),
+            prologue: Callable | None = None):
   """The MLP's two FP8 ops, ``RS(activation(AG(x) @ w1 + b1) @ w2)``, as one
   ``jax.custom_vjp``; call inside ``jax.shard_map``. The forward is
   :func:`fp8_all_gather_matmul`, the bias, then
@@ -50,6 +51,8 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
       :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`.
     histories: fc1's and fc2's :class:`AmaxHistory` (a ``"delayed"``
       recipe; their gradients are the next step's), else Nones.
+    prologue: fc1's, as in :func:`fp8_all_gather_matmul` (x then the tuple
+      of its operands).
     The rest as in the two ops.
 
   Returns:
@@ -68,8 +71,10 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   validation.check_callable(op, "activation", activation)
   keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
   reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
+  xs, lead = flat_operands(op, x, prologue)
+  x = xs[0]
   size = lax.axis_size(axis_name)
-  tokens = int(np.prod(x.shape[:-1])) * size
+  tokens = x.shape[0] * size
   check_operands(op, x, w1, False, recipe, tokens)
   hidden = jax.ShapeDtypeStruct((tokens, w1.shape[1]), x.dtype)
   check_operands(op, hidden, w2, False, recipe, tokens)
@@ -86,18 +91,18 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   gather = gather or xla_gather
   s1 = Static(axis_name, recipe, False, jnp.dtype(x.dtype), jnp.dtype(w1.dtype),
               keep_gathered_input=keep_gathered_input, gather=gather,
-              collectives=st.checked_collectives(op, collectives[0], recipe, w1))
+              collectives=st.checked_collectives(op, collectives[0], recipe, w1),
+              prologue=prologue)
   s2 = Static(axis_name, recipe, False, jnp.dtype(x.dtype), jnp.dtype(w2.dtype),
               reuse_gathered=reuse_gathered, gather=gather,
               collectives=st.checked_collectives(op, collectives[1], recipe, w2),
-              activation=activation if b1 is None else with_bias(activation))
+              prologue=activation if b1 is None else with_bias(activation))
   bias_dtype = None if b1 is None else jnp.dtype(b1.dtype)
-  lead = x.shape[:-1]
   # b1 varies with the rest: its gradient (dh's column sums) varies wherever x does.
-  x, w1, w2, *bias = vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w1, w2,
-                                      *(() if b1 is None else (b1,)))
-  b1 = bias[0] if bias else None
-  y = _mlp(x, w1, b1, w2, checked_history(op, recipe, histories[0]),
+  w1, w2, *rest = vma.varying_along(axis_name, w1, w2, *xs, *(() if b1 is None else (b1,)))
+  xs, b1 = rest[:len(xs)], (rest[-1] if b1 is not None else None)
+  y = _mlp(tuple(xs) if prologue else xs[0], w1, b1, w2,
+           checked_history(op, recipe, histories[0]),
            checked_history(op, recipe, histories[1]), (s1, s2, bias_dtype))
   return y.reshape(lead + y.shape[-1:])
 
@@ -126,7 +131,7 @@ def _mlp_bwd(s, res, dy):
   # (dh, h[, b1]); with it the column sums that are b1's gradient.
   pre = res2[-1]
   operands = (dh, *pre) if isinstance(pre, tuple) else (dh, pre)
-  grad = activation_gradient(s2.activation)
+  grad = activation_gradient(s2.prologue)
   with jax.named_scope("activation"):
     dy1 = st.quantize(s1, operands, s1.recipe.backward_dtype,
                       dy_amax(s1, operands, res1[3], grad), columns=True,

@@ -1,10 +1,12 @@
 """The elementwise functions that an FP8 cast applies inside its own pass over
 memory (:func:`jax_comm_gemm.fp8.cast.cast_transpose`'s `prologue`), so that
-their output is never written in bf16: the MLP's activation, the activation
-after fc1's bias, and the gradient through either (its backward).
+their output is never written in bf16: a LayerNorm's normalization from its
+row statistics, the MLP's activation, the activation after fc1's bias, and
+the gradient through either (its backward).
 
-A prologue takes one or more operands: tensors of x's shape ``[r, c]``, or
-vectors ``[c]`` broadcast over the rows (a bias). Each function here is made
+A prologue takes one or more operands: tensors of x's shape ``[r, c]``,
+vectors ``[c]`` broadcast over the rows (a bias), or columns ``[r, 1]``
+broadcast over the columns (a row's statistic). Each function here is made
 once per activation (cached), so that a kernel compiles once for it.
 
 >>> import jax, jax.numpy as jnp
@@ -18,19 +20,46 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
+from jax_comm_gemm import validation
 from jax_comm_gemm.fp8.quantize import F32
 
 
 def activated(x, prologue):
-  """``prologue(x)`` computed in float32 and rounded to x's dtype, as the op
-  that writes an activation's output would round it; x itself without one.
-  With x a tuple, ``prologue(*x)``, rounded to the first's dtype. The kernels
-  compute it so too, tile by tile."""
+  """``prologue(x)`` computed in float32 (float64 for float64 x) and rounded to
+  x's dtype, as the op that writes an activation's output would round it; x
+  itself without one. With x a tuple, ``prologue(*x)``, rounded to the
+  first's dtype. The kernels compute it so too, tile by tile."""
   if prologue is None:
     return x
   xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  return prologue(*(a.astype(F32) for a in xs)).astype(xs[0].dtype)
+  dtype = jnp.promote_types(xs[0].dtype, F32)
+  return prologue(*(a.astype(dtype) for a in xs)).astype(xs[0].dtype)
+
+
+def scoped(x, prologue):
+  """:func:`activated` under the prologue's name as a scope (a profile tells a
+  "layer_norm" pass by it), where no FP8 cast applies it."""
+  if prologue is None:
+    return x
+  with jax.named_scope(getattr(prologue, "__name__", "prologue")):
+    return activated(x, prologue)
+
+
+def gradients(operands, prologue, dy):
+  """The gradients of a prologue's `operands` (a tuple), each in its dtype,
+  through :func:`activated` with the output's gradient `dy`: the backward of
+  an op that applied `prologue` inside its cast (XLA fuses the recomputation)."""
+  return jax.vjp(lambda *xs: activated(xs, prologue), *operands)[1](dy)
+
+
+def layer_norm(x, mean, rstd, scale, bias):
+  """A LayerNorm's normalization from its row statistics, ``(x - mean) *
+  (rstd * scale) + bias``: mean and rstd ``[r, 1]``, scale and bias ``[c]``
+  (:func:`jax_comm_gemm.layers.transformer.layer_norm`, inside the cast of the
+  GEMM input it feeds)."""
+  return (x - mean) * (rstd * scale) + bias
 
 
 @functools.cache
@@ -54,3 +83,23 @@ def activation_gradient(activation):
     return jax.vjp(activation, *xs)[1](dy)[0]
   gradient.__name__ = "d" + getattr(activation, "__name__", "activation")
   return gradient
+
+
+def flat_operands(op: str, x, prologue):
+  """An op's input as 2-D operands, and its leading dims: x ``[n, ..., k]``
+  alone (a one-tuple), or with a `prologue` the tuple of its operands, each
+  of x's shape, a vector ``[k]``, or ``[n, ..., 1]`` (x first), checked and
+  with the leading dims folded into one."""
+  xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+  if prologue is not None:
+    validation.check_callable(op, "prologue", prologue)
+  elif len(xs) > 1:
+    raise ValueError(f"{op}: `x` may be a tuple only as the operands of a `prologue`, "
+                     f"got {len(xs)} arrays and no prologue")
+  shape = jnp.shape(xs[0])
+  allowed = (shape, shape[-1:], shape[:-1] + (1,))
+  if len(shape) < 2 or any(jnp.shape(a) not in allowed for a in xs):
+    raise ValueError(f"{op}: `x` must be [tokens, ..., k]; as a prologue's operands each "
+                     f"of its shape, [k] or [tokens, ..., 1], got shapes "
+                     f"{[jnp.shape(a) for a in xs]}")
+  return tuple(a if a.ndim == 1 else a.reshape(-1, a.shape[-1]) for a in xs), shape[:-1]

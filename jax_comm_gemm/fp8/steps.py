@@ -57,9 +57,10 @@ class Static:
   # The fused steps' collectives: one of COLLECTIVES, or a CublasMpBackend
   # (the extension's fused FP8 ops; one scale per tensor).
   collectives: Any = "xla"
-  # An elementwise function that the row-parallel op applies to x first (the
-  # MLP's activation), inside x's cast: its output is never written in bf16.
-  activation: Callable | None = None
+  # An elementwise function that the op applies to x first, inside x's cast
+  # (:mod:`.prologue`: a LayerNorm's normalization, the MLP's activation): its
+  # output is never written in bf16.
+  prologue: Callable | None = None
 
 
 # Hopper's FP8 tensor cores read rows of 16-byte multiples.

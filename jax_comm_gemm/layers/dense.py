@@ -29,6 +29,7 @@ from jax_comm_gemm import validation
 from jax_comm_gemm.backends.routes import fp8_route
 from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked, fp8_mlp_unchecked,
                                              matmul_reduce_scatter_unchecked, scoped_activation)
+from jax_comm_gemm.fp8.prologue import flat_operands, scoped
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.runtime.registry import current_plan
@@ -391,19 +392,22 @@ def _constrain(x, mesh, spec):
 
 def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                     precision=None, config=DEFAULT_CONFIG, dot_general=None,
-                    dot_kwargs=(), fp8_history=None):
+                    dot_kwargs=(), fp8_history=None, prologue=None):
   """:func:`column_parallel_dense` for callers that checked the arguments;
-  `dot_kwargs`: (name, value) pairs for an injected `dot_general`."""
+  `dot_kwargs`: (name, value) pairs for an injected `dot_general`. Of
+  ``prologue(*x)`` where one is given, x the tuple of its operands
+  (:mod:`jax_comm_gemm.fp8.prologue`: an FP8 recipe applies it inside x's cast)."""
   if dot_general is not None:
+    x = scoped(x, prologue)
     gathered = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
     y = _injected(dot_general, gathered, kernel, precision, dot_kwargs)
   else:
-    lead = np.shape(x)[:-1]
-    y = all_gather_matmul_unchecked(x.reshape(-1, np.shape(x)[-1]), kernel, axis_name,
+    xs, lead = flat_operands("column_parallel", x, prologue)
+    y = all_gather_matmul_unchecked(xs if prologue else xs[0], kernel, axis_name,
                                     transpose_w=False, return_gathered=False,
                                     keep_gathered_input=keep_gathered_input,
                                     precision=precision, config=config,
-                                    fp8_history=fp8_history)
+                                    fp8_history=fp8_history, prologue=prologue)
     y = y.reshape((lead[0] * jax.lax.axis_size(axis_name),) + lead[1:]
                   + (np.shape(kernel)[-1],))
   return y if bias is None else y + bias
@@ -432,23 +436,24 @@ def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_C
 
 def mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, axis_name, activation,
                  keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG,
-                 dot_general=None, fp8_histories=(None, None)):
-  """:func:`mlp` for callers that checked the arguments: under an FP8 recipe
-  one op for both layers (the gradient through the activation, and fc1's
-  bias's, made inside fc1's gradient cast); else column_parallel, then
-  row_parallel with the activation."""
+                 dot_general=None, fp8_histories=(None, None), prologue=None):
+  """:func:`mlp` for callers that checked the arguments (`prologue` as in
+  :func:`column_parallel`): under an FP8 recipe one op for both layers (the
+  gradient through the activation, and fc1's bias's, made inside fc1's
+  gradient cast); else column_parallel, then row_parallel with the activation."""
   if dot_general is not None or not fp8_route(config).fp8:
     h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
                         keep_gathered_input=keep_gathered_input, precision=precision,
-                        config=config, dot_general=dot_general, fp8_history=fp8_histories[0])
+                        config=config, dot_general=dot_general, fp8_history=fp8_histories[0],
+                        prologue=prologue)
     return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name, precision=precision,
                         config=config, dot_general=dot_general, fp8_history=fp8_histories[1],
                         activation=activation)
-  lead = np.shape(x)[:-1]
-  y = fp8_mlp_unchecked(x.reshape(-1, np.shape(x)[-1]), fc1_kernel, fc1_bias, fc2_kernel,
+  xs, lead = flat_operands("mlp", x, prologue)
+  y = fp8_mlp_unchecked(xs if prologue else xs[0], fc1_kernel, fc1_bias, fc2_kernel,
                         axis_name, activation=activation,
                         keep_gathered_input=keep_gathered_input, precision=precision,
-                        config=config, fp8_histories=fp8_histories)
+                        config=config, fp8_histories=fp8_histories, prologue=prologue)
   y = y.reshape(lead + (np.shape(fc2_kernel)[-1],))
   return y if fc2_bias is None else y + fc2_bias
 

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.fp8 import AmaxHistory
+from jax_comm_gemm.fp8 import AmaxHistory, prologue
 from jax_comm_gemm.layers import dense
 from jax_comm_gemm.layers.dense import Placement, global_placement
 from jax_comm_gemm.runtime.registry import current_plan
@@ -202,7 +202,9 @@ def _sublayer(x, norm, first, second, *, inner=None, axis_name, options, dtype, 
   row-parallel dense around `inner` (attention); without one, the MLP
   (:func:`dense.mlp_parallel`: under an FP8 recipe one op for both layers)."""
   o = options
-  h = layer_norm(x, norm, o.epsilon, dtype)
+  # The LayerNorm's output is the first dense's input: the dense applies it
+  # (under an FP8 recipe inside its cast, never written in bf16).
+  h = normalization(x, norm, o.epsilon, dtype)
   (k1, b1), (k2, b2) = _dense_params(first, dtype, o.config), _dense_params(second, dtype,
                                                                             o.config)
   if inner is None:
@@ -210,10 +212,11 @@ def _sublayer(x, norm, first, second, *, inner=None, axis_name, options, dtype, 
                                   activation=o.activation,
                                   keep_gathered_input=o.keep_gathered_input,
                                   precision=o.precision, config=o.config,
-                                  fp8_histories=histories)
+                                  fp8_histories=histories, prologue=prologue.layer_norm)
   h = dense.column_parallel(h, k1, b1, axis_name=axis_name,
                             keep_gathered_input=o.keep_gathered_input,
-                            precision=o.precision, config=o.config, fp8_history=histories[0])
+                            precision=o.precision, config=o.config, fp8_history=histories[0],
+                            prologue=prologue.layer_norm)
   return x + dense.row_parallel(inner(h), k2, b2, axis_name=axis_name, precision=o.precision,
                                 config=o.config, fp8_history=histories[1])
 
@@ -232,11 +235,20 @@ def layer_norm(x, p, epsilon: float, dtype):
   >>> layer_norm(jnp.arange(4.0)[None], {"scale": 1.0, "bias": 0.0}, 1e-6, jnp.float32).shape
   (1, 4)
   """
+  return prologue.activated(normalization(x, p, epsilon, dtype),
+                            prologue.layer_norm).astype(dtype)
+
+
+def normalization(x, p, epsilon: float, dtype):
+  """:func:`layer_norm`'s operands: ``(x, mean, rstd, scale, bias)``, x in the
+  wider of its dtype and `dtype`, the row statistics ``[..., 1]``, for
+  :func:`jax_comm_gemm.fp8.prologue.layer_norm` (which an FP8 cast applies in
+  its own pass)."""
+  x = x.astype(jnp.promote_types(x.dtype, dtype))
   xf = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   mean = jnp.mean(xf, -1, keepdims=True)
   var = jnp.maximum(0.0, jnp.mean(jnp.square(xf), -1, keepdims=True) - jnp.square(mean))
-  y = (x - mean) * (jax.lax.rsqrt(var + epsilon) * p["scale"]) + p["bias"]
-  return y.astype(dtype)
+  return x, mean, jax.lax.rsqrt(var + epsilon), p["scale"], p["bias"]
 
 
 def attention(qkv, heads: int, causal: bool, implementation):

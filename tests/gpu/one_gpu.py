@@ -278,6 +278,17 @@ def check_fused_casts():
       assert np.isnan(float(got[2])), got[2]
     np.testing.assert_array_equal(as_bytes(cast.transpose(want[0], implementation="pallas")),
                                   as_bytes(want[0].T))
+  # A LayerNorm inside the cast: its row statistics as [r, 1] operands.
+  from jax_comm_gemm.fp8 import prologue
+  from jax_comm_gemm.layers.transformer import normalization
+  y = x.at[1, 2].set(3.0).at[700, 9].set(-2.0) / 300 + jnp.arange(1024)[:, None] % 7
+  ops = normalization(y, {"scale": jnp.linspace(0.5, 2, 768), "bias": jnp.cos(jnp.arange(768.0))},
+                      1e-6, jnp.bfloat16)
+  got, want = (cast.cast_transpose(ops, 1.5, jnp.float8_e4m3fn, with_amax=True,
+                                   implementation=i, prologue=prologue.layer_norm)
+               for i in ("pallas", "xla"))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(as_bytes(g), as_bytes(w))
   mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
   n, k, m = 1024, 512, 768
   xs, w1, w2 = _mlp_inputs(6, n, k, m)
@@ -301,7 +312,8 @@ def check_fused_casts():
     err = _relative_error(a, b)
     assert err < 1e-2, f"{name}: fused casts vs XLA's {err:.3g}"  # same bytes, other layouts
     errs.append(f"{name} {err:.1e}")
-  return "bytes equal XLA's (E4M3, E5M2, transpose); layers: " + ", ".join(errs)
+  return ("bytes equal XLA's (E4M3, E5M2, transpose, LayerNorm's); layers: "
+          + ", ".join(errs))
 
 
 def check_delayed_casts():
