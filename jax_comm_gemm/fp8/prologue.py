@@ -35,7 +35,7 @@ def activated(x, prologue):
     return x
   xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   dtype = jnp.promote_types(xs[0].dtype, F32)
-  return prologue(*(a.astype(dtype) for a in xs)).astype(xs[0].dtype)
+  return prologue(*(jnp.asarray(a, dtype) for a in xs)).astype(xs[0].dtype)
 
 
 def scoped(x, prologue):
