@@ -240,8 +240,7 @@ def column_gradients(s: Static, res, dy, ct_g=None):
   if ct_g is not None:
     dx = dx + st.reduce_scatter(s, ct_g).astype(s.x_dtype)
   if pre is not None:  # through the prologue, recomputed (XLA fuses it)
-    with jax.named_scope(getattr(s.prologue, "__name__", "prologue")):
-      dx = gradients(pre, s.prologue, dx)
+    dx = gradients(pre, s.prologue, dx)
   return dx, dw, _next(s, h, hx, hw, dy_seen)
 
 

@@ -38,20 +38,28 @@ def activated(x, prologue):
   return prologue(*(jnp.asarray(a, dtype) for a in xs)).astype(xs[0].dtype)
 
 
+def _scope(prologue):
+  """The name scope of a prologue's own passes: a profile tells a "layer_norm"
+  pass by it."""
+  return jax.named_scope(getattr(prologue, "__name__", "prologue"))
+
+
 def scoped(x, prologue):
-  """:func:`activated` under the prologue's name as a scope (a profile tells a
-  "layer_norm" pass by it), where no FP8 cast applies it."""
+  """:func:`activated` under the prologue's name as a scope, where no FP8 cast
+  applies it."""
   if prologue is None:
     return x
-  with jax.named_scope(getattr(prologue, "__name__", "prologue")):
+  with _scope(prologue):
     return activated(x, prologue)
 
 
 def gradients(operands, prologue, dy):
   """The gradients of a prologue's `operands` (a tuple), each in its dtype,
-  through :func:`activated` with the output's gradient `dy`: the backward of
-  an op that applied `prologue` inside its cast (XLA fuses the recomputation)."""
-  return jax.vjp(lambda *xs: activated(xs, prologue), *operands)[1](dy)
+  through :func:`activated` with the output's gradient `dy`, under the
+  prologue's scope: the backward of an op that applied `prologue` inside its
+  cast (XLA fuses the recomputation)."""
+  with _scope(prologue):
+    return jax.vjp(lambda *xs: activated(xs, prologue), *operands)[1](dy)
 
 
 def layer_norm(x, mean, rstd, scale, bias):
