@@ -504,12 +504,17 @@ def check_gradient_casts():
     h = [tuple(AmaxHistory.zeros(recipe))] * 2
     mlp = jax.shard_map(layers, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"),
                                                      P("tp"), P(), P()), out_specs=P("tp"))
-    f = jax.jit(jax.value_and_grad(
-        lambda x, w1, b1, w2, c, *h: jnp.sum(mlp(x, w1, b1, w2, *h).astype(jnp.float32) * c),
-        argnums=(0, 1, 2, 3)))
+    def loss(x, w1, b1, w2, c, *h, mlp=mlp):
+      y = mlp(x, w1, b1, w2, *h)
+      return jnp.sum(y.astype(jnp.float32) * c), y
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))
     results[one_op] = jax.block_until_ready(f(xs, w1, b1, w2, ct, *h))
-  assert abs(float(results[True][0]) - float(results[False][0])) <= 1e-3 * abs(
-      float(results[False][0]))
+  # The output itself, not the loss: sum(y * c) cancels to ~0.2% of sum|y * c|,
+  # so its relative difference says little (on CPU: 0.9% for the same
+  # arithmetic, 84% with b1 left out). y: 2.8% on CPU, 42% with b1 left out.
+  err = _relative_error(results[True][0][1], results[False][0][1])
+  assert err < 0.08, f"y: one op vs the two ops {err:.3g}"
+  notes.append(f"y {err:.1e}")
   for name, a, b in zip(("dx", "dw1", "db1", "dw2"), results[True][1], results[False][1]):
     err = _relative_error(a, b)
     # As check_activation_casts: the same FP8 arithmetic but for XLA's excess
