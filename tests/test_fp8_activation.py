@@ -20,7 +20,7 @@ from conftest import cpu_mesh
 from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe, cast, fp8_matmul_reduce_scatter, prologue
 from jax_comm_gemm.layers import transformer as tb
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
-from test_fp8_cast import _bytes
+from test_fp8_cast import _bytes, assert_codes_match_but_tanh_tail
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TILE = cast.TILE
@@ -48,12 +48,13 @@ def test_kernel_casts_the_activations_output(dtype, f8, outputs):
                                                     prologue=jax.nn.gelu, **outputs))(x)
   a = jax.jit(lambda x: jax.nn.gelu(x.astype(jnp.float32)).astype(dtype))(x)  # its output
   unfused = cast.cast_transpose(a, scale, f8, implementation="xla", **outputs)
-  for g, fx, u in zip(got, fused_xla, unfused):
+  tail = np.asarray(x, np.float32) < -2  # where float32's 1 + tanh cancels
+  for g, fx, u, t in zip(got, fused_xla, unfused, (tail, tail.T)):
     assert (g is None) == (u is None)
     if g is None:
       continue
-    np.testing.assert_array_equal(_bytes(g), _bytes(u))
-    np.testing.assert_array_equal(_bytes(fx), _bytes(u))
+    assert_codes_match_but_tanh_tail(g, u, t)
+    assert_codes_match_but_tanh_tail(fx, u, t)
   if outputs.get("with_amax"):
     assert float(got[2]) == float(jnp.max(jnp.abs(a.astype(jnp.float32))))
 
