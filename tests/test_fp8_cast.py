@@ -130,13 +130,13 @@ def test_auto_is_xla_off_a_gpu_and_for_untiled_shapes(monkeypatch):
 @pytest.mark.parametrize("call, match", [
     (lambda: cast.cast_transpose(jnp.ones((4, 4)), 1.0, E4, implementation="triton"),
      "implementation must be one of"),
-    (lambda: cast.cast_transpose(jnp.ones((4,)), 1.0, E4), "x must be 2-D"),
+    (lambda: cast.cast_transpose(jnp.ones((4,)), 1.0, E4), "`x` must be 2-D"),
     (lambda: cast.transpose(jnp.ones((4, 4), E4), implementation="cuda"),
      "implementation must be one of"),
     (lambda: Fp8Recipe(casts="pallas"), "Fp8Recipe.casts must be one of"),
     (lambda: cast.amax_if(jnp.ones((4, 4)), True, implementation="cuda"),
      "amax_if: implementation must be one of"),
-    (lambda: cast.amax_if(jnp.ones((4, 4, 4)), True), "amax_if: x must be 2-D"),
+    (lambda: cast.amax_if(jnp.ones((4, 4, 4)), True), "amax_if: `x` must be 2-D"),
 ])
 def test_bad_arguments_are_named(call, match):
   with pytest.raises(ValueError, match=match):

@@ -159,3 +159,19 @@ def test_block_normalizes_inside_the_casts(monkeypatch):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                rtol=0, atol=2e-2 * float(np.max(np.abs(b))) + 1e-30,
                                err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("operands, use_prologue, match", [
+    (lambda x: (x, x[:, :1], x[:1]), True, r"as a prologue's operands .* got shapes"),
+    (lambda x: (x, x), False, "may be a tuple only as the operands of a `prologue`"),
+    (lambda x: (x[0],), True, r"must be \[tokens, \.\.\., k\]"),
+])
+def test_bad_operands_are_named(operands, use_prologue, match):
+  """The op names `x` and the shapes a prologue's operands may take, before
+  any work (the one rule of the op and its kernels, prologue.operands)."""
+  x = jnp.ones((TILE, TILE), jnp.bfloat16)
+  w = jnp.ones((TILE, TILE), jnp.float32)
+  with pytest.raises(ValueError, match=match):
+    jax.shard_map(lambda x: fp8_all_gather_matmul(
+        operands(x), w, "tp", prologue=prologue.layer_norm if use_prologue else None),
+        mesh=cpu_mesh(1), in_specs=P("tp"), out_specs=P("tp"), check_vma=False)(x)

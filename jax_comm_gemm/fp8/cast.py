@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.fp8.prologue import activated
+from jax_comm_gemm.fp8.prologue import activated, operands
 from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -67,7 +67,7 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   ([[0.0, 2.0]], 2.0)
   """
   _check_implementation("cast_transpose", implementation)
-  xs = _operands("cast_transpose", x, prologue)
+  xs = operands("cast_transpose", x, prologue, two_d=True)
   if not (rows or columns or with_amax or with_column_sums):
     return None, None, None
   if implementation == "auto":  # a row-major cast alone XLA fuses into its producer
@@ -83,21 +83,6 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
                 with_column_sums, PROLOGUE_TILING if prologue else CAST_TILING, prologue,
                 interpret=jax.default_backend() != "gpu")
   return out if with_column_sums else out[:3]
-
-
-def _operands(op: str, x, prologue) -> tuple:
-  """x as a tuple: a 2-D array, or a prologue's operands (2-D of the first's
-  shape ``[r, c]``, vectors ``[c]`` or columns ``[r, 1]``, :mod:`.prologue`)."""
-  xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-  if len(xs) > 1 and prologue is None:
-    raise ValueError(f"{op}: x may be a tuple only as the operands of a `prologue`, "
-                     f"got {len(xs)} arrays and no prologue")
-  shape = jnp.shape(xs[0])
-  if len(shape) != 2 or any(jnp.shape(a) not in (shape, shape[1:], (shape[0], 1))
-                            for a in xs):
-    raise ValueError(f"{op}: x must be 2-D (a tuple: [r, c], vectors [c] or columns "
-                     f"[r, 1]), got shapes {[jnp.shape(a) for a in xs]}")
-  return xs
 
 
 def _blocks(xs, rows, columns):
@@ -219,7 +204,7 @@ def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
   (3.0, 0.0)
   """
   _check_implementation("amax_if", implementation)
-  xs = _operands("amax_if", x, prologue)
+  xs = operands("amax_if", x, prologue, two_d=True)
   if implementation == "auto":
     implementation = "pallas" if _kernel_runs(xs[0]) else "xla"
   if implementation == "xla":

@@ -93,11 +93,10 @@ def activation_gradient(activation):
   return gradient
 
 
-def flat_operands(op: str, x, prologue):
-  """An op's input as 2-D operands, and its leading dims: x ``[n, ..., k]``
-  alone (a one-tuple), or with a `prologue` the tuple of its operands, each
-  of x's shape, a vector ``[k]``, or ``[n, ..., 1]`` (x first), checked and
-  with the leading dims folded into one."""
+def operands(op: str, x, prologue, *, two_d: bool = False) -> tuple:
+  """x as a tuple, checked: one array ``[n, ..., k]`` (2-D where `two_d`), or
+  with a `prologue` its operands, x first, each of x's shape, a vector ``[k]``
+  or a column ``[n, ..., 1]``. The one rule of the ops and of the kernels."""
   xs = tuple(x) if isinstance(x, (tuple, list)) else (x,)
   if prologue is not None:
     validation.check_callable(op, "prologue", prologue)
@@ -106,8 +105,18 @@ def flat_operands(op: str, x, prologue):
                      f"got {len(xs)} arrays and no prologue")
   shape = jnp.shape(xs[0])
   allowed = (shape, shape[-1:], shape[:-1] + (1,))
-  if len(shape) < 2 or any(jnp.shape(a) not in allowed for a in xs):
-    raise ValueError(f"{op}: `x` must be [tokens, ..., k]; as a prologue's operands each "
-                     f"of its shape, [k] or [tokens, ..., 1], got shapes "
+  if (len(shape) != 2 if two_d else len(shape) < 2) or any(
+      jnp.shape(a) not in allowed for a in xs):
+    form = "2-D [r, c]" if two_d else "[tokens, ..., k]"
+    raise ValueError(f"{op}: `x` must be {form}; as a prologue's operands each of its "
+                     f"shape, a vector of its last dim or a column ([..., 1]), got shapes "
                      f"{[jnp.shape(a) for a in xs]}")
-  return tuple(a if a.ndim == 1 else a.reshape(-1, a.shape[-1]) for a in xs), shape[:-1]
+  return xs
+
+
+def flat_operands(op: str, x, prologue):
+  """An op's input as 2-D operands (:func:`operands`, the leading dims folded
+  into one), and its leading dims."""
+  xs = operands(op, x, prologue)
+  return (tuple(a if a.ndim == 1 else a.reshape(-1, a.shape[-1]) for a in xs),
+          jnp.shape(xs[0])[:-1])
