@@ -72,8 +72,7 @@ def variants(tilings, activation=False):
       return jax.jit(lambda q: q.T)
     def f(q):
       b = lax.bitcast_convert_type(q, jnp.uint8)
-      bT = cast._pallas((b,), None, jnp.dtype(jnp.uint8), False, True, False, False, tile,
-                        None, interpret=interpret)[1]
+      bT = cast._move(b, 1, tile, interpret=interpret)
       return lax.bitcast_convert_type(bT, q.dtype)
     return jax.jit(f)
 

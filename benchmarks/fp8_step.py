@@ -38,16 +38,18 @@ import json
 import os
 import subprocess
 import time
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime.constants import TARGETS
-from jax_comm_gemm.layers import transformer as tb
+from jax_comm_gemm.layers import dense, transformer as tb
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -126,18 +128,31 @@ class WithHistories:
     return self.f.lower(ps, x, self.histories)
 
 
+class HeadsOutside(WithHistories):
+  """A step traced with attention's layout changed by XLA's copies outside the
+  FP8 ops (``dense.heads_inside`` off), as before the casts took it
+  (jax_comm_gemm.fp8.heads); its block runs on an axis name of its own, so
+  that its jit traces afresh."""
+
+  def __call__(self, ps, x):
+    with mock.patch.object(dense, "heads_inside", lambda config, dot_general: False):
+      return super().__call__(ps, x)
+
+
 def steps(mesh, heads, attention, layers):
   """{variant: jitted (params, x) -> (loss, grads)}."""
-  def project(config):
+  def project(config, step=WithHistories, axis="tp"):
     options = tb.BlockOptions(num_heads=heads, dtype=BF16, attention_implementation=attention,
                               config=config)
+    on = mesh if axis == "tp" else Mesh(mesh.devices, (axis,))
 
     def loss(ps, x, hs):
       for p, h in zip(ps, hs):
-        x = tb.sharded_transformer_block(x, p, mesh=mesh, options=options, fp8_histories=h)
+        x = tb.sharded_transformer_block(x, p, mesh=on, axis_name=axis, options=options,
+                                         fp8_histories=h)
       return jnp.mean(x.astype(F32) ** 2)
     histories = [tb.init_fp8_histories(options)] * layers  # Nones but for "delayed"
-    return WithHistories(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), histories)
+    return step(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), histories)
 
   def plain(ps, x):
     for p in ps:
@@ -147,6 +162,8 @@ def steps(mesh, heads, attention, layers):
   return {"project_bf16": project(jcg.CommGemmConfig()),
           "project_fp8_tensor": project(jcg.CommGemmConfig(fp8=Fp8Recipe("tensor"))),
           "project_fp8_delayed": project(jcg.CommGemmConfig(fp8=Fp8Recipe("delayed"))),
+          "project_fp8_delayed_heads_outside": project(
+              jcg.CommGemmConfig(fp8=Fp8Recipe("delayed")), HeadsOutside, "tp_outside"),
           # XLA's casts and transposes in place of the one-pass kernel (jax_comm_gemm.fp8.cast).
           "project_fp8_tensor_xla_casts": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", casts="xla"))),

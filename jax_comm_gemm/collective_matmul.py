@@ -115,7 +115,7 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config, fp8_history=None,
-                                prologue=None):
+                                prologue=None, split_heads=None):
   """:func:`all_gather_matmul` for callers that validated the arguments, of
   ``prologue(*x)`` where one is given (an elementwise function of the tuple x,
   :mod:`jax_comm_gemm.fp8.prologue`: the FP8 op applies it inside x's cast)."""
@@ -127,7 +127,7 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
         keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
         collectives=fp8_collectives(config, AG, first, w, transpose_w, axis_name,
-                                    gathered)[0], prologue=prologue)
+                                    gathered)[0], prologue=prologue, split_heads=split_heads)
   x = scoped(x, prologue)
   route = op_route(config, AG, x, w, transpose_w, axis_name, precision,
                    hands_out=return_gathered or keep_gathered_input)
@@ -142,7 +142,7 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
-                                    fp8_history=None, activation=None):
+                                    fp8_history=None, activation=None, merge_heads=None):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments, of
   ``activation(x)`` where one is given (an elementwise function: the FP8 op
   applies it inside x's cast, docs/fp8.md "Fused casts")."""
@@ -152,7 +152,7 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
         reuse_gathered=config.reuse_gathered is not False, history=fp8_history,
         collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0],
-        activation=activation)
+        activation=activation, merge_heads=merge_heads)
   if activation is not None:
     x = scoped_activation(activation, x)
   route = op_route(config, RS, x, w, transpose_w, axis_name, precision)

@@ -245,19 +245,21 @@ def test_every_kernel_lowers_to_triton():
   """Each kernel's Pallas program lowers to a Triton call for a CUDA device,
   here on CPU: a primitive with no Triton lowering rule (a NaN test, a bit
   cast, a vector's or a column's block) fails here, not first on a GPU."""
-  from jax_comm_gemm.fp8 import prologue
+  from jax_comm_gemm.fp8 import heads, prologue
   e4 = jnp.dtype(jnp.float8_e4m3fn)
   x = jax.ShapeDtypeStruct((2 * TILE, 4 * TILE), jnp.bfloat16)
   b = jax.ShapeDtypeStruct((4 * TILE,), jnp.bfloat16)
   one = jax.ShapeDtypeStruct((1,), jnp.float32)
   column = jax.ShapeDtypeStruct((2 * TILE, 1), jnp.float32)  # a row statistic
   gelu = prologue.with_bias(jax.nn.gelu)
+  part = jax.ShapeDtypeStruct((2, TILE, 2, TILE), jnp.bfloat16)  # attention's [b, s, h, d]
   kernels = {
       "cast": (lambda x, s: cast._pallas((x,), s, e4, True, True, True, False,
                                          cast.CAST_TILING, None), (x, one)),
-      "transpose": (lambda q: cast._pallas((q,), None, jnp.dtype(jnp.uint8), False, True,
-                                           False, False, cast.MOVE_TILING, None),
-                    (jax.ShapeDtypeStruct(x.shape, jnp.uint8),)),
+      "transpose": (lambda q: cast._move(q, 1), (jax.ShapeDtypeStruct(x.shape, jnp.uint8),)),
+      "transpose_tokens": (lambda q: cast._move(q, 2),
+                           (jax.ShapeDtypeStruct(x.shape, jnp.uint8),)),
+      "heads": (lambda q, k, v, s: heads._heads((q, k, v), s, e4, True), (part, part, part, one)),
       "bias_gelu": (lambda x, b, s: cast._pallas((x, b), s, e4, True, True, True, False,
                                                  cast.PROLOGUE_TILING, gelu), (x, b, one)),
       "dbias_gelu_sums": (lambda d, x, b, s: cast._pallas(

@@ -66,7 +66,7 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   >>> q.astype(jnp.float32).tolist(), float(a)
   ([[0.0, 2.0]], 2.0)
   """
-  _check_implementation("cast_transpose", implementation)
+  check_implementation("cast_transpose", implementation)
   xs = operands("cast_transpose", x, prologue, two_d=True)
   if not (rows or columns or with_amax or with_column_sums):
     return None, None, None
@@ -93,7 +93,7 @@ def _blocks(xs, rows, columns):
           else pl.BlockSpec((rows, columns), lambda i, j: (i, j)) for a in xs]
 
 
-def _check_implementation(op: str, implementation: str) -> None:
+def check_implementation(op: str, implementation: str) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
@@ -107,30 +107,56 @@ def _kernel_runs(x) -> bool:
 def _xla(x, scale, dtype, rows, columns, with_amax):
   return (saturating_cast(x, scale, dtype) if rows else None,
           saturating_cast(x.T, scale, dtype) if columns else None,
-          _xla_amax(x) if with_amax else None)
+          xla_amax(x) if with_amax else None)
 
 
-def _xla_amax(x):
+def xla_amax(x):
   """``max(|x|)`` in float32, NaN wherever x holds one (XLA's max may return a
   larger inf)."""
   return jnp.where(jnp.any(jnp.isnan(x)), jnp.float32(jnp.nan), jnp.max(jnp.abs(x.astype(F32))))
 
 
-def transpose(q, *, implementation: str = "auto"):
+def transpose(q, *, batch: int = 1, implementation: str = "auto"):
   """``q.T`` of a 2-D FP8 `q`, materialized: the TN operand that a GEMM over
   q's rows reads (a gathered FP8 operand, whose bytes and scale it keeps).
   XLA's transpose of one-byte elements runs far below the memory's speed; the
-  kernel moves tiles (`implementation` as in :func:`cast_transpose`)."""
-  _check_implementation("transpose", implementation)
+  kernel moves tiles (`implementation` as in :func:`cast_transpose`).
+
+  `batch` > 1 (it divides q's rows): the rows are tokens ``(position,
+  batch)``, qT's columns ``(batch, position)``, as :func:`.heads.cast_heads`
+  writes the other operand of their weight gradient.
+
+  >>> q = jnp.arange(8.0).reshape(4, 2).astype(jnp.float8_e4m3fn)  # 2 positions x 2 batch
+  >>> transpose(q, batch=2).astype(jnp.float32).tolist()
+  [[0.0, 4.0, 2.0, 6.0], [1.0, 5.0, 3.0, 7.0]]
+  """
+  check_implementation("transpose", implementation)
+  (r, c), tiles = q.shape, MOVE_TILING[0] * batch
   if implementation == "auto":
-    implementation = "pallas" if _kernel_runs(q) else "xla"
+    implementation = "pallas" if _kernel_runs(q) and r % tiles == 0 else "xla"
   if implementation == "xla":
-    return q.T
+    return q.reshape(r // batch, batch, c).transpose(2, 1, 0).reshape(c, r)
   # As bytes: the kernel only moves them.
-  b = lax.bitcast_convert_type(q, jnp.uint8)
-  _, bT, _, _ = _pallas((b,), None, jnp.dtype(jnp.uint8), False, True, False, False,
-                        MOVE_TILING, None, interpret=jax.default_backend() != "gpu")
+  bT = _move(lax.bitcast_convert_type(q, jnp.uint8), batch,
+             interpret=jax.default_backend() != "gpu")
   return lax.bitcast_convert_type(bT, q.dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames=("interpret",))
+def _move(b, batch, tiling=MOVE_TILING, *, interpret=False):
+  """:func:`transpose`'s kernel: each program moves one batch element's tile
+  (its rows read with a stride where `batch` > 1), transposed."""
+  r, c = b.shape
+  s = r // batch
+  tr, tc, warps = tiling
+  sq = pl.squeezed
+  out = pl.pallas_call(
+      _move_tile, vma.shaped_like(b, (c, batch, s), b.dtype), grid=(s // tr, batch, c // tc),
+      in_specs=[pl.BlockSpec((tr, sq, tc), lambda i, k, j: (i, k, j))],
+      out_specs=pl.BlockSpec((tc, sq, tr), lambda i, k, j: (j, k, i)), interpret=interpret,
+      compiler_params=plt.CompilerParams(num_warps=warps),
+      name="fp8_transpose")(b.reshape(s, batch, c))
+  return out.reshape(c, r)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7, 8),
@@ -138,8 +164,7 @@ def transpose(q, *, implementation: str = "auto"):
 def _pallas(xs, scale, dtype, rows, columns, with_amax, with_column_sums, tiling, prologue, *,
             interpret=False):
   """The one-pass kernel over the tuple `xs` (one array, or a prologue's
-  operands), `tiling` = (tile rows, tile columns, warps); `scale` None: no
-  cast (x's bytes, transposed)."""
+  operands), `tiling` = (tile rows, tile columns, warps)."""
   x = xs[0]
   r, c = x.shape
   tr, tc, warps = tiling
@@ -153,37 +178,34 @@ def _pallas(xs, scale, dtype, rows, columns, with_amax, with_column_sums, tiling
              (with_column_sums, (grid[0], c), F32, pl.BlockSpec((1, tc), lambda i, j: (i, j)))]
   out_shape = [vma.shaped_like(x, shape, dt) for on, shape, dt, _ in outputs if on]
   out_specs = [block for on, _, _, block in outputs if on]
-  if scale is None:
-    kernel, args, in_specs = _move, xs, [spec]
-  else:
-    kernel = functools.partial(_cast, operands=len(xs), limit=fp8_max(dtype), dtype=dtype,
-                               rows=rows, columns=columns, with_amax=with_amax,
-                               with_column_sums=with_column_sums, prologue=prologue)
-    args = (scale, *xs)
-    in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + _blocks(xs, tr, tc)
+  kernel = functools.partial(cast_tile, functools.partial(_tile, prologue=prologue),
+                             operands=len(xs), limit=fp8_max(dtype), dtype=dtype, rows=rows,
+                             columns=columns, with_amax=with_amax,
+                             with_column_sums=with_column_sums)
+  in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + _blocks(xs, tr, tc)
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
                         compiler_params=plt.CompilerParams(num_warps=warps),
-                        name=_kernel_name(scale is None, rows, columns, with_amax,
-                                          with_column_sums, prologue))(*args)
+                        name=_kernel_name(rows, columns, with_amax, with_column_sums,
+                                          prologue))(scale, *xs)
   outs = iter(outs)
   q = next(outs) if rows else None
   qT = next(outs) if columns else None
-  a = _max_of_tiles(next(outs)) if with_amax else None
+  a = max_of_tiles(next(outs)) if with_amax else None
   sums = jnp.sum(next(outs), axis=0) if with_column_sums else None
   return q, qT, a, sums
 
 
-def _kernel_name(move, rows, columns, with_amax, with_column_sums, prologue) -> str:
+def _kernel_name(rows, columns, with_amax, with_column_sums, prologue) -> str:
   """What a kernel writes, in its name, so that a profile tells the casts
   apart: e.g. "fp8_cast_rows_columns_amax_gelu", "fp8_transpose"."""
   parts = [p for p, on in (("rows", rows), ("columns", columns), ("amax", with_amax),
                            ("sums", with_column_sums)) if on]
   activation = [] if prologue is None else [getattr(prologue, "__name__", "prologue")]
-  return "fp8_transpose" if move else "_".join(["fp8_cast", *parts, *activation])
+  return "_".join(["fp8_cast", *parts, *activation])
 
 
-def _max_of_tiles(partial):
+def max_of_tiles(partial):
   """The largest of the kernel's per-tile amaxes, reduced in a fusion of its
   own: XLA otherwise fuses the reduction into its scalar consumer (a history's
   concatenate, a scale) and reduces serially in one thread (milliseconds a
@@ -203,12 +225,12 @@ def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
   >>> float(amax_if(jnp.array([[1.0, -3.0]]), True)), float(amax_if(jnp.array([[1.0]]), False))
   (3.0, 0.0)
   """
-  _check_implementation("amax_if", implementation)
+  check_implementation("amax_if", implementation)
   xs = operands("amax_if", x, prologue, two_d=True)
   if implementation == "auto":
     implementation = "pallas" if _kernel_runs(xs[0]) else "xla"
   if implementation == "xla":
-    return jnp.where(wanted, _xla_amax(activated(x, prologue)), jnp.float32(0))
+    return jnp.where(wanted, xla_amax(activated(x, prologue)), jnp.float32(0))
   *xs, flag = vma.match(*xs, jnp.reshape(jnp.asarray(wanted, jnp.int32), (1,)))
   return _amax_if(tuple(xs), flag, prologue, interpret=jax.default_backend() != "gpu")
 
@@ -224,7 +246,7 @@ def _amax_if(xs, flag, prologue, *, interpret=False):
       + _blocks(xs, TILE, TILE),
       out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, *xs)
-  return _max_of_tiles(partial)
+  return max_of_tiles(partial)
 
 
 def _amax_kernel(flag_ref, *refs, prologue):
@@ -248,7 +270,7 @@ def _tile_amax(x):
   return lax.bitcast_convert_type(jnp.max(bits), F32)
 
 
-def _move(x_ref, xT_ref):
+def _move_tile(x_ref, xT_ref):
   xT_ref[...] = x_ref[...].T
 
 
@@ -258,10 +280,11 @@ def _tile(x_refs, prologue):
   return activated(tiles if prologue is not None else tiles[0], prologue).astype(F32)
 
 
-def _cast(scale_ref, *refs, operands, limit, dtype, rows, columns, with_amax,
-          with_column_sums, prologue):
+def cast_tile(load, scale_ref, *refs, operands, limit, dtype, rows, columns, with_amax,
+          with_column_sums):
+  """One program's tile: `load` reads it from the input refs in float32."""
   x_refs, out_refs = refs[:operands], refs[operands:]
-  x = _tile(x_refs, prologue)
+  x = load(x_refs)
   y = x * scale_ref[0]
   # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
   y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))

@@ -32,19 +32,20 @@ import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
 from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, flat_operands,
                                         gradients)
-from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe
+import jax_comm_gemm.fp8.heads as heads
+from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe, check_operands, checked_history
 from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 
 __all__ = ["FUSED_SCOPE", "STANDALONE_SCOPE", "fp8_all_gather_matmul",
            "fp8_matmul_reduce_scatter", "xla_gather"]
-OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe(),
                           transpose_w: bool = False, keep_gathered_input: bool = False,
                           return_gathered: bool = False, gather: Callable | None = None,
                           collectives="xla", history: AmaxHistory | None = None,
-                          prologue: Callable | None = None):
+                          prologue: Callable | None = None,
+                          split_heads: tuple[int, int, int] | None = None):
   """``all_gather(x) @ w`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``.
 
@@ -70,9 +71,17 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
       normalization) whose output is the op's input, made inside x's FP8 cast:
       x is then the tuple of its operands (x first; the others of its shape,
       ``[k]`` or ``[n/P, ..., 1]``), each of which gets its gradient.
+    split_heads: ``(parts, head_dim, batch)``: return y in attention's
+      layout, as `parts` arrays ``[batch, n, heads, head_dim]`` of its columns
+      ``(heads, parts, head_dim)`` (q, k and v for 3), x's tokens being
+      ``(position, batch)``. The backward makes its FP8 copies from their
+      gradients in one read
+      (:func:`jax_comm_gemm.fp8.heads.cast_heads`), where XLA would first write
+      them back in y's layout. One scale per tensor ("tensor", "delayed").
 
   Returns:
-    ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``.
+    ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``, or with
+    `split_heads` the tuple of its parts.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -89,14 +98,19 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
   xs, lead = flat_operands(op, x, prologue)
   size = lax.axis_size(axis_name)
   check_operands(op, xs[0], w, transpose_w, recipe, xs[0].shape[0] * size)
+  layout = None if split_heads is None else heads.checked(
+      op, "split_heads", split_heads, recipe, xs[0].shape[0], w.shape[0 if transpose_w else 1],
+      "return_gathered" if return_gathered else None)
   s = Static(axis_name, recipe, transpose_w, jnp.dtype(xs[0].dtype), jnp.dtype(w.dtype),
               keep_gathered_input=keep_gathered_input,
               return_gathered=return_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w),
-              prologue=prologue)
+              prologue=prologue, heads=layout)
   *xs, w = vma.varying_along(axis_name, *xs, w)
   out = _all_gather_matmul(tuple(xs) if prologue else xs[0], w,
                            checked_history(op, recipe, history), s)
+  if layout is not None:
+    return out
   unfold = lambda t: t.reshape((lead[0] * size,) + lead[1:] + t.shape[-1:])
   return (unfold(out[0]), unfold(out[1])) if return_gathered else unfold(out)
 
@@ -105,7 +119,8 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
                               transpose_w: bool = False, reuse_gathered: bool = True,
                               gather: Callable | None = None, collectives="xla",
                               history: AmaxHistory | None = None,
-                              activation: Callable | None = None):
+                              activation: Callable | None = None,
+                              merge_heads: tuple[int, int] | None = None):
   """``reduce_scatter(x @ w)`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``. x: all tokens, local features, ``[n, ..., k/P]``; w
   ``[k/P, m]`` (``[m, k/P]`` with `transpose_w`); `reuse_gathered`: the weight
@@ -114,8 +129,13 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   x first, ``RS(activation(x) @ w)`` (the MLP's, computed in float32 and
   rounded to x's dtype): its output is made inside x's FP8 cast and never
   written in x's dtype, and the backward recomputes it from x; the rest as in
-  :func:`fp8_all_gather_matmul`. Returns this rank's tokens of the sum,
-  ``[n/P, ..., m]``, in x's dtype.
+  :func:`fp8_all_gather_matmul`. `merge_heads` ``(head_dim, batch)``: x is
+  attention's output ``[batch, n, heads, head_dim]`` as ``[batch * n,
+  heads * head_dim]``, its tokens ``(batch, position)`` where the result's
+  are ``(position, batch)``: its FP8 copies are made in that order from it
+  (:func:`jax_comm_gemm.fp8.heads.cast_heads`), where XLA would first write it
+  transposed; one scale per tensor.
+  Returns this rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
 
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> from jax.sharding import Mesh, PartitionSpec as P
@@ -131,54 +151,21 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   if activation is not None:
     validation.check_callable(op, "activation", activation)
   check_operands(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
+  layout = None if merge_heads is None else heads.checked(
+      op, "merge_heads", merge_heads, recipe, int(np.prod(x.shape[:-1])), x.shape[-1],
+      "activation" if activation is not None else None)
   size = lax.axis_size(axis_name)
-  if x.shape[0] % size:
-    raise ValueError(f"{op}: x's tokens ({x.shape[0]}) must be divisible by the size "
-                     f"of axis {axis_name!r} ({size})")
+  positions = x.shape[0] // (1 if layout is None else layout[2])
+  if positions % size:
+    raise ValueError(f"{op}: x's tokens ({positions} positions) must be divisible by the "
+                     f"size of axis {axis_name!r} ({size})")
   s = Static(axis_name, recipe, transpose_w, jnp.dtype(x.dtype), jnp.dtype(w.dtype),
               reuse_gathered=reuse_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w),
-              prologue=activation)
-  lead = x.shape[:-1]
+              prologue=activation, heads=layout)
   y = _matmul_reduce_scatter(*vma.varying_along(axis_name, x.reshape(-1, x.shape[-1]), w),
                              checked_history(op, recipe, history), s)
-  return y.reshape((lead[0] // size,) + lead[1:] + y.shape[-1:])
-
-
-def check_operands(op, x, w, transpose_w, recipe, tokens):
-  if not isinstance(recipe, Fp8Recipe):
-    raise TypeError(f"{op}: `recipe` must be an Fp8Recipe, got {type(recipe).__name__}")
-  if np.ndim(x) < 2 or np.ndim(w) != 2:
-    raise ValueError(f"{op}: x must be [tokens, ..., k] and w 2-D, got shapes "
-                     f"{np.shape(x)} and {np.shape(w)}")
-  for name, a in (("x", x), ("w", w)):
-    if jnp.dtype(a.dtype) not in OUT_DTYPES:
-      raise ValueError(f"{op}: `{name}` must be bfloat16, float16 or float32 (the FP8 "
-                       f"copies are made inside), got {a.dtype}")
-  validation.check_inner(op, "`x`", x.shape[-1], f"`w` (transpose_w={transpose_w})",
-                         w.shape[1] if transpose_w else w.shape[0], w.shape)
-  if recipe.scaling == "block" and (tokens % qz.BLOCK or any(d % qz.BLOCK for d in w.shape)):
-    raise ValueError(f"{op}: 'block' scaling quantizes in blocks of {qz.BLOCK}: w's dims "
-                     f"and the tokens (all ranks') must be multiples of {qz.BLOCK}, got w "
-                     f"{tuple(w.shape)} and {tokens} tokens")
-
-
-def checked_history(op, recipe, history):
-  """`history`, checked against the recipe: a "delayed" one needs it (one
-  float32 vector of ``recipe.amax_history`` per tensor), the others take none."""
-  if recipe.scaling != "delayed":
-    if history is not None:
-      raise ValueError(f"{op}: `history` is for a 'delayed' recipe; this one scales "
-                       f"{recipe.scaling!r}")
-    return None
-  if not isinstance(history, AmaxHistory):
-    raise ValueError(f"{op}: a 'delayed' recipe needs `history`, an AmaxHistory "
-                     f"(AmaxHistory.zeros(recipe) to start), got {type(history).__name__}")
-  for name, h in zip(AmaxHistory._fields, history):
-    if jnp.shape(h) != (recipe.amax_history,):
-      raise ValueError(f"{op}: `history.{name}` must have shape ({recipe.amax_history},) "
-                       f"(recipe.amax_history), got {jnp.shape(h)}")
-  return AmaxHistory(*(jnp.asarray(h, jnp.float32) for h in history))
+  return y.reshape((x.shape[0] // size,) + x.shape[1:-1] + y.shape[-1:])
 
 
 # --- fp8_all_gather_matmul ------------------------------------------------------
@@ -213,13 +200,19 @@ def column_forward(x, w, h, s: Static):
   keep = s.keep_gathered_input or s.return_gathered
   y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
   out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
+  if s.heads is not None:
+    parts, head_dim, batch = s.heads
+    out = heads.split_heads(y.reshape(-1, batch, y.shape[-1]), parts, head_dim)
   pre = x if s.prologue is not None else None  # the backward's vjp recomputes from it
   return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw, pre)
 
 
 def _all_gather_matmul_bwd(s: Static, res, ct):
-  ct_y, ct_g = ct if s.return_gathered else (ct, None)
   h = res[3]
+  if s.heads is not None:  # ct: the parts' gradients, cast from where they lie
+    a = heads.amax(s, None if h is None else h.dy, ct)
+    return column_gradients(s, res, heads.quantize(s, ct, s.recipe.backward_dtype, a))
+  ct_y, ct_g = ct if s.return_gathered else (ct, None)
   dy = st.quantize(s, ct_y, s.recipe.backward_dtype, dy_amax(s, ct_y, h), columns=True)
   return column_gradients(s, res, dy, ct_g)
 
@@ -263,8 +256,13 @@ def row_forward(x, w, h, s: Static):
   ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
   # x [n, k/P] holds every token: its column-scaled transposed copy (the
   # weight gradient's operand) comes from the same cast.
-  x8, x_inv, xT8, xT_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax,
-                                               columns=True, prologue=s.prologue)
+  if s.heads is not None:  # x: attention's output, cast from where it lies
+    _, head_dim, batch = s.heads
+    parts = (x.reshape(batch, -1, x.shape[1] // head_dim, head_dim),)
+    x8, x_inv, xT8, xT_inv, x_seen = heads.quantize(s, parts, s.recipe.forward_dtype, ax)
+  else:
+    x8, x_inv, xT8, xT_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax,
+                                                 columns=True, prologue=s.prologue)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
   y = st.gemm_reduce_scatter(s, x8, x_inv, wf8, wf_inv, s.x_dtype)
   pre = x if s.prologue is not None else None  # the backward recomputes from it
@@ -273,6 +271,10 @@ def row_forward(x, w, h, s: Static):
 
 def _matmul_reduce_scatter_bwd(s: Static, res, dy):
   dx, dw, histories = row_gradients(s, res, dy)
+  if s.heads is not None:  # back to attention's layout
+    _, head_dim, batch = s.heads
+    (dx,) = heads.split_heads(dx.reshape(-1, batch, dx.shape[-1]), 1, head_dim)
+    dx = dx.reshape(-1, dx.shape[2] * head_dim)
   pre = res[-1]
   if pre is not None:  # through the activation, recomputed (XLA fuses it)
     with jax.named_scope("activation"):

@@ -21,10 +21,9 @@ from jax import lax
 import jax_comm_gemm.fp8.steps as st
 from jax_comm_gemm.fp8.prologue import activation_gradient, flat_operands, with_bias
 from jax_comm_gemm import validation, vma
-from jax_comm_gemm.fp8.matmul import (OUT_DTYPES, check_operands, checked_history,
-                                      column_forward, column_gradients, dy_amax, row_forward,
+from jax_comm_gemm.fp8.matmul import (column_forward, column_gradients, dy_amax, row_forward,
                                       row_gradients)
-from jax_comm_gemm.fp8.recipe import Fp8Recipe
+from jax_comm_gemm.fp8.recipe import Fp8Recipe, OUT_DTYPES, check_operands, checked_history
 from jax_comm_gemm.fp8.steps import Static, xla_gather
 
 __all__ = ["fp8_mlp"]

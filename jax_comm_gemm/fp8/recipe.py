@@ -6,6 +6,10 @@ import dataclasses
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
+
+from jax_comm_gemm import validation
+import jax_comm_gemm.fp8.quantize as qz
 
 SCALINGS = ("tensor", "row", "delayed", "block")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -173,3 +177,42 @@ def pushed(history, current):
   """
   return jnp.concatenate([jnp.reshape(current, (1,)).astype(jnp.float32), history[:-1]])
 
+
+def checked_history(op, recipe, history):
+  """`history`, checked against the recipe: a "delayed" one needs it (one
+  float32 vector of ``recipe.amax_history`` per tensor), the others take none."""
+  if recipe.scaling != "delayed":
+    if history is not None:
+      raise ValueError(f"{op}: `history` is for a 'delayed' recipe; this one scales "
+                       f"{recipe.scaling!r}")
+    return None
+  if not isinstance(history, AmaxHistory):
+    raise ValueError(f"{op}: a 'delayed' recipe needs `history`, an AmaxHistory "
+                     f"(AmaxHistory.zeros(recipe) to start), got {type(history).__name__}")
+  for name, h in zip(AmaxHistory._fields, history):
+    if jnp.shape(h) != (recipe.amax_history,):
+      raise ValueError(f"{op}: `history.{name}` must have shape ({recipe.amax_history},) "
+                       f"(recipe.amax_history), got {jnp.shape(h)}")
+  return AmaxHistory(*(jnp.asarray(h, jnp.float32) for h in history))
+
+
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def check_operands(op, x, w, transpose_w, recipe, tokens):
+  """An FP8 op's recipe, x and w, checked (`tokens`: all ranks')."""
+  if not isinstance(recipe, Fp8Recipe):
+    raise TypeError(f"{op}: `recipe` must be an Fp8Recipe, got {type(recipe).__name__}")
+  if np.ndim(x) < 2 or np.ndim(w) != 2:
+    raise ValueError(f"{op}: x must be [tokens, ..., k] and w 2-D, got shapes "
+                     f"{np.shape(x)} and {np.shape(w)}")
+  for name, a in (("x", x), ("w", w)):
+    if jnp.dtype(a.dtype) not in OUT_DTYPES:
+      raise ValueError(f"{op}: `{name}` must be bfloat16, float16 or float32 (the FP8 "
+                       f"copies are made inside), got {a.dtype}")
+  validation.check_inner(op, "`x`", x.shape[-1], f"`w` (transpose_w={transpose_w})",
+                         w.shape[1] if transpose_w else w.shape[0], w.shape)
+  if recipe.scaling == "block" and (tokens % qz.BLOCK or any(d % qz.BLOCK for d in w.shape)):
+    raise ValueError(f"{op}: 'block' scaling quantizes in blocks of {qz.BLOCK}: w's dims "
+                     f"and the tokens (all ranks') must be multiples of {qz.BLOCK}, got w "
+                     f"{tuple(w.shape)} and {tokens} tokens")

@@ -61,6 +61,12 @@ class Static:
   # (:mod:`.prologue`: a LayerNorm's normalization, the MLP's activation): its
   # output is never written in bf16.
   prologue: Callable | None = None
+  # (parts, head_dim, batch) where the op's token-side operand is held as
+  # attention's arrays [batch, tokens, heads, head_dim] (the column op's output
+  # split into `parts`, the row op's input): their FP8 copies are made from
+  # them (cast.cast_heads), and the weight gradient's transposed operands hold
+  # the tokens (batch, position).
+  heads: tuple | None = None
 
 
 # Hopper's FP8 tensor cores read rows of 16-byte multiples.
@@ -207,7 +213,8 @@ def transposed(s: Static, g8, g_inv, dtype):
   requantized per column ("row": per-token scales cannot factor out) or per
   1 x 128 block along the tokens ("block")."""
   if s.recipe.per_tensor:
-    return cast.transpose(g8, implementation=casts(s)), g_inv
+    batch = s.heads[2] if s.heads else 1
+    return cast.transpose(g8, batch=batch, implementation=casts(s)), g_inv
   if s.recipe.scaling == "block":
     return qz.quantize_blocks(qz.dequantize(g8, g_inv).T, dtype, 1, margin=s.recipe.margin)
   return qz.quantize_columns_transposed(qz.dequantize(g8, g_inv), dtype,

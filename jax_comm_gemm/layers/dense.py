@@ -32,6 +32,7 @@ from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked, fp8_ml
 from jax_comm_gemm.fp8.prologue import flat_operands, scoped
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory
+from jax_comm_gemm.fp8 import heads as attention_layout
 from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
 
@@ -392,11 +393,27 @@ def _constrain(x, mesh, spec):
 
 def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                     precision=None, config=DEFAULT_CONFIG, dot_general=None,
-                    dot_kwargs=(), fp8_history=None, prologue=None):
+                    dot_kwargs=(), fp8_history=None, prologue=None, split_heads=None):
   """:func:`column_parallel_dense` for callers that checked the arguments;
   `dot_kwargs`: (name, value) pairs for an injected `dot_general`. Of
   ``prologue(*x)`` where one is given, x the tuple of its operands
-  (:mod:`jax_comm_gemm.fp8.prologue`: an FP8 recipe applies it inside x's cast)."""
+  (:mod:`jax_comm_gemm.fp8.prologue`: an FP8 recipe applies it inside x's cast).
+  `split_heads` ``(parts, head_dim)``: the result as attention's arrays
+  (:func:`jax_comm_gemm.fp8.heads.split_heads`, x ``[n/P, batch, K]``); under
+  an FP8 recipe of one scale per tensor the op's backward casts their
+  gradients where they lie (docs/fp8.md, "Attention's layout")."""
+  if split_heads is not None and heads_inside(config, dot_general):
+    xs, lead = flat_operands("column_parallel", x, prologue)
+    parts = all_gather_matmul_unchecked(xs if prologue else xs[0], kernel, axis_name,
+                                        transpose_w=False, return_gathered=False,
+                                        keep_gathered_input=keep_gathered_input,
+                                        precision=precision, config=config,
+                                        fp8_history=fp8_history, prologue=prologue,
+                                        split_heads=split_heads + (int(np.prod(lead[1:])),))
+    if bias is None:
+      return parts
+    biases = bias.reshape(-1, split_heads[0], split_heads[1])
+    return tuple(p + biases[:, i] for i, p in enumerate(parts))
   if dot_general is not None:
     x = scoped(x, prologue)
     gathered = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
@@ -410,14 +427,34 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                                     fp8_history=fp8_history, prologue=prologue)
     y = y.reshape((lead[0] * jax.lax.axis_size(axis_name),) + lead[1:]
                   + (np.shape(kernel)[-1],))
-  return y if bias is None else y + bias
+  y = y if bias is None else y + bias
+  return y if split_heads is None else attention_layout.split_heads(y, *split_heads)
+
+
+def heads_inside(config, dot_general) -> bool:
+  """Whether the op takes attention's layout itself (`split_heads`,
+  `merge_heads`): an FP8 recipe of one scale per tensor, whose casts read the
+  arrays where they lie; elsewhere XLA's copies change the layout."""
+  return dot_general is None and fp8_route(config).fp8 and config.fp8.per_tensor
 
 
 def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_CONFIG,
-                 dot_general=None, dot_kwargs=(), fp8_history=None, activation=None):
+                 dot_general=None, dot_kwargs=(), fp8_history=None, activation=None,
+                 merge_heads=False):
   """:func:`row_parallel_dense` for callers that checked the arguments, of
   ``activation(h)`` where one is given (elementwise: an FP8 recipe applies it
-  inside h's cast)."""
+  inside h's cast). `merge_heads`: h is attention's output ``[batch, n,
+  heads, head_dim]`` (:func:`jax_comm_gemm.fp8.heads.merge_heads`; the result
+  ``[n/P, batch, K]``), read where it lies under a per-tensor FP8 recipe."""
+  if merge_heads and heads_inside(config, dot_general):
+    (batch, seq, n, head_dim), size = np.shape(h), jax.lax.axis_size(axis_name)
+    y = matmul_reduce_scatter_unchecked(h.reshape(batch * seq, n * head_dim), kernel, axis_name,
+                                        transpose_w=False, precision=precision, config=config,
+                                        fp8_history=fp8_history, merge_heads=(head_dim, batch))
+    y = y.reshape(seq // size, batch, -1)
+    return y if bias is None else y + bias
+  if merge_heads:
+    h = attention_layout.merge_heads(h)
   if dot_general is not None:
     if activation is not None:
       h = scoped_activation(activation, h)

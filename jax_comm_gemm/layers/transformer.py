@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.fp8 import AmaxHistory, prologue
+from jax_comm_gemm.fp8.heads import merge_heads, split_heads
 from jax_comm_gemm.layers import dense
 from jax_comm_gemm.layers.dense import Placement, global_placement
 from jax_comm_gemm.runtime.registry import current_plan
@@ -182,24 +183,25 @@ def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=Non
   """:func:`transformer_block` for callers that checked the arguments."""
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
-  heads = o.num_heads // jax.lax.axis_size(axis_name)
   x = x.astype(dtype)
   sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype)
   h = fp8_histories or dict.fromkeys(FP8_LAYERS)
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
       x = sublayer(x, params["ln_1"], params["attention"]["qkv"], params["attention"]["out"],
-                   inner=partial(attention, heads=heads, causal=o.causal,
+                   inner=partial(attention_heads, causal=o.causal,
                                  implementation=o.attention_implementation),
-                   histories=(h["qkv"], h["out"]))
+                   head_dim=x.shape[-1] // o.num_heads, histories=(h["qkv"], h["out"]))
     with jax.named_scope("mlp"):
       return sublayer(x, params["ln_2"], params["mlp"]["fc1"], params["mlp"]["fc2"],
                       histories=(h["fc1"], h["fc2"]))
 
 
-def _sublayer(x, norm, first, second, *, inner=None, axis_name, options, dtype, histories):
+def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, options, dtype,
+              histories):
   """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
-  row-parallel dense around `inner` (attention); without one, the MLP
+  row-parallel dense around `inner` (attention, of q, k and v in its own
+  layout, :func:`attention_heads`); without one, the MLP
   (:func:`dense.mlp_parallel`: under an FP8 recipe one op for both layers)."""
   o = options
   # The LayerNorm's output is the first dense's input: the dense applies it
@@ -213,12 +215,16 @@ def _sublayer(x, norm, first, second, *, inner=None, axis_name, options, dtype, 
                                   keep_gathered_input=o.keep_gathered_input,
                                   precision=o.precision, config=o.config,
                                   fp8_histories=histories, prologue=prologue.layer_norm)
-  h = dense.column_parallel(h, k1, b1, axis_name=axis_name,
-                            keep_gathered_input=o.keep_gathered_input,
-                            precision=o.precision, config=o.config, fp8_history=histories[0],
-                            prologue=prologue.layer_norm)
-  return x + dense.row_parallel(inner(h), k2, b2, axis_name=axis_name, precision=o.precision,
-                                config=o.config, fp8_history=histories[1])
+  # Attention's arrays [batch, seq, heads, head_dim] leave the first dense and
+  # enter the second as they are: an FP8 cast reads them there (docs/fp8.md).
+  q, k, v = dense.column_parallel(h, k1, b1, axis_name=axis_name,
+                                  keep_gathered_input=o.keep_gathered_input,
+                                  precision=o.precision, config=o.config,
+                                  fp8_history=histories[0], prologue=prologue.layer_norm,
+                                  split_heads=(3, head_dim))
+  return x + dense.row_parallel(inner(q, k, v), k2, b2, axis_name=axis_name,
+                                precision=o.precision, config=o.config,
+                                fp8_history=histories[1], merge_heads=True)
 
 
 def _checked_histories(op, options, fp8_histories):
@@ -259,12 +265,16 @@ def attention(qkv, heads: int, causal: bool, implementation):
   >>> attention(jnp.ones((4, 1, 2 * 3 * 4)), heads=2, causal=True, implementation=None).shape
   (4, 1, 8)
   """
-  seq, batch = qkv.shape[:2]
-  # [seq, b, H, 3, hd] -> three [b, seq, H, hd], dot_product_attention's layout.
-  q, k, v = jnp.moveaxis(qkv.reshape(seq, batch, heads, 3, -1), (3, 0), (0, 2))
-  out = jax.nn.dot_product_attention(q, k, v, is_causal=causal,
-                                     implementation=implementation)
-  return jnp.swapaxes(out, 0, 1).reshape(seq, batch, -1)
+  q, k, v = split_heads(qkv, 3, qkv.shape[-1] // (3 * heads))
+  return merge_heads(attention_heads(q, k, v, causal, implementation))
+
+
+def attention_heads(q, k, v, causal: bool, implementation):
+  """Attention over whole sequences of q, k and v in its own layout, ``[b,
+  seq, heads, head_dim]`` (:func:`jax_comm_gemm.fp8.heads.split_heads`); the
+  result in the same."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                      implementation=implementation)
 
 
 def _dense_params(p, dtype, config):

@@ -524,11 +524,76 @@ def check_gradient_casts():
   return "; ".join(notes)
 
 
+def check_heads_casts():
+  """Attention's layout inside the casts, compiled: cast_heads' bytes equal
+  XLA's layout change then cast (inf, NaN, saturation planted; q, k, v and one
+  part), the token-reordering FP8 transpose equals XLA's, and the block at
+  tp = 1 gives the same loss and gradients with the ops taking the layout
+  (cast_heads) as with XLA's copies outside them (the weight gradients sum
+  their tokens in another order: bf16's rounding apart)."""
+  from unittest import mock
+  from jax_comm_gemm.fp8 import cast, heads
+  from jax_comm_gemm.layers import dense, transformer as tb
+  as_bytes = lambda a: np.where(np.isnan(np.asarray(a, np.float32)), 0xFF,
+                                np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)))
+  b, s, h, d = 4, 256, 4, 128
+  parts = [(jax.random.normal(jax.random.key(i), (b, s, h, d)) * 300).astype(jnp.bfloat16)
+           for i in range(3)]
+  parts[1] = parts[1].at[2, 7, 1, 3].set(jnp.inf).at[0, 100, 3, 64].set(jnp.nan)
+  for f8 in (E4, E5):
+    for ps in (parts, parts[:1]):
+      got, want = (heads.cast_heads(ps, 1.5, f8, with_amax=True, implementation=i)
+                   for i in ("pallas", "xla"))
+      for g, w in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(as_bytes(g), as_bytes(w))
+      assert float(got[2]) == float(want[2]) or np.isnan(float(want[2])), (got[2], want[2])
+    q = got[0]
+    np.testing.assert_array_equal(as_bytes(cast.transpose(q, batch=b, implementation="pallas")),
+                                  as_bytes(cast.transpose(q, batch=b, implementation="xla")))
+  heads_n, width = 4, 512
+  notes = []
+  for scaling in ("tensor", "delayed"):
+    options = tb.BlockOptions(num_heads=heads_n, dtype=jnp.bfloat16,
+                              config=jcg.CommGemmConfig(fp8=Fp8Recipe(scaling)))
+    layout = jax.tree.leaves(tb.param_layout(width, 4 * width, "tp"),
+                             is_leaf=lambda v: isinstance(v, tb.ParamSpec))
+    params = jax.tree.unflatten(
+        jax.tree.structure(tb.param_layout(width, 4 * width, "tp"),
+                           is_leaf=lambda v: isinstance(v, tb.ParamSpec)),
+        [jax.random.normal(jax.random.key(10 + i), p.shape, jnp.bfloat16) * 0.05
+         + (1.0 if len(p.shape) == 1 and i % 4 == 0 else 0.0) for i, p in enumerate(layout)])
+    x = jax.random.normal(jax.random.key(4), (s, b, width), jnp.bfloat16)
+    hs = tb.init_fp8_histories(options)
+
+    def step(axis):  # an axis name of its own: the block's jit traces afresh
+      def loss(p, x):
+        y = tb.sharded_transformer_block(x, p, mesh=Mesh(np.array(jax.devices()[:1]), (axis,)),
+                                         axis_name=axis, options=options, fp8_histories=hs)
+        return jnp.mean(y.astype(jnp.float32) ** 2)
+      return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    inside = step("tp")
+    with mock.patch.object(dense, "heads_inside", lambda config, dot_general: False):
+      outside = step("tp_outside")
+    # Per array, relative to its norm (a wrong layout is off by O(1)): 1e-2, and
+    # 5e-2 for the biases, whose gradients are bf16 sums over all tokens, here
+    # summed in two orders (1.1e-2 on CPU for QKV's).
+    worst = 0.0
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(inside),
+                            jax.tree.leaves(outside)):
+      g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+      err = float(np.linalg.norm(g - w) / max(np.linalg.norm(w), 1e-30))
+      bias = "bias" in jax.tree_util.keystr(path)
+      assert err < (5e-2 if bias else 1e-2), f"{scaling} {jax.tree_util.keystr(path)}: {err:.3g}"
+      worst = max(worst, 0.0 if bias else err)
+    notes.append(f"{scaling} {worst:.1e} (but biases)")
+  return "; ".join(notes)
+
+
 CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
           check_gemm_error_reaches_python,
           check_gemm_workspace_per_call_site, check_layers_tp1, check_fused_casts,
           check_activation_casts, check_gradient_casts,
-          check_delayed_casts,
+          check_delayed_casts, check_heads_casts,
           *one_rank.CHECKS]
 
 
