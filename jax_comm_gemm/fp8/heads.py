@@ -134,6 +134,27 @@ def _part_tile(x_refs, per_head):
   return lax.switch(part, [lambda r=r: r[...] for r in x_refs]).astype(F32)
 
 
+def project(s: Static, x8, x_inv, w8, w_inv, keep: bool):
+  """The column op's forward into attention's layout: ``(parts, g8, g_inv)``,
+  the gathered FP8 rows for the weight gradient. On XLA's collectives (or a
+  group of one) the gathered rows are put in ``(batch, position)`` order, an
+  FP8 copy, and a GEMM per part (its rows of the weight's TN copy) writes that
+  part where attention reads it: no bf16 copy. The ring's and the fused ops'
+  GEMMs run on the rows as they arrive: XLA splits their output."""
+  parts, head_dim, batch = s.heads
+  if st.fused_ops(s) is not None or (s.collectives == "ring"
+                                     and lax.axis_size(s.axis_name) > 1):
+    y, g8, g_inv = st.gather_gemm(s, x8, x_inv, w8, w_inv, s.x_dtype, keep=keep)
+    return split_heads(y.reshape(-1, batch, y.shape[-1]), parts, head_dim), g8, g_inv
+  g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
+  k = g8.shape[1]
+  rows = jnp.swapaxes(g8.reshape(-1, batch, k), 0, 1).reshape(-1, k)
+  w8 = w8.reshape(-1, parts, head_dim, k)
+  out = tuple(st.gemm(s, rows, w8[:, i].reshape(-1, k), g_inv, w_inv, s.x_dtype)
+              .reshape(batch, -1, w8.shape[0], head_dim) for i in range(parts))
+  return out, g8, g_inv
+
+
 def quantize(s: Static, parts, dtype, a):
   """Attention's arrays `parts` (:func:`cast.cast_heads`) as one operand's FP8
   rows [s * b, C] and transposed columns [C, b * s] under the agreed amax `a`

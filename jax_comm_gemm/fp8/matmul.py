@@ -198,11 +198,11 @@ def column_forward(x, w, h, s: Static):
   x8, x_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax, prologue=s.prologue)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
   keep = s.keep_gathered_input or s.return_gathered
-  y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
-  out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
-  if s.heads is not None:
-    parts, head_dim, batch = s.heads
-    out = heads.split_heads(y.reshape(-1, batch, y.shape[-1]), parts, head_dim)
+  if s.heads is not None:  # q, k and v in attention's layout
+    out, g8, g_inv = heads.project(s, x8, x_inv, wf8, wf_inv, keep)
+  else:
+    y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
+    out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   pre = x if s.prologue is not None else None  # the backward's vjp recomputes from it
   return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw, pre)
 
