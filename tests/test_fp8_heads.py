@@ -82,7 +82,7 @@ def _inputs(seed, seq, batch, k, heads_, head_dim):
   return x, w1, w2
 
 
-def _attention_step(mesh, recipe, inside, x, w1, w2, head_dim):
+def _attention_step(mesh, recipe, inside, x, w1, w2, head_dim, **options):
   """loss and gradients of RS(f(split(AG(x) w1)) w2), f a stand-in for
   attention that mixes q, k and v, with the layout inside the ops or XLA's
   copies outside them."""
@@ -92,10 +92,10 @@ def _attention_step(mesh, recipe, inside, x, w1, w2, head_dim):
     hist = AmaxHistory.zeros(recipe) if recipe.scaling == "delayed" else None
     if inside:
       q, k, v = fp8_all_gather_matmul(x, w1, "tp", recipe=recipe, history=hist,
-                                      split_heads=(3, head_dim, batch))
+                                      split_heads=(3, head_dim, batch), **options)
     else:
       q, k, v = heads.split_heads(fp8_all_gather_matmul(x, w1, "tp", recipe=recipe,
-                                                        history=hist), 3, head_dim)
+                                                        history=hist, **options), 3, head_dim)
     o = q * jnp.tanh(k) + v * v  # [b, s, h, d]
     if inside:
       y = fp8_matmul_reduce_scatter(o.reshape(-1, o.shape[2] * head_dim), w2, "tp",
@@ -113,15 +113,20 @@ def _attention_step(mesh, recipe, inside, x, w1, w2, head_dim):
 
 @pytest.mark.parametrize("size", [1, 2, 4])
 @pytest.mark.parametrize("scaling", ["tensor", "delayed"])
-def test_ops_take_attentions_layout(size, scaling):
+@pytest.mark.parametrize("options", [{}, {"keep_gathered_input": True},
+                                     {"collectives": "ring"}], ids=["xla", "keep", "ring"])
+def test_ops_take_attentions_layout(size, scaling, options):
   """The same loss, x gradient and FP8 bytes; the weight gradients sum their
-  tokens in another order (float32's rounding apart)."""
+  tokens in another order (float32's rounding apart). With the gathered input
+  kept, and on the ring (whose GEMMs take the rows as they arrive: XLA splits
+  their output)."""
   mesh, recipe = cpu_mesh(size), Fp8Recipe(scaling)
   head_dim = 64
   x, w1, w2 = _inputs(size, 128 * size, 2, 64, 2 * size, head_dim)
-  (l_in, (dx_in, dw1_in, dw2_in)) = _attention_step(mesh, recipe, True, x, w1, w2, head_dim)
+  (l_in, (dx_in, dw1_in, dw2_in)) = _attention_step(mesh, recipe, True, x, w1, w2, head_dim,
+                                                    **options)
   (l_out, (dx_out, dw1_out, dw2_out)) = _attention_step(mesh, recipe, False, x, w1, w2,
-                                                        head_dim)
+                                                        head_dim, **options)
   assert float(l_in) == float(l_out)
   np.testing.assert_array_equal(dx_in, dx_out)
   for got, want in ((dw1_in, dw1_out), (dw2_in, dw2_out)):
