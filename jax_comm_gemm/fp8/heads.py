@@ -156,14 +156,14 @@ def project(s: Static, x8, x_inv, w8, w_inv, keep: bool):
 
 
 def quantize(s: Static, parts, dtype, a):
-  """Attention's arrays `parts` (:func:`cast.cast_heads`) as one operand's FP8
+  """Attention's arrays `parts` (:func:`cast_heads`) as one operand's FP8
   rows [s * b, C] and transposed columns [C, b * s] under the agreed amax `a`
   (one scale per tensor): ``(q, inv, qT, inv, amax seen)`` as
   :func:`steps.quantize` returns them."""
   scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
   inv = qz.inverse(scale)
   q, qT, seen = cast_heads(parts, scale, dtype, with_amax=s.recipe.scaling == "delayed",
-                                implementation=st.casts(s))
+                           implementation=st.casts(s))
   return q, inv, qT, inv, seen
 
 

@@ -402,29 +402,25 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
   (:func:`jax_comm_gemm.fp8.heads.split_heads`, x ``[n/P, batch, K]``); under
   an FP8 recipe of one scale per tensor the op's backward casts their
   gradients where they lie (docs/fp8.md, "Attention's layout")."""
-  if split_heads is not None and heads_inside(config, dot_general):
-    xs, lead = flat_operands("column_parallel", x, prologue)
-    parts = all_gather_matmul_unchecked(xs if prologue else xs[0], kernel, axis_name,
-                                        transpose_w=False, return_gathered=False,
-                                        keep_gathered_input=keep_gathered_input,
-                                        precision=precision, config=config,
-                                        fp8_history=fp8_history, prologue=prologue,
-                                        split_heads=split_heads + (int(np.prod(lead[1:])),))
-    if bias is None:
-      return parts
-    biases = bias.reshape(-1, split_heads[0], split_heads[1])
-    return tuple(p + biases[:, i] for i, p in enumerate(parts))
   if dot_general is not None:
     x = scoped(x, prologue)
     gathered = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
     y = _injected(dot_general, gathered, kernel, precision, dot_kwargs)
   else:
     xs, lead = flat_operands("column_parallel", x, prologue)
+    inside = split_heads is not None and heads_inside(config, dot_general)
     y = all_gather_matmul_unchecked(xs if prologue else xs[0], kernel, axis_name,
                                     transpose_w=False, return_gathered=False,
                                     keep_gathered_input=keep_gathered_input,
                                     precision=precision, config=config,
-                                    fp8_history=fp8_history, prologue=prologue)
+                                    fp8_history=fp8_history, prologue=prologue,
+                                    split_heads=(split_heads + (int(np.prod(lead[1:])),)
+                                                 if inside else None))
+    if inside:  # q, k and v already in attention's layout
+      if bias is None:
+        return y
+      biases = bias.reshape(-1, *split_heads)
+      return tuple(part + biases[:, i] for i, part in enumerate(y))
     y = y.reshape((lead[0] * jax.lax.axis_size(axis_name),) + lead[1:]
                   + (np.shape(kernel)[-1],))
   y = y if bias is None else y + bias
