@@ -463,6 +463,49 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
   return {"errors": errs, "all_gathers": counted.all_gather}
 
 
+def check_fp8_heads(mesh, scaling: str):
+  """The transformer block in FP8 with attention's layout inside the casts
+  (jax_comm_gemm.fp8.heads: QKV's parts written by a GEMM each, their
+  gradients and attention's output cast where they lie) against the same
+  block with XLA's copies outside the ops: the same loss, and gradients within
+  bf16's rounding (the weight gradients sum their tokens in another order;
+  the biases' are bf16 sums over all tokens). Each shard this process holds,
+  relative to its array's largest value."""
+  from unittest import mock
+  from jax_comm_gemm.layers import dense as layers, transformer as tb
+  seq, batch, width, heads = 512, 2, 512, 8
+  options = tb.BlockOptions(num_heads=heads, dtype=jnp.bfloat16,
+                            config=jcg.CommGemmConfig(fp8=Fp8Recipe(scaling)))
+  layout = tb.param_layout(width, 4 * width, "tp")
+  leaves, tree = jax.tree.flatten(layout, is_leaf=lambda v: isinstance(v, tb.ParamSpec))
+  params = jax.tree.unflatten(tree, [
+      put(mesh, random(20 + i, *p.shape, scale=0.05) + (len(p.shape) == 1), P(*p.names),
+          jnp.bfloat16) for i, p in enumerate(leaves)])
+  x = put(mesh, random(19, seq, batch, width), P("tp"), jnp.bfloat16)
+  histories = tb.init_fp8_histories(options)
+
+  def step():
+    def loss(p, x):
+      y = tb.sharded_transformer_block(x, p, mesh=mesh, options=options,
+                                       fp8_histories=histories)
+      return jnp.mean(y.astype(jnp.float32) ** 2)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+
+  inside = step()
+  jax.clear_caches()  # the block's jit keys on its options, not on the patched rule
+  with mock.patch.object(layers, "heads_inside", lambda config, dot_general: False):
+    outside = step()
+  worst = {}
+  for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(inside), jax.tree.leaves(outside)):
+    name = jax.tree_util.keystr(path)
+    top = max(float(np.max(np.abs(b))) for _, b in blocks(w)) if w.ndim else abs(float(w))
+    err = max((float(np.max(np.abs(a - b))) for (_, a), (_, b) in zip(blocks(g), blocks(w))),
+              default=0.0) if g.ndim else abs(float(g) - float(w))
+    worst[name] = err / max(top, 1e-30)
+    assert worst[name] < (0.1 if "bias" in name else 2e-2), (name, worst[name])
+  return {"worst": max(worst, key=worst.get), "error": max(worst.values())}
+
+
 def check_fp8_fused_gemm(mesh):
   """Every fused algorithm's FP8 AllGather+GEMM, and each GEMM+ReduceScatter
   one, per row against float64 of the quantized operands (x quantized whole,
@@ -1030,6 +1073,8 @@ for _ag, _rs in (("default", "default"), ("split_p2p", "split_p2p"),
 CHECKS["fp8_tensor_fused_split_p2p_keep_input"] = lambda mesh: check_fp8(
     mesh, "tensor", keep=True, backend="cublasmp", reduce_scatter="ring")
 CHECKS["fp8_fused_gemm"] = check_fp8_fused_gemm
+for _scaling in ("tensor", "delayed"):
+  CHECKS[f"fp8_heads_{_scaling}"] = lambda mesh, s=_scaling: check_fp8_heads(mesh, s)
 CHECKS["autotune_fp8"] = check_autotune_fp8
 
 # A single process driving all GPUs runs this subset.
