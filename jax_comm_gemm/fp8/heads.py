@@ -61,10 +61,10 @@ def cast_heads(parts, scale, dtype, *, with_amax: bool = False,
   the tokens ``(position, batch)`` as the rest of the layer holds them.
   Returns ``(q, qT, amax)``: ``q = sat(x * scale)`` ``[s * b, C]``, its
   transpose ``qT`` ``[C, b * s]`` with the tokens ``(batch, position)`` (the
-  order of :func:`transpose` with `batch`, which its weight gradient pairs it
-  with), and ``max(|x|)`` (None unless `with_amax`). XLA would write x in
-  its layout first: a pass of its own over x's bytes, twice, at the GPU
-  preset's attention. `implementation` as in :func:`cast_transpose`.
+  order of :func:`cast.transpose` with `batch`, which its weight gradient
+  pairs it with), and ``max(|x|)`` (None unless `with_amax`). XLA would write
+  x in its layout first: a pass of its own over x's bytes, twice, at the GPU
+  preset's attention. `implementation` as in :func:`cast.cast_transpose`.
 
   >>> q, k = jnp.ones((2, 1, 1, 2)), jnp.full((2, 1, 1, 2), 2.0)  # b=2, s=1, 1 head of 2
   >>> rows, cols, _ = cast_heads((q, k), 1.0, jnp.float8_e4m3fn)
@@ -84,7 +84,8 @@ def cast_heads(parts, scale, dtype, *, with_amax: bool = False,
                       and head_dim % tc == 0 else "xla")
   if implementation == "xla":
     batch_major = jnp.stack(parts, -2).reshape(b * s, -1)
-    return (saturating_cast(merge_heads(parts).reshape(s * b, -1), scale, dtype),
+    rows = jnp.swapaxes(batch_major.reshape(b, s, -1), 0, 1).reshape(s * b, -1)
+    return (saturating_cast(rows, scale, dtype),
             saturating_cast(batch_major.T, scale, dtype),
             cast.xla_amax(batch_major) if with_amax else None)
   *parts, scale = vma.match(*parts, jnp.reshape(jnp.asarray(scale, F32), (1,)))

@@ -64,7 +64,7 @@ class Static:
   # (parts, head_dim, batch) where the op's token-side operand is held as
   # attention's arrays [batch, tokens, heads, head_dim] (the column op's output
   # split into `parts`, the row op's input): their FP8 copies are made from
-  # them (cast.cast_heads), and the weight gradient's transposed operands hold
+  # them (heads.cast_heads), and the weight gradient's transposed operands hold
   # the tokens (batch, position).
   heads: tuple | None = None
 
