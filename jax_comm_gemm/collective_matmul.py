@@ -115,10 +115,11 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config, fp8_history=None,
-                                prologue=None, split_heads=None):
+                                prologue=None, split_heads=None, bias=None):
   """:func:`all_gather_matmul` for callers that validated the arguments, of
   ``prologue(*x)`` where one is given (an elementwise function of the tuple x,
-  :mod:`jax_comm_gemm.fp8.prologue`: the FP8 op applies it inside x's cast)."""
+  :mod:`jax_comm_gemm.fp8.prologue`: the FP8 op applies it inside x's cast),
+  plus `bias` (None or ``[m]``; inside the FP8 op, whose gradient cast sums it)."""
   precision = validation.check_op_options("all_gather_matmul", config, fp8_history, precision)
   if fp8_route(config).fp8:
     gathered = return_gathered or keep_gathered_input
@@ -127,7 +128,8 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
         keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
         collectives=fp8_collectives(config, AG, first, w, transpose_w, axis_name,
-                                    gathered)[0], prologue=prologue, split_heads=split_heads)
+                                    gathered)[0], prologue=prologue, split_heads=split_heads,
+        bias=bias)
   x = scoped(x, prologue)
   route = op_route(config, AG, x, w, transpose_w, axis_name, precision,
                    hands_out=return_gathered or keep_gathered_input)
@@ -138,7 +140,8 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
                   "it with lax.all_gather instead", RuntimeWarning, stacklevel=3)
   static = _Static(axis_name, transpose_w, route, return_gathered, keep_gathered_input,
                    precision, plan=current_plan())
-  return _all_gather_matmul_jit(*vma.varying_along(axis_name, x, w), static)
+  y = _all_gather_matmul_jit(*vma.varying_along(axis_name, x, w), static)
+  return y if bias is None else ((y[0] + bias, y[1]) if return_gathered else y + bias)
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,

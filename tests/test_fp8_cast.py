@@ -259,7 +259,10 @@ def test_every_kernel_lowers_to_triton():
       "transpose": (lambda q: cast._move(q, 1), (jax.ShapeDtypeStruct(x.shape, jnp.uint8),)),
       "transpose_tokens": (lambda q: cast._move(q, 2),
                            (jax.ShapeDtypeStruct(x.shape, jnp.uint8),)),
-      "heads": (lambda q, k, v, s: heads._heads((q, k, v), s, e4, True), (part, part, part, one)),
+      "heads": (lambda q, k, v, s: heads._heads((q, k, v), s, e4, True, False),
+                (part, part, part, one)),
+      "heads_sums": (lambda q, k, v, s: heads._heads((q, k, v), s, e4, True, True),
+                     (part, part, part, one)),
       "bias_gelu": (lambda x, b, s: cast._pallas((x, b), s, e4, True, True, True, False,
                                                  cast.PROLOGUE_TILING, gelu), (x, b, one)),
       "dbias_gelu_sums": (lambda d, x, b, s: cast._pallas(

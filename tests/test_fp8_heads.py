@@ -196,3 +196,80 @@ def test_block_attention_through_the_ops(scaling):
     want = step("tp_outside")
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(w))) + 1e-12)
+
+
+@pytest.mark.parametrize("n", [3, 1])
+def test_cast_heads_column_sums(n):
+  """The kernel's float32 column sums (a bias's gradient) are those of x in its
+  columns (head, part, head_dim), from the same pass as the casts."""
+  b, s, h, d = 2, 128, 2, 64
+  keys = jax.random.split(jax.random.key(11), n)
+  parts = [(jax.random.normal(k, (b, s, h, d)) * 10 + i).astype(jnp.bfloat16)
+           for i, k in enumerate(keys)]
+  want = np.stack([np.asarray(p, np.float64) for p in parts], -2).sum(axis=(0, 1)).reshape(-1)
+  for impl in ("pallas", "xla"):
+    q, qT, amax, sums = heads.cast_heads(parts, 1.0, E5, with_column_sums=True,
+                                         implementation=impl)
+    assert amax is None and sums.dtype == jnp.float32 and sums.shape == (h * n * d,)
+    np.testing.assert_allclose(sums, want, rtol=1e-5, atol=1e-3)
+  assert heads.cast_heads(parts, 1.0, E5, implementation="pallas")[3] is None
+
+
+def _bias_step(mesh, recipe, layout, x, w, bias, ct_seed, head_dim):
+  """The column op's output with `bias` inside it (or added after it, None
+  layout "outside") and the gradients of <y, c> for a fresh random c."""
+  batch = x.shape[1]
+
+  def f(x, w, b):
+    hist = AmaxHistory.zeros(recipe) if recipe.scaling == "delayed" else None
+    if layout == "heads":
+      y = fp8_all_gather_matmul(x, w, "tp", recipe=recipe, history=hist, bias=b,
+                                split_heads=(3, head_dim, batch))
+      return heads.merge_heads(y)  # [s, b, C]
+    if layout == "inside":
+      return fp8_all_gather_matmul(x, w, "tp", recipe=recipe, history=hist, bias=b)
+    return fp8_all_gather_matmul(x, w, "tp", recipe=recipe, history=hist) + b
+
+  c = jax.random.normal(jax.random.key(ct_seed), (x.shape[0], batch, w.shape[1]))
+
+  def loss_and_y(x, w, b):
+    def local(x, w, b, c):
+      y = f(x, w, b)
+      return jax.lax.psum(jnp.sum(y.astype(jnp.float32) * c), "tp"), y
+    return jax.shard_map(local, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp"),
+                                                     P(None, None, "tp")),
+                         out_specs=(P(), P(None, None, "tp")))(x, w, b, c)
+
+  (loss, y), grads = jax.jit(jax.value_and_grad(loss_and_y, argnums=(0, 1, 2),
+                                                has_aux=True))(x, w, bias)
+  return y, grads, c
+
+
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("scaling,layout", [("tensor", "heads"), ("delayed", "heads"),
+                                            ("tensor", "inside"), ("row", "inside")])
+def test_bias_inside_the_column_op(size, scaling, layout):
+  """y = AG(x) w + bias as with the bias added after the op (the same FP8
+  arithmetic: y, dx and dw equal), and the bias's gradient, the output
+  gradient's column sums from its cast, within float32's rounding of float64's
+  sums, in the bias's dtype."""
+  mesh, recipe, head_dim = cpu_mesh(size), Fp8Recipe(scaling), 64
+  x, w, _ = _inputs(20 + size, 128 * size, 2, 64, 2 * size, head_dim)
+  bias = jax.random.normal(jax.random.key(3), (w.shape[1],)).astype(jnp.bfloat16)
+  y, (dx, dw, db), c = _bias_step(mesh, recipe, layout, x, w, bias, 30 + size, head_dim)
+  y0, (dx0, dw0, _), _ = _bias_step(mesh, recipe, "outside", x, w, bias, 30 + size, head_dim)
+  np.testing.assert_array_equal(y, y0)
+  np.testing.assert_array_equal(dx, dx0)
+  np.testing.assert_allclose(dw, dw0, rtol=0, atol=1e-5 * float(jnp.max(jnp.abs(dw0))))
+  assert db.dtype == jnp.bfloat16
+  want = np.asarray(c, np.float64).sum(axis=(0, 1))
+  np.testing.assert_allclose(np.asarray(db, np.float64), want, rtol=2 ** -8, atol=1e-2)
+
+
+def test_bad_bias_is_named():
+  mesh = cpu_mesh(1)
+  x, w, _ = _inputs(0, 128, 2, 64, 2, 64)
+  for bias in (jnp.ones((w.shape[1] + 1,)), jnp.ones((w.shape[1],), jnp.int32)):
+    with pytest.raises(ValueError, match="`bias` must be None or a float vector"):
+      jax.shard_map(lambda x, w, b: fp8_all_gather_matmul(x, w, "tp", bias=b), mesh=mesh,
+                    in_specs=P(), out_specs=P(), check_vma=False)(x, w, bias)

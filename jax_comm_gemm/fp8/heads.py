@@ -53,21 +53,22 @@ def merge_heads(parts):
 
 
 def cast_heads(parts, scale, dtype, *, with_amax: bool = False,
-               implementation: str = "auto"):
+               with_column_sums: bool = False, implementation: str = "auto"):
   """The FP8 copies of one GEMM operand held as attention's arrays, from one
   read of them: `parts` are n arrays ``[b, s, heads, head_dim]`` (the
   gradients of q, k and v, or attention's output alone) of the tensor
   ``x = stack(parts, -2)``, read as 2-D ``[s * b, heads * n * head_dim]`` with
   the tokens ``(position, batch)`` as the rest of the layer holds them.
-  Returns ``(q, qT, amax)``: ``q = sat(x * scale)`` ``[s * b, C]``, its
+  Returns ``(q, qT, amax, sums)``: ``q = sat(x * scale)`` ``[s * b, C]``, its
   transpose ``qT`` ``[C, b * s]`` with the tokens ``(batch, position)`` (the
   order of :func:`cast.transpose` with `batch`, which its weight gradient
-  pairs it with), and ``max(|x|)`` (None unless `with_amax`). XLA would write
+  pairs it with), ``max(|x|)`` (None unless `with_amax`) and x's float32
+  column sums ``[C]`` (a bias's gradient; None unless `with_column_sums`). XLA would write
   x in its layout first: a pass of its own over x's bytes, twice, at the GPU
   preset's attention. `implementation` as in :func:`cast.cast_transpose`.
 
   >>> q, k = jnp.ones((2, 1, 1, 2)), jnp.full((2, 1, 1, 2), 2.0)  # b=2, s=1, 1 head of 2
-  >>> rows, cols, _ = cast_heads((q, k), 1.0, jnp.float8_e4m3fn)
+  >>> rows, cols, _, _ = cast_heads((q, k), 1.0, jnp.float8_e4m3fn)
   >>> rows.astype(jnp.float32).tolist(), cols.shape
   ([[1.0, 1.0, 2.0, 2.0], [1.0, 1.0, 2.0, 2.0]], (4, 2))
   """
@@ -87,14 +88,15 @@ def cast_heads(parts, scale, dtype, *, with_amax: bool = False,
     rows = jnp.swapaxes(batch_major.reshape(b, s, -1), 0, 1).reshape(s * b, -1)
     return (saturating_cast(rows, scale, dtype),
             saturating_cast(batch_major.T, scale, dtype),
-            cast.xla_amax(batch_major) if with_amax else None)
+            cast.xla_amax(batch_major) if with_amax else None,
+            jnp.sum(batch_major.astype(F32), axis=0) if with_column_sums else None)
   *parts, scale = vma.match(*parts, jnp.reshape(jnp.asarray(scale, F32), (1,)))
-  return _heads(tuple(parts), scale, jnp.dtype(dtype), with_amax,
+  return _heads(tuple(parts), scale, jnp.dtype(dtype), with_amax, with_column_sums,
                 interpret=jax.default_backend() != "gpu")
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3), static_argnames=("interpret",))
-def _heads(parts, scale, dtype, with_amax, *, interpret=False):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4), static_argnames=("interpret",))
+def _heads(parts, scale, dtype, with_amax, with_column_sums, *, interpret=False):
   """:func:`cast_heads`' kernel: program (i, k, j) casts the tile of positions
   i, batch element k and x's columns j, which lie in one part (a head's q, k
   or v): it reads that part's tile alone."""
@@ -111,19 +113,26 @@ def _heads(parts, scale, dtype, with_amax, *, interpret=False):
              ((columns, b, s), dtype, pl.BlockSpec((tc, sq, tr), lambda i, k, j: (j, k, i)))]
   if with_amax:
     outputs.append((grid, F32, pl.BlockSpec((1, sq, 1), lambda i, k, j: (i, k, j))))
+  if with_column_sums:  # a row of sums per program, reduced below
+    outputs.append(((s // tr, b, columns), F32,
+                    pl.BlockSpec((1, sq, tc), lambda i, k, j: (i, k, j))))
   load = functools.partial(_part_tile, per_head=per_head)
   kernel = functools.partial(cast.cast_tile, load, operands=n, limit=fp8_max(dtype), dtype=dtype,
                              rows=True, columns=True, with_amax=with_amax,
-                             with_column_sums=False)
+                             with_column_sums=with_column_sums)
   outs = pl.pallas_call(
       kernel, out_shape=[vma.shaped_like(parts[0], shape, dt) for shape, dt, _ in outputs],
       grid=grid, in_specs=[pl.BlockSpec((1,), lambda i, k, j: (0,))] + [x_spec] * n,
       out_specs=[spec for _, _, spec in outputs], interpret=interpret,
       compiler_params=plt.CompilerParams(num_warps=warps),
-      name="fp8_cast_heads_rows_columns" + ("_amax" if with_amax else ""),
+      name="fp8_cast_heads_rows_columns" + ("_amax" if with_amax else "")
+      + ("_sums" if with_column_sums else ""),
   )(scale, *(p.reshape(b, s, heads * head_dim) for p in parts))
-  return (outs[0].reshape(s * b, columns), outs[1].reshape(columns, b * s),
-          cast.max_of_tiles(outs[2]) if with_amax else None)
+  outs = iter(outs)
+  rows, cols = next(outs).reshape(s * b, columns), next(outs).reshape(columns, b * s)
+  amax = cast.max_of_tiles(next(outs)) if with_amax else None
+  sums = jnp.sum(next(outs), axis=(0, 1)) if with_column_sums else None
+  return rows, cols, amax, sums
 
 
 def _part_tile(x_refs, per_head):
@@ -135,37 +144,46 @@ def _part_tile(x_refs, per_head):
   return lax.switch(part, [lambda r=r: r[...] for r in x_refs]).astype(F32)
 
 
-def project(s: Static, x8, x_inv, w8, w_inv, keep: bool):
+def project(s: Static, x8, x_inv, w8, w_inv, keep: bool, bias=None):
   """The column op's forward into attention's layout: ``(parts, g8, g_inv)``,
-  the gathered FP8 rows for the weight gradient. On XLA's collectives (or a
-  group of one) the gathered rows are put in ``(batch, position)`` order, an
-  FP8 copy, and a GEMM per part (its rows of the weight's TN copy) writes that
-  part where attention reads it: no bf16 copy. The ring's and the fused ops'
-  GEMMs run on the rows as they arrive: XLA splits their output."""
+  the gathered FP8 rows for the weight gradient, `bias` ``[C]`` (or None)
+  added. On XLA's collectives (or a group of one) the gathered rows are put
+  in ``(batch, position)`` order, an FP8 copy, and a GEMM per part (its rows
+  of the weight's TN copy) writes that part where attention reads it, its
+  bias added to the GEMM's output (which XLA can fold into the GEMM): no bf16
+  copy. The ring's and the fused ops' GEMMs run on the rows as they arrive:
+  XLA splits their output."""
   parts, head_dim, batch = s.heads
   if st.fused_ops(s) is not None or (s.collectives == "ring"
                                      and lax.axis_size(s.axis_name) > 1):
     y, g8, g_inv = st.gather_gemm(s, x8, x_inv, w8, w_inv, s.x_dtype, keep=keep)
+    y = y if bias is None else y + bias.astype(y.dtype)
     return split_heads(y.reshape(-1, batch, y.shape[-1]), parts, head_dim), g8, g_inv
   g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
   k = g8.shape[1]
   rows = jnp.swapaxes(g8.reshape(-1, batch, k), 0, 1).reshape(-1, k)
   w8 = w8.reshape(-1, parts, head_dim, k)
-  out = tuple(st.gemm(s, rows, w8[:, i].reshape(-1, k), g_inv, w_inv, s.x_dtype)
-              .reshape(batch, -1, w8.shape[0], head_dim) for i in range(parts))
-  return out, g8, g_inv
+  biases = None if bias is None else bias.reshape(-1, parts, head_dim)
+  out = []
+  for i in range(parts):
+    y = st.gemm(s, rows, w8[:, i].reshape(-1, k), g_inv, w_inv, s.x_dtype)
+    if biases is not None:
+      y = y + biases[:, i].reshape(-1).astype(y.dtype)
+    out.append(y.reshape(batch, -1, w8.shape[0], head_dim))
+  return tuple(out), g8, g_inv
 
 
-def quantize(s: Static, parts, dtype, a):
+def quantize(s: Static, parts, dtype, a, *, column_sums: bool = False):
   """Attention's arrays `parts` (:func:`cast_heads`) as one operand's FP8
   rows [s * b, C] and transposed columns [C, b * s] under the agreed amax `a`
   (one scale per tensor): ``(q, inv, qT, inv, amax seen)`` as
-  :func:`steps.quantize` returns them."""
+  :func:`steps.quantize` returns them, then with `column_sums` their float32
+  column sums [C] from the same pass (a bias's gradient)."""
   scale = qz.scale_from_amax(a, dtype, s.recipe.margin)
   inv = qz.inverse(scale)
-  q, qT, seen = cast_heads(parts, scale, dtype, with_amax=s.recipe.scaling == "delayed",
-                           implementation=st.casts(s))
-  return q, inv, qT, inv, seen
+  q, qT, seen, sums = cast_heads(parts, scale, dtype, with_amax=s.recipe.scaling == "delayed",
+                                 with_column_sums=column_sums, implementation=st.casts(s))
+  return (q, inv, qT, inv, seen) + ((sums,) if column_sums else ())
 
 
 def amax(s: Static, history, parts):

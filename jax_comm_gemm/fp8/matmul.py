@@ -10,12 +10,9 @@ form (:mod:`jax_comm_gemm.fp8.gemm`), with FP8 bytes on the wire::
           bwd  dx = AG(dy8) . w8_bwd    dw = x8.T . AG(dy8)   (the SAME gathered
                                                        dy8: one all-gather)
 
-With ``"row"`` scaling the weight gradient's gathered operand is requantized
-per column locally, so bf16's all-gather counts hold. The gathers that feed a
-GEMM go through ``gather`` under :data:`FUSED_SCOPE`, a standalone re-gather
-under :data:`STANDALONE_SCOPE`; with ``collectives="ring"`` or a fused backend
-each fused step runs there (:mod:`jax_comm_gemm.fp8.steps`). Why:
-docs/fp8.md#on-the-wire-and-the-reuse."""
+The gathers that feed a GEMM run under :data:`FUSED_SCOPE`, a re-gather under
+:data:`STANDALONE_SCOPE`; the fused steps live in :mod:`jax_comm_gemm.fp8.steps`.
+Why: docs/fp8.md#on-the-wire-and-the-reuse."""
 
 from __future__ import annotations
 
@@ -33,7 +30,8 @@ import jax_comm_gemm.fp8.steps as st
 from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, flat_operands,
                                         gradients)
 import jax_comm_gemm.fp8.heads as heads
-from jax_comm_gemm.fp8.recipe import AmaxHistory, Fp8Recipe, check_operands, checked_history
+from jax_comm_gemm.fp8.recipe import (AmaxHistory, Fp8Recipe, check_bias, check_operands,
+                                      checked_history)
 from jax_comm_gemm.fp8.steps import FUSED_SCOPE, STANDALONE_SCOPE, Static, xla_gather
 
 __all__ = ["FUSED_SCOPE", "STANDALONE_SCOPE", "fp8_all_gather_matmul",
@@ -45,8 +43,8 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
                           return_gathered: bool = False, gather: Callable | None = None,
                           collectives="xla", history: AmaxHistory | None = None,
                           prologue: Callable | None = None,
-                          split_heads: tuple[int, int, int] | None = None):
-  """``all_gather(x) @ w`` along tokens (axis 0) with FP8 GEMMs; call inside
+                          split_heads: tuple[int, int, int] | None = None, bias=None):
+  """``all_gather(x) @ w + bias`` along tokens (axis 0) with FP8 GEMMs; call inside
   ``jax.shard_map``.
 
   Args:
@@ -62,22 +60,20 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
     gather: ``gather(tree, axis_name)`` for the gathers that feed a GEMM
       (default :func:`xla_gather`).
     collectives: ``"xla"``, ``"ring"`` (:mod:`jax_comm_gemm.ring`), or a
-      :class:`~jax_comm_gemm.backends.CublasMpBackend`: the extension's fused
-      FP8 ops on its algorithms, on a connected axis, one scale per tensor,
-      w's dims multiples of 16.
+      :class:`~jax_comm_gemm.backends.CublasMpBackend` (the extension's fused
+      FP8 ops: a connected axis, one scale per tensor, w's dims multiples of 16).
     history: the :class:`AmaxHistory` of a ``"delayed"`` recipe (its gradient
       is the next step's history); None for the other recipes.
     prologue: an elementwise function (:mod:`.prologue`: a LayerNorm's
       normalization) whose output is the op's input, made inside x's FP8 cast:
       x is then the tuple of its operands (x first; the others of its shape,
       ``[k]`` or ``[n/P, ..., 1]``), each of which gets its gradient.
-    split_heads: ``(parts, head_dim, batch)``: return y in attention's
-      layout, as `parts` arrays ``[batch, n, heads, head_dim]`` of its columns
-      ``(heads, parts, head_dim)`` (q, k and v for 3), x's tokens being
-      ``(position, batch)``. The backward makes its FP8 copies from their
-      gradients in one read
-      (:func:`jax_comm_gemm.fp8.heads.cast_heads`), where XLA would first write
-      them back in y's layout. One scale per tensor ("tensor", "delayed").
+    split_heads: ``(parts, head_dim, batch)``: y in attention's layout, as
+      `parts` arrays ``[batch, n, heads, head_dim]`` of its columns ``(heads,
+      parts, head_dim)``, x's tokens being ``(position, batch)``; their
+      gradients are cast where they lie (:mod:`jax_comm_gemm.fp8.heads`).
+    bias: None, or ``[m]`` (a float dtype) added to y; its gradient, y's
+      gradient's column sums, comes in float32 from that gradient's cast.
 
   Returns:
     ``y`` ``[n, ..., m]`` in x's dtype, or ``(y, gathered_x)``, or with
@@ -105,9 +101,12 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
               keep_gathered_input=keep_gathered_input,
               return_gathered=return_gathered, gather=gather or xla_gather,
               collectives=st.checked_collectives(op, collectives, recipe, w),
-              prologue=prologue, heads=layout)
-  *xs, w = vma.varying_along(axis_name, *xs, w)
+              prologue=prologue, heads=layout,
+              bias=check_bias(op, "bias", bias, w.shape[0 if transpose_w else 1]))
+  # A bias varies with the rest: its gradient varies wherever x does.
+  *xs, w, bias = vma.varying_along(axis_name, *xs, w, w if bias is None else bias)
   out = _all_gather_matmul(tuple(xs) if prologue else xs[0], w,
+                           None if s.bias is None else bias,
                            checked_history(op, recipe, history), s)
   if layout is not None:
     return out
@@ -126,15 +125,10 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   ``[k/P, m]`` (``[m, k/P]`` with `transpose_w`); `reuse_gathered`: the weight
   gradient reads the FP8 dy that the input gradient's AllGather+GEMM gathered
   (False: gathers it again); `activation`: an elementwise function applied to
-  x first, ``RS(activation(x) @ w)`` (the MLP's, computed in float32 and
-  rounded to x's dtype): its output is made inside x's FP8 cast and never
-  written in x's dtype, and the backward recomputes it from x; the rest as in
-  :func:`fp8_all_gather_matmul`. `merge_heads` ``(head_dim, batch)``: x is
-  attention's output ``[batch, n, heads, head_dim]`` as ``[batch * n,
-  heads * head_dim]``, its tokens ``(batch, position)`` where the result's
-  are ``(position, batch)``: its FP8 copies are made in that order from it
-  (:func:`jax_comm_gemm.fp8.heads.cast_heads`), where XLA would first write it
-  transposed; one scale per tensor.
+  x first inside x's FP8 cast (recomputed by the backward); `merge_heads`
+  ``(head_dim, batch)``: x is attention's output ``[batch, n, heads,
+  head_dim]`` as ``[batch * n, heads * head_dim]``, cast where it lies
+  (:mod:`jax_comm_gemm.fp8.heads`); the rest as in :func:`fp8_all_gather_matmul`.
   Returns this rank's tokens of the sum, ``[n/P, ..., m]``, in x's dtype.
 
   >>> import jax, jax.numpy as jnp, numpy as np
@@ -172,9 +166,9 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
 # `h` is the AmaxHistory of a "delayed" recipe, else None; its cotangent is the
 # next step's history (AmaxHistory's docstring).
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _all_gather_matmul(x, w, h, s: Static):
-  return column_forward(x, w, h, s)[0]
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _all_gather_matmul(x, w, b, h, s: Static):
+  return column_forward(x, w, b, h, s)[0]
 
 
 def _operands(s: Static, x, w, h):
@@ -193,28 +187,33 @@ def dy_amax(s: Static, dy, h, prologue=None):
   return a_dy
 
 
-def column_forward(x, w, h, s: Static):
+def column_forward(x, w, bias, h, s: Static):
   ax, (wf8, wf_inv, wb8, wb_inv), hw = _operands(s, x, w, h)
   x8, x_inv, x_seen = st.quantize(s, x, s.recipe.forward_dtype, ax, prologue=s.prologue)
   hx = st.next_history(s, None if h is None else h.x, x_seen)
   keep = s.keep_gathered_input or s.return_gathered
   if s.heads is not None:  # q, k and v in attention's layout
-    out, g8, g_inv = heads.project(s, x8, x_inv, wf8, wf_inv, keep)
+    out, g8, g_inv = heads.project(s, x8, x_inv, wf8, wf_inv, keep, bias)
   else:
     y, g8, g_inv = st.gather_gemm(s, x8, x_inv, wf8, wf_inv, s.x_dtype, keep=keep)
+    y = y if bias is None else y + bias.astype(y.dtype)
     out = (y, qz.dequantize(g8, g_inv, s.x_dtype)) if s.return_gathered else y
   pre = x if s.prologue is not None else None  # the backward's vjp recomputes from it
   return out, ((g8, g_inv) if keep else (x8, x_inv), wb8, wb_inv, h, hx, hw, pre)
 
 
 def _all_gather_matmul_bwd(s: Static, res, ct):
-  h = res[3]
+  h, sums = res[3], s.bias is not None  # the bias's gradient: dy's column sums
   if s.heads is not None:  # ct: the parts' gradients, cast from where they lie
     a = heads.amax(s, None if h is None else h.dy, ct)
-    return column_gradients(s, res, heads.quantize(s, ct, s.recipe.backward_dtype, a))
-  ct_y, ct_g = ct if s.return_gathered else (ct, None)
-  dy = st.quantize(s, ct_y, s.recipe.backward_dtype, dy_amax(s, ct_y, h), columns=True)
-  return column_gradients(s, res, dy, ct_g)
+    dy, ct_g = heads.quantize(s, ct, s.recipe.backward_dtype, a, column_sums=sums), None
+  else:
+    ct_y, ct_g = ct if s.return_gathered else (ct, None)
+    dy = st.quantize(s, ct_y, s.recipe.backward_dtype, dy_amax(s, ct_y, h), columns=True,
+                     column_sums=sums)
+  db = dy[-1].astype(s.bias) if sums else None
+  dx, dw, histories = column_gradients(s, res, dy[:5], ct_g)
+  return dx, dw, db, histories
 
 
 def column_gradients(s: Static, res, dy, ct_g=None):

@@ -23,7 +23,7 @@ from jax_comm_gemm.fp8.prologue import activation_gradient, flat_operands, with_
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.fp8.matmul import (column_forward, column_gradients, dy_amax, row_forward,
                                       row_gradients)
-from jax_comm_gemm.fp8.recipe import Fp8Recipe, OUT_DTYPES, check_operands, checked_history
+from jax_comm_gemm.fp8.recipe import Fp8Recipe, check_bias, check_operands, checked_history
 from jax_comm_gemm.fp8.steps import Static, xla_gather
 
 __all__ = ["fp8_mlp"]
@@ -80,10 +80,7 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   if w2.shape[1] != x.shape[-1]:
     raise ValueError(f"{op}: `w2` must be [F/P, k] with k = x's features ({x.shape[-1]}), "
                      f"got shape {tuple(w2.shape)}")
-  if b1 is not None and (np.shape(b1) != (w1.shape[1],)
-                         or jnp.dtype(b1.dtype) not in OUT_DTYPES):
-    raise ValueError(f"{op}: `b1` must be None or a float vector of w1's columns "
-                     f"({w1.shape[1]},), got {np.shape(b1)} {getattr(b1, 'dtype', '')}")
+  bias_dtype = check_bias(op, "b1", b1, w1.shape[1])
   if len(collectives) != 2 or len(histories) != 2:
     raise ValueError(f"{op}: `collectives` and `histories` take one entry per layer "
                      f"(fc1, fc2), got {len(collectives)} and {len(histories)}")
@@ -96,7 +93,6 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
               reuse_gathered=reuse_gathered, gather=gather,
               collectives=st.checked_collectives(op, collectives[1], recipe, w2),
               prologue=activation if b1 is None else with_bias(activation))
-  bias_dtype = None if b1 is None else jnp.dtype(b1.dtype)
   # b1 varies with the rest: its gradient (dh's column sums) varies wherever x does.
   w1, w2, *rest = vma.varying_along(axis_name, w1, w2, *xs, *(() if b1 is None else (b1,)))
   xs, b1 = rest[:len(xs)], (rest[-1] if b1 is not None else None)
@@ -116,7 +112,7 @@ def _mlp(x, w1, b1, w2, h1, h2, s):
 
 def _mlp_fwd(x, w1, b1, w2, h1, h2, s):
   s1, s2, _ = s
-  h, res1 = column_forward(x, w1, h1, s1)
+  h, res1 = column_forward(x, w1, None, h1, s1)
   # fc2's input, made inside its cast: activation(h) or activation(h + b1).
   y, res2 = row_forward(h if b1 is None else (h, b1), w2, h2, s2)
   return y, (res1, res2)

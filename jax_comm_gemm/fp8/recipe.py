@@ -216,3 +216,14 @@ def check_operands(op, x, w, transpose_w, recipe, tokens):
     raise ValueError(f"{op}: 'block' scaling quantizes in blocks of {qz.BLOCK}: w's dims "
                      f"and the tokens (all ranks') must be multiples of {qz.BLOCK}, got w "
                      f"{tuple(w.shape)} and {tokens} tokens")
+
+
+def check_bias(op, name, bias, columns):
+  """A bias added inside an FP8 op (None, or a float vector of the op's
+  `columns` output features), checked: its dtype, that of its gradient."""
+  if bias is not None and (jnp.shape(bias) != (columns,)
+                           or jnp.dtype(bias.dtype) not in OUT_DTYPES):
+    raise ValueError(f"{op}: `{name}` must be None or a float vector of w's {columns} "
+                     f"output columns, got {jnp.shape(bias)} {getattr(bias, 'dtype', '')}")
+  return None if bias is None else jnp.dtype(bias.dtype)
+

@@ -63,10 +63,10 @@ class Static:
   prologue: Callable | None = None
   # (parts, head_dim, batch) where the op's token-side operand is held as
   # attention's arrays [batch, tokens, heads, head_dim] (the column op's output
-  # split into `parts`, the row op's input): their FP8 copies are made from
-  # them (heads.cast_heads), and the weight gradient's transposed operands hold
-  # the tokens (batch, position).
+  # in `parts`, the row op's input): heads.cast_heads makes their FP8 copies.
   heads: tuple | None = None
+  # The dtype of the column op's bias, or None (its gradient: dy's column sums).
+  bias: Any = None
 
 
 # Hopper's FP8 tensor cores read rows of 16-byte multiples.

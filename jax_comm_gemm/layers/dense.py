@@ -406,7 +406,8 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
     x = scoped(x, prologue)
     gathered = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
     y = _injected(dot_general, gathered, kernel, precision, dot_kwargs)
-  else:
+    y = y if bias is None else y + bias
+  else:  # the op adds the bias
     xs, lead = flat_operands("column_parallel", x, prologue)
     inside = split_heads is not None and heads_inside(config, dot_general)
     y = all_gather_matmul_unchecked(xs if prologue else xs[0], kernel, axis_name,
@@ -415,15 +416,11 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                                     precision=precision, config=config,
                                     fp8_history=fp8_history, prologue=prologue,
                                     split_heads=(split_heads + (int(np.prod(lead[1:])),)
-                                                 if inside else None))
-    if inside:  # q, k and v already in attention's layout
-      if bias is None:
-        return y
-      biases = bias.reshape(-1, *split_heads)
-      return tuple(part + biases[:, i] for i, part in enumerate(y))
+                                                 if inside else None), bias=bias)
+    if inside:  # q, k and v already in attention's layout, the bias added
+      return y
     y = y.reshape((lead[0] * jax.lax.axis_size(axis_name),) + lead[1:]
                   + (np.shape(kernel)[-1],))
-  y = y if bias is None else y + bias
   return y if split_heads is None else attention_layout.split_heads(y, *split_heads)
 
 
