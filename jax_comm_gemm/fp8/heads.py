@@ -156,9 +156,7 @@ def project(s: Static, x8, x_inv, w8, w_inv, keep: bool, bias=None):
   parts, head_dim, batch = s.heads
   if st.fused_ops(s) is not None or (s.collectives == "ring"
                                      and lax.axis_size(s.axis_name) > 1):
-    y, g8, g_inv = st.gather_gemm(s, x8, x_inv, w8, w_inv, s.x_dtype, keep=keep)
-    y = y if bias is None else y + bias.astype(y.dtype)
-    return split_heads(y.reshape(-1, batch, y.shape[-1]), parts, head_dim), g8, g_inv
+    return project_whole(s, x8, x_inv, w8, w_inv, keep, bias)
   g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
   k = g8.shape[1]
   rows = jnp.swapaxes(g8.reshape(-1, batch, k), 0, 1).reshape(-1, k)
@@ -171,6 +169,15 @@ def project(s: Static, x8, x_inv, w8, w_inv, keep: bool, bias=None):
       y = y + biases[:, i].reshape(-1).astype(y.dtype)
     out.append(y.reshape(batch, -1, w8.shape[0], head_dim))
   return tuple(out), g8, g_inv
+
+
+def project_whole(s: Static, x8, x_inv, w8, w_inv, keep: bool, bias=None):
+  """:func:`project` by one GEMM on the rows as they arrive, its output split
+  by XLA (a bf16 copy)."""
+  parts, head_dim, batch = s.heads
+  y, g8, g_inv = st.gather_gemm(s, x8, x_inv, w8, w_inv, s.x_dtype, keep=keep)
+  y = y if bias is None else y + bias.astype(y.dtype)
+  return split_heads(y.reshape(-1, batch, y.shape[-1]), parts, head_dim), g8, g_inv
 
 
 def quantize(s: Static, parts, dtype, a, *, column_sums: bool = False):
