@@ -251,8 +251,8 @@ def _bias_step(mesh, recipe, layout, x, w, bias, ct_seed, head_dim):
 def test_bias_inside_the_column_op(size, scaling, layout):
   """y = AG(x) w + bias as with the bias added after the op (the same FP8
   arithmetic: y, dx and dw equal), and the bias's gradient, the output
-  gradient's column sums from its cast, within float32's rounding of float64's
-  sums, in the bias's dtype."""
+  gradient's column sums from its cast, float64's sums to the rounding of the
+  bias's dtype (bf16), in that dtype."""
   mesh, recipe, head_dim = cpu_mesh(size), Fp8Recipe(scaling), 64
   x, w, _ = _inputs(20 + size, 128 * size, 2, 64, 2 * size, head_dim)
   bias = jax.random.normal(jax.random.key(3), (w.shape[1],)).astype(jnp.bfloat16)

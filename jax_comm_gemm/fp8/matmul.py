@@ -104,9 +104,9 @@ def fp8_all_gather_matmul(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Recipe
               prologue=prologue, heads=layout,
               bias=check_bias(op, "bias", bias, w.shape[0 if transpose_w else 1]))
   # A bias varies with the rest: its gradient varies wherever x does.
-  *xs, w, bias = vma.varying_along(axis_name, *xs, w, w if bias is None else bias)
-  out = _all_gather_matmul(tuple(xs) if prologue else xs[0], w,
-                           None if s.bias is None else bias,
+  w, *rest = vma.varying_along(axis_name, w, *xs, *(() if bias is None else (bias,)))
+  xs, bias = rest[:len(xs)], (rest[-1] if bias is not None else None)
+  out = _all_gather_matmul(tuple(xs) if prologue else xs[0], w, bias,
                            checked_history(op, recipe, history), s)
   if layout is not None:
     return out

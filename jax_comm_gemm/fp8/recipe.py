@@ -226,4 +226,3 @@ def check_bias(op, name, bias, columns):
     raise ValueError(f"{op}: `{name}` must be None or a float vector of w's {columns} "
                      f"output columns, got {jnp.shape(bias)} {getattr(bias, 'dtype', '')}")
   return None if bias is None else jnp.dtype(bias.dtype)
-
