@@ -18,8 +18,7 @@ one GPU, so every dense layer is a plain GEMM). Variants:
   state (the first call's next histories) and their gradient (the next
   histories) computed in every step, as training does;
   ``project_fp8_delayed_heads_outside``: the same with attention's layout
-  changed by XLA's copies around the FP8 ops; ``..._heads_backward_only``:
-  the layout inside the backward's casts, the forward's QKV one GEMM split by XLA;
+  changed by XLA's copies around the FP8 ops, not inside the backward's casts;
 * ``plain_xla_fp8``: the same arithmetic written in plain jax: per-tensor
   current scaling, E4M3 forward and E5M2 gradients, every GEMM contracting
   both operands on their last axis, the transposed FP8 copies made by casts.
@@ -50,7 +49,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 import jax_comm_gemm as jcg
-from jax_comm_gemm.fp8 import Fp8Recipe, heads as fp8_heads
+from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.layers import dense, transformer as tb
 
@@ -148,12 +147,6 @@ class HeadsOutside(WithHistories):
       return super().lower(ps, x)
 
 
-class HeadsBackwardOnly(HeadsOutside):
-  """Attention's layout inside the backward's casts only: the forward's QKV
-  projection is one GEMM whose output XLA splits (``heads.project_whole``)."""
-  patch = staticmethod(lambda: mock.patch.object(fp8_heads, "project", fp8_heads.project_whole))
-
-
 def steps(mesh, heads, attention, layers):
   """{variant: jitted (params, x) -> (loss, grads)}."""
   def project(config, step=WithHistories, axis="tp"):
@@ -179,8 +172,6 @@ def steps(mesh, heads, attention, layers):
           "project_fp8_delayed": project(jcg.CommGemmConfig(fp8=Fp8Recipe("delayed"))),
           "project_fp8_delayed_heads_outside": project(
               jcg.CommGemmConfig(fp8=Fp8Recipe("delayed")), HeadsOutside, "tp_outside"),
-          "project_fp8_delayed_heads_backward_only": project(
-              jcg.CommGemmConfig(fp8=Fp8Recipe("delayed")), HeadsBackwardOnly, "tp_backward"),
           # XLA's casts and transposes in place of the one-pass kernel (jax_comm_gemm.fp8.cast).
           "project_fp8_tensor_xla_casts": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("tensor", casts="xla"))),

@@ -146,34 +146,11 @@ def _part_tile(x_refs, per_head):
 
 def project(s: Static, x8, x_inv, w8, w_inv, keep: bool, bias=None):
   """The column op's forward into attention's layout: ``(parts, g8, g_inv)``,
-  the gathered FP8 rows for the weight gradient, `bias` ``[C]`` (or None)
-  added. On XLA's collectives (or a group of one) the gathered rows are put
-  in ``(batch, position)`` order, an FP8 copy, and a GEMM per part (its rows
-  of the weight's TN copy) writes that part where attention reads it, its
-  bias added to the GEMM's output (which XLA can fold into the GEMM): no bf16
-  copy. The ring's and the fused ops' GEMMs run on the rows as they arrive:
-  XLA splits their output."""
-  parts, head_dim, batch = s.heads
-  if st.fused_ops(s) is not None or (s.collectives == "ring"
-                                     and lax.axis_size(s.axis_name) > 1):
-    return project_whole(s, x8, x_inv, w8, w_inv, keep, bias)
-  g8, g_inv = st.gather(s, x8, x_inv, standalone=False)
-  k = g8.shape[1]
-  rows = jnp.swapaxes(g8.reshape(-1, batch, k), 0, 1).reshape(-1, k)
-  w8 = w8.reshape(-1, parts, head_dim, k)
-  biases = None if bias is None else bias.reshape(-1, parts, head_dim)
-  out = []
-  for i in range(parts):
-    y = st.gemm(s, rows, w8[:, i].reshape(-1, k), g_inv, w_inv, s.x_dtype)
-    if biases is not None:
-      y = y + biases[:, i].reshape(-1).astype(y.dtype)
-    out.append(y.reshape(batch, -1, w8.shape[0], head_dim))
-  return tuple(out), g8, g_inv
-
-
-def project_whole(s: Static, x8, x_inv, w8, w_inv, keep: bool, bias=None):
-  """:func:`project` by one GEMM on the rows as they arrive, its output split
-  by XLA (a bf16 copy)."""
+  the gathered FP8 rows for the weight gradient. One GEMM on the rows as
+  they arrive, `bias` ``[C]`` (or None) added, its output split into the
+  parts by XLA (a bf16 copy that takes the bias add with it). A GEMM per
+  part writing each where attention reads it measured slower (docs/fp8.md,
+  "Attention's layout"): the layout is taken inside the backward's casts."""
   parts, head_dim, batch = s.heads
   y, g8, g_inv = st.gather_gemm(s, x8, x_inv, w8, w_inv, s.x_dtype, keep=keep)
   y = y if bias is None else y + bias.astype(y.dtype)
