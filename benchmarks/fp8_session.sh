@@ -42,7 +42,7 @@ if has step; then
     name=$(basename "$dir")
     python3 benchmarks/producers.py "$dir" "$dir/step.hlo.txt" --window step --fusions 25 \
       > "$OUT/producers_$name.md" 2>&1
-    python3 benchmarks/trace_summary.py "$dir" --window batch > "$OUT/trace_$name.txt" 2>&1
+    python3 benchmarks/trace_summary.py "$dir" --window batch --top 60 > "$OUT/trace_$name.txt" 2>&1
   done
 fi
 if has step-f32; then
@@ -63,6 +63,7 @@ if has example; then
     if [ -n "${EXAMPLE_PROFILE:-}" ]; then
       python3 benchmarks/producers.py "/tmp/$name" "/tmp/$name/step.hlo.txt" \
         --window train_step --fusions 25 > "$OUT/producers_$name.md" 2>&1
+      python3 benchmarks/trace_summary.py "/tmp/$name" --window train_step --top 60 > "$OUT/trace_$name.txt" 2>&1
       summary+=("$(head -12 "$OUT/producers_$name.md")")
     fi
   done
