@@ -179,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "none at tp=1, where both run XLA "
                         "(default: 20 on GPU, 0 on CPU, where both run XLA)")
   run.add_argument("--profile", metavar="DIR",
-                   help="after training, trace 3 more steps with jax.profiler into DIR "
-                        "(each step annotated 'train_step'; benchmarks/trace_summary.py "
-                        "--window train_step summarises it), and the step's HLO into "
+                   help="after training, trace 3 more steps with jax.profiler into DIR, "
+                        "run as the loop runs them (one annotation, 'train_steps'; "
+                        "benchmarks/trace_summary.py --window train_step summarises "
+                        "them), and the step's HLO into "
                         "DIR/step.hlo.txt (benchmarks/producers.py) (default: none)")
   run.add_argument("--json-out", metavar="PATH",
                    help="write a JSON summary here (default: none)")
@@ -397,12 +398,19 @@ def train(args) -> dict:
   read_pending()  # the last step always validates, so none is left: a guard
   log.close()
   checkpoints.close()
-  if args.profile:  # 3 more steps (they update the model too), each annotated
+  if args.profile:  # 3 more steps as the loop runs them (they update the model too):
+    # each loss read after the next step is dispatched and its batch built, so
+    # the trace shows the device's idle time between steps as training has it
     with jax.profiler.trace(args.profile, create_perfetto_trace=True):
-      for _ in range(3):
-        with jax.profiler.TraceAnnotation("train_step"):
+      with jax.profiler.TraceAnnotation("train_steps"):
+        previous = None
+        for i in range(3):
           params, opt_state, loss = step_fn(params, opt_state, tokens, targets)
-          jax.block_until_ready(loss)
+          tokens, targets = batch("train", s["steps"] + i + 1)
+          if previous is not None:
+            float(previous)
+          previous = loss
+        float(previous)
     say(f"profile: 3 steps traced into {args.profile}")
   tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
   say(run_report.loss_summary(history, tokens_per_s, start))
