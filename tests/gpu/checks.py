@@ -465,12 +465,18 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
 
 def check_fp8_heads(mesh, scaling: str):
   """The transformer block in FP8 with attention's layout inside the casts
-  (jax_comm_gemm.fp8.heads: QKV's parts written by a GEMM each, their
-  gradients and attention's output cast where they lie) against the same
-  block with XLA's copies outside the ops: the same loss, and gradients within
-  bf16's rounding (the weight gradients sum their tokens in another order;
-  the biases' are bf16 sums over all tokens). Each shard this process holds,
-  relative to its array's largest value."""
+  (jax_comm_gemm.fp8.heads: q's, k's and v's gradients and attention's
+  output cast where they lie) against the same block with XLA's copies
+  outside the ops: the same loss, and gradients within bf16's rounding (the
+  weight gradients sum their tokens in another order; the biases' are bf16
+  sums over all tokens). Each shard this process holds, relative to its
+  array's largest value.
+
+  Both compile without XLA's excess precision: with it XLA may skip a bf16
+  rounding inside a fusion (an amax reduced over unrounded float32, say),
+  differently in the two programs, and under "tensor" scaling FP8 codes then
+  differ by a step (4 ranks on one H100: up to 4.5e-2 with it, 4.3e-3
+  without; benchmarks/results/2026-12-06_h100_shared)."""
   from unittest import mock
   from jax_comm_gemm.layers import dense as layers, transformer as tb
   seq, batch, width, heads = 512, 2, 512, 8
@@ -489,7 +495,9 @@ def check_fp8_heads(mesh, scaling: str):
       y = tb.sharded_transformer_block(x, p, mesh=mesh, options=options,
                                        fp8_histories=histories)
       return jnp.mean(y.astype(jnp.float32) ** 2)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(params, x)
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile(
+        compiler_options={"xla_allow_excess_precision": False})
+    return compiled(params, x)
 
   inside = step()
   jax.clear_caches()  # the block's jit keys on its options, not on the patched rule
