@@ -4,9 +4,15 @@ Usage: ``python mp_autotune_worker.py PROCESS_ID PORT PLANTS`` with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` and ``JAX_PLATFORMS=cpu``.
 PLANTS is a comma-separated list of ``phase=implementation`` with phase
 "build", "check" or "time": in process 1 alone, that implementation fails to
-build (its op raises while traced), computes a wrong result (its output times
-2), or raises in its second timed batch (after its program ran, as an error
-reported late would). Process 0 runs everything as it is.
+build (its op raises while traced), returns a wrong result (process 1's shards
+of its output times 2), or raises in its second timed batch (after its program
+ran, as an error reported late would). Process 0 runs everything as it is.
+
+The wrong result is made after the candidate's program ran, not inside it: the
+processes of one collective must run the same program (jax 0.12's CPU
+collectives wait forever for a peer whose program differs, as NCCL would
+mismatch), and a real candidate's wrong result comes from the same program in
+every process.
 
 Both processes join through ``jax.distributed`` and run ``autotune_step`` on
 a sequence-parallel MLP's gradient over a tensor-parallel axis of all 4
@@ -39,8 +45,6 @@ from jax_comm_gemm.runtime.capability import Capability  # noqa: E402
 from mp_worker import run_and_report  # noqa: E402
 from jax_comm_gemm.runtime.settings import Settings  # noqa: E402
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter")
-
 
 class _Versions:
   """What autotune asks of the C++ extension (its cache section's versions)."""
@@ -64,24 +68,6 @@ class _Refuses:
     return refuse
 
 
-class _Wrong:
-  """A backend whose ops compute twice the right output (and the gathered
-  operand as it is): the candidate's check fails."""
-
-  def __init__(self, backend):
-    self.backend = backend
-
-  def __getattr__(self, attr):
-    found = getattr(self.backend, attr)
-    if attr not in OPS:
-      return found
-
-    def doubled(*args, **kwargs):
-      out = found(*args, **kwargs)
-      return (2 * out[0], *out[1:]) if isinstance(out, tuple) else 2 * out
-    return doubled
-
-
 def _plant(plants: dict[str, str]) -> None:
   """Makes process 1's candidates fail as `plants` ({phase: implementation}) says."""
   if jax.process_index() != 1:
@@ -90,17 +76,33 @@ def _plant(plants: dict[str, str]) -> None:
 
   def implementation(name, template):
     backend = real_implementation(name, template)
-    if name == plants.get("build"):
-      return _Refuses(name)
-    if name == plants.get("check"):
-      return _Wrong(backend)
-    return backend
+    return _Refuses(name) if name == plants.get("build") else backend
 
   # autotune builds its candidates through tuning's name, the step's layers
-  # through auto's.
+  # through auto's; each op's candidates and each step plan run through
+  # time_candidates, under the implementation's name.
   tuning.implementation = routes.implementation = implementation
-  for module in (tuning, tuning):
-    module.time_candidates = _failing_when_timed(module.time_candidates, plants.get("time"))
+  tuning.time_candidates = _failing_when_timed(
+      _wrong_when_run(tuning.time_candidates, plants.get("check")), plants.get("time"))
+
+
+def _doubled(out):
+  """`out` with each of this process's shards times 2 (no collective: the
+  other process does not run it)."""
+  def double(a):
+    return jax.make_array_from_single_device_arrays(
+        a.shape, a.sharding, [2 * s.data for s in a.addressable_shards])
+  return jax.tree.map(double, out)
+
+
+def _wrong_when_run(time_candidates, name):
+  """time_candidates, where candidate (or plan) `name` returns a wrong result."""
+  def planted(runs, **kwargs):
+    if name in runs and isinstance(runs[name], tuple):
+      call, iterations = runs[name]
+      runs = {**runs, name: (lambda: _doubled(call()), iterations)}
+    return time_candidates(runs, **kwargs)
+  return planted
 
 
 def _failing_when_timed(time_candidates, name):
