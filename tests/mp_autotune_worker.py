@@ -82,8 +82,22 @@ def _plant(plants: dict[str, str]) -> None:
   # through auto's; each op's candidates and each step plan run through
   # time_candidates, under the implementation's name.
   tuning.implementation = routes.implementation = implementation
-  tuning.time_candidates = _failing_when_timed(
-      _wrong_when_run(tuning.time_candidates, plants.get("check")), plants.get("time"))
+  real_time_candidates = tuning.time_candidates
+
+  def time_candidates(runs, **kwargs):
+    """time_candidates, the "check" plant's calls doubled and the "time" plant's
+    failing late."""
+    check, late = plants.get("check"), plants.get("time")
+    if isinstance(runs.get(check), tuple):
+      call, iterations = runs[check]
+      runs = {**runs, check: (lambda call=call: _doubled(call()), iterations)}
+    if isinstance(runs.get(late), tuple):
+      call, iterations = runs[late]
+      good_calls = 1 + (kwargs["warmup_rounds"] + 1) * iterations
+      runs = {**runs, late: (_fails_late(call, good_calls, late), iterations)}
+    return real_time_candidates(runs, **kwargs)
+
+  tuning.time_candidates = time_candidates
 
 
 def _doubled(out):
@@ -95,34 +109,18 @@ def _doubled(out):
   return jax.tree.map(double, out)
 
 
-def _wrong_when_run(time_candidates, name):
-  """time_candidates, where candidate (or plan) `name` returns a wrong result."""
-  def planted(runs, **kwargs):
-    if name in runs and isinstance(runs[name], tuple):
-      call, iterations = runs[name]
-      runs = {**runs, name: (lambda: _doubled(call()), iterations)}
-    return time_candidates(runs, **kwargs)
-  return planted
+def _fails_late(call, good_calls: int, name: str):
+  """`call`, raising after its program ran on each call after the first
+  `good_calls` (the warm-up call and the warm-up rounds' batches)."""
+  calls = [0]
 
-
-def _failing_when_timed(time_candidates, name):
-  """time_candidates, where candidate (or plan) `name` raises after its
-  program ran in its second timed batch."""
-  def planted(runs, **kwargs):
-    if name in runs and isinstance(runs[name], tuple):
-      call, iterations = runs[name]
-      calls = [0]
-
-      def fails_late():
-        out = call()
-        calls[0] += 1
-        # The warm-up call, the warm-up rounds' batches, then the timed ones.
-        if calls[0] > 1 + (kwargs["warmup_rounds"] + 1) * iterations:
-          raise RuntimeError(f"planted: {name} failed while timed")
-        return out
-      runs = {**runs, name: (fails_late, iterations)}
-    return time_candidates(runs, **kwargs)
-  return planted
+  def fails_late():
+    out = call()
+    calls[0] += 1
+    if calls[0] > good_calls:
+      raise RuntimeError(f"planted: {name} failed while timed")
+    return out
+  return fails_late
 
 
 def run(process_id: int, plants: dict[str, str]) -> dict:
