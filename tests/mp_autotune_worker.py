@@ -10,9 +10,9 @@ ran, as an error reported late would). Process 0 runs everything as it is.
 
 The wrong result is made after the candidate's program ran, not inside it: the
 processes of one collective must run the same program (jax 0.12's CPU
-collectives wait forever for a peer whose program differs, as NCCL would
-mismatch), and a real candidate's wrong result comes from the same program in
-every process.
+collectives wait forever for a peer whose program differs; docs/design.md,
+"Agreement between processes"), and a real candidate's wrong result comes from
+the same program in every process.
 
 Both processes join through ``jax.distributed`` and run ``autotune_step`` on
 a sequence-parallel MLP's gradient over a tensor-parallel axis of all 4
