@@ -11,9 +11,12 @@ from jax_comm_gemm.runtime.capability import Capability
 class FakeNative:
   """Records what the runtime asks of the extension."""
 
-  def __init__(self, workspace_error: str = ""):
+  def __init__(self, workspace_error: str = "", workspace_mode: str | None = None):
     self.connected, self.bound = [], []
     self.workspace_error = workspace_error  # each context's, as Context::Init finds it
+    # "symmetric" or "plain" (the extension's mode where cublasMpMalloc is
+    # refused); None: no such key, as from an extension without the plain mode.
+    self.workspace_mode = workspace_mode
 
   def cublasmp_version(self):
     return 1000
@@ -35,7 +38,9 @@ class FakeNative:
   def contexts(self):
     made = {(device, key) for call in self.connected for key, _, members in call["groups"]
             for device, _ in members}
-    return [{"device": device, "group": key, "error": "", "workspace_error": self.workspace_error}
+    mode = {} if self.workspace_mode is None else {"workspace_mode": self.workspace_mode}
+    return [{"device": device, "group": key, "error": "",
+             "workspace_error": self.workspace_error, **mode}
             for device, key in sorted(made)]
 
   def shutdown(self, timeout_s):
@@ -58,15 +63,18 @@ def fake_probe(passing=lambda key: True, ran=None, workspace_error: str = ""):
 
 
 def install_fake_native(monkeypatch, passing=lambda key: True,
-                        workspace_error: str = "") -> FakeNative:
+                        workspace_error: str = "",
+                        workspace_mode: str | None = None) -> FakeNative:
   """REGISTRY with cuBLASMp "available" through a FakeNative, emptied for the
   test, and a self-test whose probes pass where `passing(key)` says; the
-  contexts refuse cuBLASMp's workspace with `workspace_error` if given."""
-  native = FakeNative(workspace_error)
+  contexts refuse cuBLASMp's workspace with `workspace_error` if given, and
+  report `workspace_mode` (with "plain" cuBLASMp's cases run in the self-test)."""
+  native = FakeNative(workspace_error, workspace_mode)
   for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
                       ("_groups", set()), ("_attempts", {}),
                       ("_sentinel", None), ("_first", None)]:
     monkeypatch.setattr(REGISTRY, name, value)
-  monkeypatch.setattr(capability, "_probe", fake_probe(passing, workspace_error=workspace_error))
+  unrunnable = "" if workspace_mode == "plain" else workspace_error
+  monkeypatch.setattr(capability, "_probe", fake_probe(passing, workspace_error=unrunnable))
   REGISTRY.publish(stand_in_plan())
   return native

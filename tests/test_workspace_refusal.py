@@ -72,7 +72,8 @@ def test_one_refusing_process_makes_every_process_refuse(monkeypatch):
 
   def all_gather(*parts, value, timeout_s, processes):
     exchanged.append(parts)
-    return [value, REFUSAL] if "workspace" in parts else [value]
+    # each process's contexts: (refusal, whether it took a plain workspace)
+    return [value, [[REFUSAL, False]]] if "workspace" in parts else [value]
 
   monkeypatch.setattr(connect_module.kv, "all_gather", all_gather)
   jcg.connect(mesh2(), "tp")

@@ -88,6 +88,15 @@ Status CollectiveBuffer::AllocateWindow(ncclComm_t comm, size_t size) {
   return Status();
 }
 
+Status CollectiveBuffer::AllocatePlain(size_t size) {
+  Release();
+  void* ptr = nullptr;
+  JCG_CUDA(cudaMalloc(&ptr, size));
+  ptr_ = ptr, size_ = size;
+  release_ = [ptr] { (void)cudaFree(ptr); };
+  return Status();
+}
+
 Context::Context(const ContextOptions& options)
     : options_(options), call_timeout_(SecondsToDuration(options.call_timeout_s)) {}
 
@@ -169,9 +178,11 @@ Status Context::Init(const ncclUniqueId& id) {
   // Whether cuBLASMp can get its workspace here: cublasMpMalloc registers it
   // with NCCL symmetric memory, which NCCL refuses where it cannot map the
   // peers' memory (ranks sharing a GPU, GPUs without peer access). Learnt
-  // once, under connect()'s deadline, so that routing leaves cuBLASMp's
-  // algorithms out instead of failing at each call; the context stays usable
-  // for pipelined_ce, which needs no cuBLASMp workspace.
+  // once, under connect()'s deadline. Where it is refused, the workspace is
+  // plain device memory (workspace_mode() "plain"): cuBLASMp's default runs
+  // there without overlap (an NCCL all-gather, then the GEMM; the same result
+  // bit for bit as NCCL + cuBLAS, benchmarks/probes/), and connect's verdict
+  // tells routing which algorithms can run.
   const Status probe =
       workspace_.AllocateCublasMp(col_grid_.get(), row_grid_.get(), kWorkspaceGranule);
   workspace_.Release();
@@ -342,7 +353,9 @@ Status Context::EnsureWorkspace(size_t bytes, cudaStream_t stream, Clock::time_p
   JCG_RETURN_IF_ERROR(WaitForStreams({stream, stream_.get()}, deadline,
                                      "earlier calls finished before the workspace grew"));
   Status s = WithComm([&] {
-    return workspace_.AllocateCublasMp(col_grid_.get(), row_grid_.get(), Granules(bytes));
+    return workspace_error_.empty()
+               ? workspace_.AllocateCublasMp(col_grid_.get(), row_grid_.get(), Granules(bytes))
+               : workspace_.AllocatePlain(Granules(bytes));
   });
   CountBuffers();
   return s;
@@ -379,6 +392,14 @@ void Context::CountBuffers() {
 // y = x @ w becomes D = A * B with A = w^T, B = x^T, D = y^T, and the token
 // dimension is cuBLASMp's n.
 Status Context::MakeCublasMpPlan(const MatmulCall& c, Plan* plan) {
+  // cuBLASMp returns NOT_SUPPORTED from cublasMpMatmul for SPLIT_P2P on a plain
+  // workspace (measured, benchmarks/probes/): refused here instead, after the
+  // plan agreement and before any collective, so alike on every rank.
+  if (!workspace_error_.empty() && c.algorithm == CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P) {
+    return Status::FailedPrecondition(
+        "cuBLASMp's split_p2p cannot run on a plain workspace (no NCCL symmetric memory: "
+        "cuBLASMp's default runs without overlap; " + workspace_error_ + ")");
+  }
   const int64_t P = options_.nranks;
   cublasMpGrid_t col = col_grid_.get(), row = row_grid_.get();
   const cudaDataType_t tw = c.w_type, tx = c.x_type, ty = c.y_type;

@@ -117,12 +117,15 @@ struct Plan {
   size_t device_bytes = 0, host_bytes = 0;
 };
 
-// Device memory whose allocation and release are collective: cuBLASMp's
-// workspace (cublasMpMalloc, registered with NCCL symmetric memory on both
-// grids as TransformerEngine does; without the registration cuBLASMp silently
-// falls back to NO_OVERLAP), or pipelined_ce's window (ncclMemAlloc'd and
-// registered as a symmetric window on one communicator, on which NCCL runs its
-// collectives with copy engines under the zero-CTA policy).
+// Device memory for a group's calls, most of it allocated and released
+// collectively: cuBLASMp's workspace (cublasMpMalloc, registered with NCCL
+// symmetric memory on both grids as TransformerEngine does; without the
+// registration cuBLASMp silently falls back to NO_OVERLAP), or pipelined_ce's
+// window (ncclMemAlloc'd and registered as a symmetric window on one
+// communicator, on which NCCL runs its collectives with copy engines under the
+// zero-CTA policy). Where NCCL has no symmetric memory, cuBLASMp's workspace is
+// plain cudaMalloc'd memory instead (AllocatePlain, local): cuBLASMp's default
+// then runs without overlap.
 class CollectiveBuffer {
  public:
   CollectiveBuffer() = default;
@@ -133,6 +136,7 @@ class CollectiveBuffer {
   // Each frees any previous buffer first.
   Status AllocateCublasMp(cublasMpGrid_t grid, cublasMpGrid_t other_grid, size_t size);
   Status AllocateWindow(ncclComm_t comm, size_t size);
+  Status AllocatePlain(size_t size);
   void Release() {
     if (release_) release_();
     Abandon();
@@ -206,6 +210,10 @@ class Context {
   // "" where cuBLASMp got a workspace at set-up, else the library's refusal
   // (set in Create, constant afterwards).
   const std::string& workspace_error() const { return workspace_error_; }
+  // Where cuBLASMp's workspace comes from: "symmetric" (cublasMpMalloc) or,
+  // where that was refused, "plain" (cudaMalloc; cuBLASMp's default runs
+  // without overlap, split_p2p is refused before the library sees it).
+  const char* workspace_mode() const { return workspace_error_.empty() ? "symmetric" : "plain"; }
 
  private:
   explicit Context(const ContextOptions& options);

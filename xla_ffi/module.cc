@@ -78,6 +78,7 @@ nb::list Contexts() {
     d["host_seconds"] = c.host_seconds;
     d["error"] = c.error;
     d["workspace_error"] = c.workspace_error;
+    d["workspace_mode"] = c.workspace_mode;
     out.append(d);
   }
   return out;
@@ -165,5 +166,7 @@ NB_MODULE(_comm_gemm, m) {
         "(calls run since connect and their host time: the differences between two\n"
         "reads give the host's cost of a call), error ('' while healthy, else why\n"
         "its communicator was aborted) and workspace_error ('' where cuBLASMp got its\n"
-        "workspace at set-up, else the library's refusal).");
+        "workspace at set-up, else the library's refusal) and workspace_mode ('symmetric',\n"
+        "or 'plain' where it was refused: a cudaMalloc'd workspace, cuBLASMp's default\n"
+        "without overlap).");
 }

@@ -287,7 +287,7 @@ std::vector<ContextInfo> Registry::Describe() {
     out.push_back({ctx->group(), ctx->device(), ctx->rank(), ctx->nranks(),
                    ctx->workspace_bytes(), ctx->own_buffer_bytes(), ctx->plan_count(),
                    ctx->calls(), ctx->host_seconds(), ctx->error(),
-                   ctx->workspace_error()});
+                   ctx->workspace_error(), ctx->workspace_mode()});
   }
   return out;
 }

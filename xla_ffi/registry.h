@@ -89,6 +89,7 @@ struct ContextInfo {
   double host_seconds;
   std::string error;            // "" while healthy
   std::string workspace_error;  // "" where cuBLASMp got its workspace at set-up
+  std::string workspace_mode;   // "symmetric", or "plain" where it was refused
 };
 
 class Registry {

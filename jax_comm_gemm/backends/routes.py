@@ -28,7 +28,8 @@ from jax_comm_gemm.config import FP8_BACKENDS
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.fp8.steps import why_not_fused
 from jax_comm_gemm.runtime import settings
-from jax_comm_gemm.runtime.capability import Capability, WorkspaceKey, cublasmp_refusal
+from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, algorithm_refusal,
+                                              cublasmp_refusal, symmetric_memory)
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
 from jax_comm_gemm.runtime.registry import current_plan
 
@@ -92,14 +93,14 @@ def workspace(axis_size: int, plan=None) -> Capability:
 
 def _refusal(name: str, axis_size: int, plan) -> str | None:
   """Why `name` cannot run at all on groups of `axis_size`, or None: cuBLASMp's
-  algorithms and jax's Pallas kernel need NCCL symmetric memory (the workspace probe)."""
-  if not (name.startswith("cublasmp_") or name == pallas.NAME):
-    return None
+  algorithms need its workspace, split_p2p and jax's Pallas kernel NCCL symmetric
+  memory (the workspace probe; where it is plain, cuBLASMp's default runs)."""
   verdict = workspace(axis_size, plan)
-  if verdict.ok:
+  if name.startswith("cublasmp_"):
+    return algorithm_refusal(name.removeprefix("cublasmp_"), verdict)
+  if name != pallas.NAME or symmetric_memory(verdict):
     return None
-  return (verdict.reason if name != pallas.NAME else
-          f"jax's Pallas kernel needs NCCL symmetric memory too: {verdict.reason}")
+  return f"jax's Pallas kernel needs NCCL symmetric memory too: {verdict.reason}"
 
 
 def runnable(name: str, p: Problem, plan=None) -> Capability:

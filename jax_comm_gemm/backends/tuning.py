@@ -37,6 +37,7 @@ from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, IMPLE
                                            implementation, runnable, workspace)
 from jax_comm_gemm.fp8 import Fp8Recipe, fp8_all_gather_matmul, fp8_matmul_reduce_scatter
 from jax_comm_gemm.runtime import comm_id, settings
+from jax_comm_gemm.runtime.capability import symmetric_memory
 from jax_comm_gemm.runtime.plan import Plan
 from jax_comm_gemm.runtime.registry import REGISTRY, current_plan
 
@@ -345,7 +346,7 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     runs[name] = build(lambda local=local: jax.jit(jax.shard_map(local, mesh=mesh, **specs))
                        .lower(x, w).compile(),
                        lambda program: program(x, w),
-                       iterations(p, seconds, workspace(size).ok))
+                       iterations(p, seconds, symmetric_memory(workspace(size))))
   return runs
 
 

@@ -10,6 +10,8 @@ import dataclasses
 from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
 from jax_comm_gemm.backends.routes import workspace
 from jax_comm_gemm.config import CommGemmConfig
+from jax_comm_gemm.runtime.capability import (CUBLASMP_ALGORITHMS, PLAIN_WORKSPACE,
+                                              symmetric_memory)
 from jax_comm_gemm.backends.routes import fp8_route, gathered_route
 
 FUSED_WITH_REUSE = "fused with reuse"
@@ -71,7 +73,7 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
       fused = config.fused
       route = gathered_route(fused, config.reuse_gathered, size, gathered, transpose_w=True)
       return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
-                       f"{fp8.reason}; {route.reason}")
+                       f"{fp8.reason}; {route.reason}{_mode(fused, size)}")
     # "auto" runs each shape as measured; the counts below are XLA's, the
     # default where nothing was measured (the compiled step's show which).
     return LayerPath(FP8_ON_RING if fp8.backend == "ring" else FP8_ON_XLA, fp8.reason)
@@ -93,20 +95,36 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   # With "auto" each AllGather+GEMM runs fused or on XLA as measured for its
   # shape; the path below is the fused one, which the measured shapes take
   # where the fused op is faster (the compiled step's counts show which).
-  per_shape = ""
+  per_shape, mode = "", ""
   if isinstance(choice.backend, AutoBackend):
-    refused = workspace(size)
-    per_shape = ("backend='auto', where autotune finds the fused op faster: " if refused.ok
-                 else f"backend='auto' ({refused.reason}), where autotune finds one of the "
-                      "project's own algorithms faster: ")
+    found = workspace(size)
+    per_shape = ("backend='auto', where autotune finds the fused op faster: "
+                 if symmetric_memory(found) else
+                 f"backend='auto' ({found.reason}), where autotune finds the fused op "
+                 "faster: " if found.ok else
+                 f"backend='auto' ({found.reason}), where autotune finds one of the "
+                 "project's own algorithms faster: ")
+  else:
+    mode = _mode(choice.backend, size)
   if not (reduce_scatter_layer or keep_gathered_input):
     return LayerPath(FUSED_WITH_ALL_GATHER,
                      per_shape + "a column-parallel layer gathers its input again in the "
-                     "backward pass unless keep_gathered_input=True")
+                     "backward pass unless keep_gathered_input=True" + mode)
   route = gathered_route(choice.backend, config.reuse_gathered, size, dtype,
                          transpose_w=reduce_scatter_layer)
   return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
-                   per_shape + route.reason)
+                   per_shape + route.reason + mode)
+
+
+def _mode(fused, axis_size: int) -> str:
+  """Where cuBLASMp's algorithms of `fused` run on a plain workspace, a clause
+  that says so (connect's verdict names the mode), else ""."""
+  found = workspace(axis_size)
+  uses_cublasmp = any(getattr(fused, field, None) in CUBLASMP_ALGORITHMS
+                      for field in ("all_gather_algorithm", "reduce_scatter"))
+  if not uses_cublasmp or symmetric_memory(found) or not found.ok:
+    return ""
+  return f"; plain workspace ({PLAIN_WORKSPACE})"
 
 
 @dataclasses.dataclass(frozen=True)

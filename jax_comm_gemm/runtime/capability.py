@@ -47,19 +47,66 @@ class WorkspaceKey:
   axis_size: int
 
 
-# cuBLASMp's own algorithms: they need its workspace (NCCL symmetric memory).
+@dataclasses.dataclass(frozen=True)
+class Workspace(Capability):
+  """connect's verdict on cuBLASMp's workspace: `ok` where cuBLASMp has one;
+  `plain` where NCCL has no symmetric memory and the workspace is plain device
+  memory (cuBLASMp's default runs there without overlap; split_p2p does not).
+
+  >>> workspace_verdict(2, "not supported", plain=True).plain
+  True
+  """
+  plain: bool = False
+
+
+# cuBLASMp's own algorithms: they need its workspace.
 CUBLASMP_ALGORITHMS = tuple(a for a in ALGORITHMS if a not in OWN_ALGORITHMS)
+# What a plain workspace leaves to cuBLASMp's default (the mode's name in verdicts).
+PLAIN_WORKSPACE = "no NCCL symmetric memory: cuBLASMp's default runs without overlap"
+# cuBLASMp's algorithms that need symmetric memory: on a plain workspace
+# cublasMpMatmul returns NOT_SUPPORTED for them (measured: benchmarks/probes/).
+SYMMETRIC_ONLY_ALGORITHMS = ("split_p2p",)
 
 
-def workspace_verdict(axis_size: int, error: str) -> Capability:
+def workspace_verdict(axis_size: int, error: str, plain: bool = False) -> Workspace:
   """The verdict of connect's workspace probe on groups of `axis_size`
-  (`error`: the library's refusal, "" where it got one)."""
+  (`error`: the library's refusal of cublasMpMalloc, "" where it got one;
+  `plain`: every context then took a plain workspace instead)."""
   if not error:
-    return Capability(True, f"cuBLASMp got its workspace on groups of {axis_size}")
-  return Capability(False, f"cuBLASMp cannot get its workspace on groups of {axis_size} "
-                           f"({error}; NCCL symmetric memory is unavailable, as where ranks "
-                           f"share a GPU or GPUs lack peer access), so its algorithms "
-                           f"{' and '.join(map(repr, CUBLASMP_ALGORITHMS))} cannot run there")
+    return Workspace(True, f"cuBLASMp got its workspace on groups of {axis_size}")
+  if plain:
+    return Workspace(True, f"{PLAIN_WORKSPACE} on groups of {axis_size} (cublasMpMalloc: "
+                           f"{error}; the workspace is plain device memory, so "
+                           f"{' and '.join(map(repr, SYMMETRIC_ONLY_ALGORITHMS))} and jax's "
+                           "Pallas kernel cannot run there)", plain=True)
+  return Workspace(False, f"cuBLASMp cannot get its workspace on groups of {axis_size} "
+                          f"({error}; NCCL symmetric memory is unavailable, as where ranks "
+                          f"share a GPU or GPUs lack peer access), so its algorithms "
+                          f"{' and '.join(map(repr, CUBLASMP_ALGORITHMS))} cannot run there")
+
+
+def symmetric_memory(workspace: Capability) -> bool:
+  """Whether the group of `workspace` (connect's verdict) has NCCL symmetric memory."""
+  return workspace.ok and not getattr(workspace, "plain", False)
+
+
+def algorithm_refusal(algorithm: str, workspace: Capability) -> str | None:
+  """Why cuBLASMp's `algorithm` cannot run where connect found `workspace`,
+  or None where it can (the project's own algorithms always can).
+
+  >>> algorithm_refusal("default", workspace_verdict(2, "not supported", plain=True)) is None
+  True
+  >>> algorithm_refusal("split_p2p", workspace_verdict(2, "not supported", plain=True))[:38]
+  "cuBLASMp refuses 'split_p2p' on a plai"
+  """
+  if algorithm not in CUBLASMP_ALGORITHMS:
+    return None
+  if not workspace.ok:
+    return workspace.reason
+  if getattr(workspace, "plain", False) and algorithm in SYMMETRIC_ONLY_ALGORITHMS:
+    return (f"cuBLASMp refuses {algorithm!r} on a plain workspace (NOT_SUPPORTED): "
+            f"{workspace.reason}")
+  return None
 
 
 def cublasmp_refusal(fused, workspace: Capability, asked: str) -> str | None:
@@ -72,13 +119,16 @@ def cublasmp_refusal(fused, workspace: Capability, asked: str) -> str | None:
   >>> cublasmp_refusal(fused, workspace_verdict(2, "refused"), "backend='cublasmp'") is None
   True
   """
-  named = [f"{field}={getattr(fused, field)!r}" for field in ("all_gather_algorithm",
-                                                              "reduce_scatter")
-           if getattr(fused, field) in CUBLASMP_ALGORITHMS]
-  if workspace.ok or not named:
+  refused = {field: algorithm_refusal(getattr(fused, field), workspace)
+             for field in ("all_gather_algorithm", "reduce_scatter")}
+  named = [f"{field}={getattr(fused, field)!r}" for field, why in refused.items() if why]
+  if not named:
     return None
-  return (f"{asked} with {' and '.join(named)}: {workspace.reason}. The project's own "
-          "algorithms run here: CommGemmConfig(all_gather_algorithm='pipelined_ce', "
+  why = next(why for why in refused.values() if why)
+  other = ("all_gather_algorithm='default', reduce_scatter='default' or "
+           if workspace.ok else "")
+  return (f"{asked} with {' and '.join(named)}: {why}. These run here: "
+          f"CommGemmConfig({other}all_gather_algorithm='pipelined_ce', "
           "reduce_scatter='pipelined_ce'), or backend='auto'")
 
 
@@ -151,13 +201,16 @@ def self_test(mesh, axis_name: str, comm_id: int, layout: str, version: int,
   """Runs the probe for `layout` on every device of `mesh` (collective) and
   returns a verdict per case: one program per algorithm, and where one fails,
   one per case, so that a refused case does not condemn the others. cuBLASMp's
-  algorithms do not run where `workspace` refused them."""
+  algorithms do not run where `workspace` refuses them (each such case's
+  verdict says why); on a plain workspace cuBLASMp's default is tested as on
+  any other."""
   verdicts = {}
   cases = _cases(int(mesh.shape[axis_name]), layout)
   for algorithm in SELF_TESTED_ALGORITHMS:
     group = [c for c in cases if c.algorithm == algorithm]
-    if not workspace.ok and algorithm in CUBLASMP_ALGORITHMS:
-      verdicts.update(dict.fromkeys(group, workspace))
+    refused = algorithm_refusal(algorithm, workspace)
+    if refused:
+      verdicts.update(dict.fromkeys(group, Capability(False, refused)))
       continue
     found = _probe(mesh, axis_name, comm_id, layout, version, group)
     if all(not v.ok and "could not run" in v.reason for v in found.values()):

@@ -19,7 +19,8 @@ import jax_comm_gemm.runtime.agreement as agreement
 import jax_comm_gemm.validation as validation
 import jax_comm_gemm.runtime.kv as kv
 from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, cublasmp_refusal,
-                                              self_test, workspace_verdict)
+                                              self_test, symmetric_memory,
+                                              workspace_verdict)
 from jax_comm_gemm.runtime.registry import REGISTRY, Registry
 from jax_comm_gemm.runtime.settings import BACKEND, Settings
 
@@ -115,7 +116,8 @@ def connect(mesh, axis_name: str = "tp", *, config=None,
       why = cublasmp_refusal(config, workspace, f"connect({axis_name!r}): {asked}")
       if why:
         raise RuntimeError(why)
-    return status if workspace.ok else Capability(True, f"{status.reason}; {workspace.reason}")
+    return (status if symmetric_memory(workspace)
+            else Capability(True, f"{status.reason}; {workspace.reason}"))
 
 
 def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Settings,
@@ -139,8 +141,8 @@ def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Setti
                    settings.measuring)
   native.bind(ident, device_groups)
   size = int(mesh.shape[axis_name])
-  workspace = workspace_verdict(size, _workspace_error(native, device_groups, ident, attempt,
-                                                       processes, settings.connect_timeout_s))
+  workspace = workspace_verdict(size, *_workspace_error(native, device_groups, ident, attempt,
+                                                        processes, settings.connect_timeout_s))
   # Only the layout the plan reads (the version's) is tested: no route reads
   # a verdict of the other.
   verdicts = self_test(mesh, axis_name, ident, registry.plan().layout,
@@ -148,23 +150,33 @@ def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Setti
   # Keyed by group size, as the layout verdicts are: a refusal on another
   # axis of this size stands (the routes there cannot tell the axes apart).
   known = registry.plan().verdict(WorkspaceKey(size))
-  verdicts[WorkspaceKey(size)] = workspace if known.ok else known
+  verdicts[WorkspaceKey(size)] = min(workspace, known, key=_workspace_rank)
   registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
   if settings.on_abort == "exit":
     registry.watch(settings.abort_grace_s)
 
 
+def _workspace_rank(verdict: Capability) -> int:
+  """Refused < plain < symmetric: where two axes of one size differ, the worse stands."""
+  return 0 if not verdict.ok else (1 if not symmetric_memory(verdict) else 2)
+
+
 def _workspace_error(native, device_groups, ident: int, attempt: int, processes,
-                     timeout_s: float) -> str:
+                     timeout_s: float) -> tuple[str, bool]:
   """The first refusal of cuBLASMp's workspace among the contexts of the
-  axis's groups, in any process ("" where none refused): every process
+  axis's groups, in any process ("" where none refused), and whether every
+  context of them took a plain workspace instead (the extension's plain mode,
+  which a mix of symmetric and plain contexts cannot use): every process
   decides the same, so every rank routes alike."""
-  refused = {(c["device"], c["group"]): c.get("workspace_error", "")
-             for c in native.contexts()}
-  mine = next((refused[pair] for pair in device_groups if refused.get(pair)), "")
+  found = {(c["device"], c["group"]): (c.get("workspace_error", ""),
+                                       c.get("workspace_mode", "") == "plain")
+           for c in native.contexts()}
+  mine = [found.get(pair, ("", False)) for pair in device_groups]
   seen = kv.all_gather(ident, attempt, "workspace", value=mine, timeout_s=timeout_s,
                        processes=processes)
-  return next((error for error in seen if error), "")
+  everyone = [tuple(context) for process in seen for context in process]
+  error = next((error for error, _ in everyone if error), "")
+  return error, bool(error) and all(plain for _, plain in everyone)
 
 
 def _unique_id(native, ident: int, attempt: int, group_key: int, is_leader: bool,

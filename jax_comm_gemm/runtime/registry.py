@@ -17,7 +17,7 @@ import jax
 import jax_comm_gemm.runtime.native as native
 import jax_comm_gemm.runtime.plan as plan_lib
 from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, default_layout,
-                                              version_text)
+                                              symmetric_memory, version_text)
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.plan import Plan
 from jax_comm_gemm.runtime.sentinel import Sentinel
@@ -65,14 +65,17 @@ class Registry:
   def cublasmp_status(self) -> Capability:
     """Whether the cuBLASMp backend can run in this process, and why not; and
     on which groups connect found that cuBLASMp cannot get its workspace
-    (there ``auto`` runs the project's own algorithms, the ring or XLA)."""
+    (there ``auto`` runs the project's own algorithms, the ring or XLA) or
+    took a plain one (there cuBLASMp's default runs without overlap)."""
     status = self.library_status()
-    refused = sorted({v.reason for k, v in self.plan().verdicts
-                      if isinstance(k, WorkspaceKey) and not v.ok})
-    if not refused:
+    found = [(k, v) for k, v in self.plan().verdicts if isinstance(k, WorkspaceKey)]
+    refused = sorted({v.reason for _, v in found if not v.ok})
+    plain = sorted({v.reason for _, v in found if v.ok and not symmetric_memory(v)})
+    if not refused and not plain:
       return status
-    return Capability(status.ok, "; ".join([status.reason, *refused]) + ": backend='auto' "
-                      "runs the project's own algorithms, the ring or XLA there")
+    return Capability(status.ok, "; ".join([status.reason, *refused, *plain]) +
+                      (": backend='auto' runs the project's own algorithms, the ring or "
+                       "XLA there" if refused else ""))
 
   def library_status(self) -> Capability:
     """Whether the extension and cuBLASMp load in this process, and why not."""

@@ -50,13 +50,14 @@ TOLERANCE = {"bf16": 1.6e-2, "f16": 2e-3, "f32": 2e-5}
 
 # --- the shared-GPU mode -----------------------------------------------------------
 # With JCG_GPU_SHARED set, the job's ranks share one GPU (tests/gpu/machine.py).
-# NCCL then has no symmetric memory, so cuBLASMp's own algorithms and jax's
-# Pallas kernel cannot run there: a check (or a case of one) that needs them
-# raises NeedsDistinctGpus with the library's refusal, and the suite reports it
-# as skipped. Anywhere else nothing is skipped: the same refusal fails the check.
+# NCCL then has no symmetric memory: cuBLASMp's workspace is plain device memory,
+# where its default runs (without overlap) and split_p2p and jax's Pallas kernel
+# do not. A case that needs them raises NeedsDistinctGpus (or is left out of
+# the check's result) with the refusal, and the suite reports it as skipped; a
+# check about a feature, not one algorithm, runs on `default` there
+# (gather_algorithm). Anywhere else nothing is skipped: the same refusal fails
+# the check.
 SHARED_GPU = bool(os.environ.get("JCG_GPU_SHARED"))
-NEEDS_SYMMETRIC_MEMORY = ("default", "split_p2p", "cublasmp_default", "cublasmp_split_p2p",
-                          pallas.NAME)
 
 
 class NeedsDistinctGpus(Exception):
@@ -66,21 +67,34 @@ class NeedsDistinctGpus(Exception):
 def refusal_here(mesh, *names: str) -> str | None:
   """Why `names` (algorithms or autotune candidates) cannot run in the
   shared-GPU mode on `mesh`; None where they can, or outside that mode."""
-  needed = [n for n in names if n in NEEDS_SYMMETRIC_MEMORY]
-  if not SHARED_GPU or not needed:
+  if not SHARED_GPU:
     return None
   from jax_comm_gemm.backends.routes import workspace  # noqa: PLC0415
   verdict = workspace(mesh.shape["tp"])
-  if verdict.ok:
-    return None  # the group has symmetric memory after all: run, and fail if wrong
-  return f"{', '.join(needed)} need NCCL symmetric memory, absent with ranks sharing a GPU: " \
-         f"{verdict.reason}"
+  refused = []
+  for name in names:
+    if name == pallas.NAME:
+      if not capability.symmetric_memory(verdict):
+        refused.append(f"{name} needs NCCL symmetric memory, absent with ranks sharing a "
+                       f"GPU: {verdict.reason}")
+      continue
+    why = capability.algorithm_refusal(name.removeprefix("cublasmp_"), verdict)
+    if why:
+      refused.append(f"{name}: {why}")
+  return "; ".join(refused) or None
 
 
 def require(mesh, *names: str) -> None:
   reason = refusal_here(mesh, *names)
   if reason:
     raise NeedsDistinctGpus(reason)
+
+
+def gather_algorithm(mesh) -> str:
+  """cuBLASMp's AllGather+GEMM algorithm for a check about a feature (reuse,
+  vmap, routing, a 2-D mesh): split_p2p, or default where cuBLASMp refuses
+  split_p2p (the shared-GPU mode's plain workspace)."""
+  return "default" if refusal_here(mesh, "split_p2p") else "split_p2p"
 
 
 def own_where_refused(mesh, **kw) -> dict:
@@ -101,8 +115,11 @@ def fused_config(mesh, **kw) -> jcg.CommGemmConfig:
 
 
 def cublasmp(mesh=None, **kw) -> jcg.CommGemmConfig:
-  """backend="cublasmp" with `kw`; with `mesh`, a NeedsDistinctGpus where its
-  algorithms cannot run in the shared-GPU mode."""
+  """backend="cublasmp" with `kw` (with `mesh` and no all_gather_algorithm,
+  gather_algorithm's); with `mesh`, a NeedsDistinctGpus where its algorithms
+  cannot run in the shared-GPU mode."""
+  if mesh is not None:
+    kw.setdefault("all_gather_algorithm", gather_algorithm(mesh))
   config = jcg.CommGemmConfig(backend="cublasmp", **kw)
   if mesh is not None:
     require(mesh, config.all_gather_algorithm, config.reduce_scatter)
@@ -270,10 +287,14 @@ def check_inputs_intact(mesh):
   out = {}
   for op, transpose_w, algorithm in (("ag", False, "split_p2p"), ("ag", True, "split_p2p"),
                                      ("rs", False, "split_p2p"), ("rs", True, "split_p2p"),
-                                     ("rs", False, "default"), ("rs", False, "pipelined_ce"),
+                                     ("ag", False, "default"), ("ag", True, "default"),
+                                     ("rs", False, "default"), ("rs", True, "default"),
+                                     ("rs", False, "pipelined_ce"),
                                      ("rs", True, "pipelined_ce"), ("ag", False, "pipelined_ce"),
                                      ("ag", True, "pipelined_ce")):
+    name = f"{op}_{'tn' if transpose_w else 'nn'}_{algorithm}"
     if refusal_here(mesh, algorithm):
+      out[name] = f"skipped: {refusal_here(mesh, algorithm)}"
       continue
     x64 = random(30, 1024, 512)
     w64 = random(31, 512, 768, scale=512**-0.5)
@@ -301,9 +322,8 @@ def check_inputs_intact(mesh):
 
     y, x_after, w_after = smap(mesh, f, (x_spec, w_spec), (y_spec, x_spec, w_spec))(x, w)
     x_ok, w_ok = bit_equal(x, x_after), bit_equal(w, w_after)
-    name = f"{op}_{'tn' if transpose_w else 'nn'}_{algorithm}"
     out[name] = {"x_intact": x_ok, "w_intact": w_ok}
-  bad = {k: v for k, v in out.items() if not all(v.values())}
+  bad = {k: v for k, v in out.items() if isinstance(v, dict) and not all(v.values())}
   assert not bad, f"inputs changed by the fused op: {bad}"
   return out
 
@@ -326,10 +346,12 @@ MLP_OUT_SPECS = (P("tp"), P("tp"), P(None, "tp"), P("tp"))   # y, dx, dw1, dw2
 
 def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
              backend: str | backends.Backend = "cublasmp",
-             all_gather_algorithm: str = "split_p2p", reuse_gathered: bool | None = None,
+             all_gather_algorithm: str | None = None, reuse_gathered: bool | None = None,
              fp8: Fp8Recipe | None = None):
   """(x, w1, w2, g) -> (y, dx, dw1, dw2) of sum(mlp(x) * g), jitted over `mesh`
-  (check_mlp and the stress runner time and check the same step)."""
+  (check_mlp and the stress runner time and check the same step);
+  `all_gather_algorithm` defaults to gather_algorithm's."""
+  all_gather_algorithm = all_gather_algorithm or gather_algorithm(mesh)
   config = jcg.CommGemmConfig(backend=backend, reduce_scatter=reduce_scatter,
                               all_gather_algorithm=all_gather_algorithm,
                               reuse_gathered=reuse_gathered, fp8=fp8)
@@ -349,7 +371,7 @@ def mlp_step(mesh, keep: bool = False, reduce_scatter: str = "xla",
 
 def check_mlp(mesh, dtype: str, reduce_scatter: str = "xla", keep: bool = False,
               backend: str | backends.Backend = "cublasmp",
-              all_gather_algorithm: str = "split_p2p"):
+              all_gather_algorithm: str | None = None):
   """The SP MLP block, forward and gradients, on the cuBLASMp backend."""
   n, d, f = 1024, 512, 1024
   dt = DTYPES[dtype]
@@ -398,7 +420,7 @@ def fp8_counts_as_chosen(config, mesh, shape, dt, keep) -> report.ExpectedCounts
 
 
 def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
-              all_gather_algorithm: str = "split_p2p", reduce_scatter: str = "xla"):
+              all_gather_algorithm: str | None = None, reduce_scatter: str = "xla"):
   """The SP MLP block in FP8 (``CommGemmConfig(fp8=...)``; `backend` "auto"
   (XLA's collectives where nothing was measured), "ring", or "cublasmp" (the
   fused FP8 ops on the two algorithms)), bf16 in and out: forward and
@@ -409,6 +431,7 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
   fused calls, FP8 on the wire (all-gathers, the ring's collective-permutes,
   or the fused calls' operands)."""
   n, d, f = 1024, 512, 1024
+  all_gather_algorithm = all_gather_algorithm or gather_algorithm(mesh)
   recipe = Fp8Recipe(scaling)
   dt = jnp.bfloat16
   hosts = [random(5, n, d), random(6, d, f, scale=d**-0.5), random(7, f, d, scale=f**-0.5),
@@ -455,7 +478,8 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
     assert any("f8e4m3fn" in line for line in calls), calls
     assert any("f8e5m2" in line for line in calls), calls
     path = report.layer_path(config, mesh, "tp", dt, reduce_scatter_layer=True)
-    return {"errors": errs, "all_gathers": counted.all_gather, "fc2": str(path)}
+    return {"algorithm": all_gather_algorithm, "errors": errs,
+            "all_gathers": counted.all_gather, "fc2": str(path)}
   assert any("f8e4m3fn" in line for line in wire), "no FP8 on the wire in the step"
   if backend == "ring":
     assert any("collective-permute" in line and "f8e5m2" in line for line in wire), (
@@ -727,7 +751,7 @@ def check_layout_self_test(mesh):
         good = REGISTRY.plan().verdict(VerdictKey(size, algorithm, dtype, transpose_w, right))
         bad = wrong_verdicts[VerdictKey(size, algorithm, dtype, transpose_w, wrong)]
         name = f"{algorithm}/{dtype}/{'TN' if transpose_w else 'NN'}"
-        if refused:  # shared-GPU mode: no workspace, so no reuse, for either layout
+        if refused:  # shared-GPU mode: split_p2p refused, so no reuse, for either layout
           for verdict in (good, bad):
             assert not verdict.ok and "cublasMpMalloc" in verdict.reason, \
                 f"{name}: {verdict.reason}"
@@ -748,9 +772,7 @@ def check_layout_self_test(mesh):
       if algorithm in OWN_ALGORITHMS:
         assert good.ok, f"{algorithm}/{dtype}: {good.reason}"
       verdicts[f"{algorithm}/{dtype}/TN"] = "ok" if good.ok else good.reason
-  refused = refusal_here(mesh, "split_p2p")
-  if refused:  # the wrong-layout run below needs cuBLASMp's algorithm
-    return {"layout": right, "cases": len(verdicts), "cublasmp": refused}
+  algorithm = gather_algorithm(mesh)
   n, f, d = 512, 512, 256
   h = put(mesh, random(15, n, f), P(None, "tp"), jnp.float32)
   w = put(mesh, random(16, f, d, scale=f**-0.5), P("tp"), jnp.float32)
@@ -767,7 +789,9 @@ def check_layout_self_test(mesh):
   errs = (rel_err(dh, g64 @ w64.T), rel_err(dw, h64.T @ g64))
   assert max(errs) < 1e-4, errs
   return {"version": jcg.cublasmp_version(), "layout": right, "cases": len(verdicts),
-          "wrong layout": wrong_verdicts[VerdictKey(size, "split_p2p", "bfloat16", True,
+          "workspace": REGISTRY.plan().verdict(capability.WorkspaceKey(size)).reason,
+          "verdicts": verdicts,
+          "wrong layout": wrong_verdicts[VerdictKey(size, algorithm, "float32", True,
                                                     wrong)].reason}
 
 
@@ -844,10 +868,12 @@ def _gpu_memory_used_mib() -> int:
   return int(text.strip().splitlines()[0])
 
 
-def check_memory_flat(mesh, steps: int = 200):
-  """200 training steps cycling through 4 token counts: after the first cycle,
+def check_memory_flat(mesh, steps: int | None = None):
+  """200 training steps (40 with ranks sharing a GPU, whose collectives go
+  through sockets) cycling through 4 token counts: after the first cycle,
   neither the workspaces nor the GPU memory grow; and the contexts count the
   calls (the same number every step) and their host time."""
+  steps = steps or (40 if SHARED_GPU else 200)
   d, f = 512, 1024
   w1 = put(mesh, random(20, d, f, scale=d**-0.5), P(None, "tp"), jnp.bfloat16)
   w2 = put(mesh, random(21, f, d, scale=f**-0.5), P("tp"), jnp.bfloat16)
@@ -1004,7 +1030,7 @@ def check_mesh_2d(mesh):
     assert status.ok, status.reason
     assert REGISTRY.comm_id(grid, "tp") is not None, "no communicator for the tp groups"
     x, w1, w2, g = (put(grid, a, s_, jnp.bfloat16) for a, s_ in zip(hosts, (*specs, tokens)))
-    for name, config in (("split_p2p", cublasmp(mesh)),
+    for name, config in ((gather_algorithm(mesh), cublasmp(mesh)),
                          ("pipelined_ce", cublasmp(mesh, all_gather_algorithm="pipelined_ce",
                                                    reduce_scatter="pipelined_ce"))):
       local = jax.shard_map(
@@ -1026,6 +1052,51 @@ def check_mesh_2d(mesh):
   return results
 
 
+def check_plain_workspace(mesh):
+  """Where connect found no NCCL symmetric memory (the shared-GPU mode), the
+  plain-workspace mode: the verdict and the report name it, cuBLASMp's
+  split_p2p is refused with that reason alike on every rank (an error without
+  an abort: the context stays healthy), and cuBLASMp's default runs after it,
+  per row against float64. With symmetric memory there is nothing to check."""
+  size = mesh.shape["tp"]
+  found = REGISTRY.plan().verdict(capability.WorkspaceKey(size))
+  if capability.symmetric_memory(found):
+    return {"mode": "symmetric", "verdict": found.reason}
+  assert found.ok and capability.PLAIN_WORKSPACE in found.reason, found.reason
+  assert capability.PLAIN_WORKSPACE in jcg.cublasmp_status().reason
+  modes = {c.get("workspace_mode") for c in REGISTRY.contexts()}
+  assert modes == {"plain"}, modes
+  config = jcg.CommGemmConfig(backend="cublasmp", all_gather_algorithm="default")
+  path = report.layer_path(config, mesh, "tp", jnp.bfloat16, reduce_scatter_layer=True)
+  assert "plain workspace" in path.reason, path
+  n, k, m = 512, 256, 384
+  x64, w64 = random(60, n, k), random(61, k, m, scale=k**-0.5)
+  x = put(mesh, x64, P("tp"), jnp.bfloat16)
+  w = put(mesh, w64, P(None, "tp"), jnp.bfloat16)
+  ref = (np.asarray(x64.astype(jnp.bfloat16), np.float64)
+         @ np.asarray(w64.astype(jnp.bfloat16), np.float64))
+
+  def run(algorithm):
+    return smap(mesh, lambda x, w: primitives.all_gather_matmul(
+        x, w, "tp", transpose_w=False, return_gathered=False,
+        algorithm=jcg.ALGORITHMS[algorithm], layout=REGISTRY.plan().layout)[0],
+        (P("tp"), P(None, "tp")), P(None, "tp"))(x, w)
+
+  try:
+    jax.block_until_ready(run("split_p2p"))
+  except Exception as e:  # noqa: BLE001  (the refusal is the point)
+    refusal = str(e)
+  else:
+    raise AssertionError("split_p2p ran on a plain workspace")
+  assert "split_p2p cannot run on a plain workspace" in refusal, refusal[:500]
+  assert all(not c["error"] for c in REGISTRY.contexts()), REGISTRY.contexts()
+  err = rel_err(jax.block_until_ready(run("default")), ref)
+  assert err < TOLERANCE["bf16"], err
+  return {"mode": "plain", "verdict": found.reason, "report": str(path),
+          "split_p2p": refusal[refusal.find("split_p2p cannot"):][:200],
+          "default_row_err": err}
+
+
 def check_status(mesh):
   status = jcg.cublasmp_status()
   assert status.ok, status.reason
@@ -1033,7 +1104,8 @@ def check_status(mesh):
           "jax": jax.__version__, "devices": [str(d) for d in mesh.devices.flat]}
 
 
-CHECKS = {"status": check_status, "inputs_intact": check_inputs_intact}
+CHECKS = {"status": check_status, "plain_workspace": check_plain_workspace,
+          "inputs_intact": check_inputs_intact}
 for _dt in DTYPES:
   for _t in (False, True):
     CHECKS[f"all_gather_matmul_{_dt}_{'tn' if _t else 'nn'}"] = (
@@ -1045,6 +1117,9 @@ CHECKS["mlp_bf16_keep_input"] = lambda mesh: check_mlp(mesh, "bf16", keep=True)
 for _dt in DTYPES:
   CHECKS[f"mlp_{_dt}_pipelined_ce"] = (
       lambda mesh, dt=_dt: check_mlp(mesh, dt, all_gather_algorithm="pipelined_ce"))
+for _dt in ("bf16", "f32"):
+  CHECKS[f"mlp_{_dt}_all_default"] = lambda mesh, dt=_dt: check_mlp(
+      mesh, dt, "default", all_gather_algorithm="default")
 CHECKS["mlp_bf16_pipelined_ce_keep_input"] = (
     lambda mesh: check_mlp(mesh, "bf16", keep=True, all_gather_algorithm="pipelined_ce"))
 for _dt in ("bf16", "f32"):
@@ -1078,7 +1153,7 @@ for _ag, _rs in (("default", "default"), ("split_p2p", "split_p2p"),
                  ("pipelined_ce", "pipelined_ce")):
   CHECKS[f"fp8_tensor_fused_{_ag}"] = lambda mesh, a=_ag, r=_rs: check_fp8(
       mesh, "tensor", backend="cublasmp", all_gather_algorithm=a, reduce_scatter=r)
-CHECKS["fp8_tensor_fused_split_p2p_keep_input"] = lambda mesh: check_fp8(
+CHECKS["fp8_tensor_fused_keep_input"] = lambda mesh: check_fp8(
     mesh, "tensor", keep=True, backend="cublasmp", reduce_scatter="ring")
 CHECKS["fp8_fused_gemm"] = check_fp8_fused_gemm
 for _scaling in ("tensor", "delayed"):

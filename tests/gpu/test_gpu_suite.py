@@ -8,7 +8,8 @@ job. Without two GPUs or without the built extension they skip, saying why.
 Set JCG_GPU_LOG_DIR to keep the workers' logs. With JCG_GPU_SHARED=N (the
 default on a machine with one GPU: 2) the one-process-per-GPU job runs N ranks
 on one GPU (tests/gpu/machine.py); checks that need distinct GPUs skip there,
-naming the library's refusal.
+naming the library's refusal. A check passes only where every rank passed it,
+and is skipped only where every rank skipped it for the same reason.
 """
 
 import fnmatch
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from tests.gpu import checks
+from tests.gpu.outcome import PASSED, SKIPPED, outcome
 from tests.gpu.machine import (free_port, processes, rank_environment, shared_ranks,
                                skip_reason)
 
@@ -110,11 +112,12 @@ def single_process_results():
 
 
 def _assert_ok(per_process):
-  skipped = [r["skipped"] for r in per_process if r.get("skipped")]
-  if skipped:
-    pytest.skip(skipped[0])
-  for pid, result in enumerate(per_process):
-    assert result["ok"], f"process {pid}: {result.get('error')}\n{result.get('traceback', '')}"
+  """Fails where any rank failed or the ranks disagree; skips only where every
+  rank skipped for the same reason (tests/gpu/outcome.py)."""
+  status, why = outcome(per_process)
+  if status == SKIPPED:
+    pytest.skip(why)
+  assert status == PASSED, why
 
 
 def _selected(check):
