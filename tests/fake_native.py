@@ -72,7 +72,7 @@ def install_fake_native(monkeypatch, passing=lambda key: True,
   native = FakeNative(workspace_error, workspace_mode)
   for name, value in [("_status", Capability(True, "stand-in")), ("_native", native),
                       ("_groups", set()), ("_attempts", {}),
-                      ("_sentinel", None), ("_first", None)]:
+                      ("_sentinel", None), ("_herald", None), ("_first", None)]:
     monkeypatch.setattr(REGISTRY, name, value)
   unrunnable = "" if workspace_mode == "plain" else workspace_error
   monkeypatch.setattr(capability, "_probe", fake_probe(passing, workspace_error=unrunnable))

@@ -160,6 +160,16 @@ NB_MODULE(_comm_gemm, m) {
       nb::arg("timeout_s"),
       "Destroys every context; False if that outlasted `timeout_s` (the rest is leaked).");
 
+  m.def(
+      "abort",
+      [](int64_t group, int device, const std::string& reason) {
+        nb::gil_scoped_release release;  // Abort may wait a few seconds for a call
+        return jcg::Registry::Instance().Abort(group, device, reason);
+      },
+      nb::arg("group"), nb::arg("device"), nb::arg("reason"),
+      "Aborts the context of `group` on `device` for `reason` (a peer's failure): its\n"
+      "waiting calls end with the reason. False where there is no such context.");
+
   m.def("contexts", &jcg::Contexts,
         "One dict per context: group, device, rank, nranks, workspace_bytes (cuBLASMp's),\n"
         "own_buffer_bytes (the own algorithms' buffers), plans, calls and host_seconds\n"

@@ -292,4 +292,16 @@ std::vector<ContextInfo> Registry::Describe() {
   return out;
 }
 
+bool Registry::Abort(int64_t group, int device, const std::string& reason) {
+  std::shared_ptr<Context> ctx;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find({group, device});
+    if (it == contexts_.end()) return false;
+    ctx = it->second;
+  }
+  ctx->Abort(reason);  // outside mu_ (the lock order in context.h)
+  return true;
+}
+
 }  // namespace jax_comm_gemm

@@ -121,6 +121,12 @@ class Registry {
   // Never waits for a call in flight.
   std::vector<ContextInfo> Describe();
 
+  // Aborts the context of `group` on `device` for `reason` (a peer's failure,
+  // told through the key-value store): its waiting calls end with the reason.
+  // False where there is no such context. Never waits for a call in flight
+  // beyond Context::Abort's grace.
+  bool Abort(int64_t group, int device, const std::string& reason);
+
  private:
   Registry() = default;
   std::vector<std::shared_ptr<Context>> Snapshot();

@@ -152,6 +152,8 @@ def _make_communicators(mesh, axis_name, ident, attempt, native, settings: Setti
   known = registry.plan().verdict(WorkspaceKey(size))
   verdicts[WorkspaceKey(size)] = min(workspace, known, key=_workspace_rank)
   registry.record(mesh, axis_name, ident, [g[0] for g in new_groups], verdicts)
+  if new_groups and hasattr(native, "abort"):
+    registry.herald([g[0] for g in new_groups], ident, attempt, kv.multi_process())
   if settings.on_abort == "exit":
     registry.watch(settings.abort_grace_s)
 

@@ -47,6 +47,11 @@ def fetch(name: str, timeout_s: float) -> str:
         f"axis; raise JAX_COMM_GEMM_CONNECT_TIMEOUT for slow starts): {e}") from e
 
 
+def listing(prefix: str) -> list[tuple[str, str]]:
+  """Every (key, value) under `prefix` now, without waiting."""
+  return list(_client().key_value_dir_get(prefix))
+
+
 def multi_process() -> bool:
   return jax.process_count() > 1
 

@@ -20,6 +20,7 @@ from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, default_
                                               symmetric_memory, version_text)
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.plan import Plan
+from jax_comm_gemm.runtime.peers import Herald
 from jax_comm_gemm.runtime.sentinel import Sentinel
 from jax_comm_gemm.runtime.settings import Settings
 
@@ -59,6 +60,7 @@ class Registry:
     self._groups: set[int] = set()            # NCCL groups made on this process
     self._attempts: dict = {}                 # exchange name -> attempts so far
     self._sentinel: Sentinel | None = None    # ends the process after an abort (sentinel.py)
+    self._herald: Herald | None = None        # tells peers of a failure (peers.py)
 
   # --- the extension and the library ------------------------------------------
 
@@ -173,6 +175,16 @@ class Registry:
       if self._sentinel is None:
         self._sentinel = Sentinel(self.contexts, grace_s).start()
 
+  def herald(self, groups, comm_id: int, attempt: int, multi_process: bool) -> None:
+    """Tells the peers of `groups` (made by connect's exchange `comm_id` /
+    `attempt`) when a context here fails, and this process's contexts when a
+    peer does (peers.py; started once)."""
+    with self._lock:
+      if self._herald is None:
+        self._herald = Herald(self.contexts, self._native.abort).start()
+      for group in groups:
+        self._herald.watch(group, comm_id, attempt, multi_process)
+
   # --- autotune's choices ---------------------------------------------------------
 
   def record_decisions(self, decisions) -> None:
@@ -198,6 +210,9 @@ class Registry:
       if self._sentinel is not None:
         self._sentinel.stop()
         self._sentinel = None
+      if self._herald is not None:
+        self._herald.stop()
+        self._herald = None
       if self._native is not None and not self._native.shutdown(timeout_s):
         warnings.warn("jax_comm_gemm: releasing the cuBLASMp contexts timed out "
                       f"after {timeout_s} s; leaving them to process exit")

@@ -33,6 +33,12 @@ Scenarios (M: one process per GPU, S: one process for all GPUs):
                     any collective; process 0 calls a new plan and must get the
                     peer-timeout error within JAX_COMM_GEMM_TIMEOUT; then process
                     1 calls that plan too and must get an error, not hang.
+  told           M  a planted allocation failure (tests/gpu/plant_alloc_failure.c,
+                    preloaded into the victim's process only) in a pipelined_ce
+                    call whose window grows: the victim's context aborts for its
+                    own reason, and every peer's call ends within seconds with
+                    "rank R failed: <that reason>" (jax_comm_gemm/runtime/peers.py),
+                    not after JAX_COMM_GEMM_TIMEOUT. Each rank reports when and how.
   poll_growth    S  two threads poll REGISTRY.contexts() in a tight loop while the
                     main thread runs fused calls of growing shapes (new plans and
                     workspace growth, both collective): no deadlock.
@@ -63,7 +69,7 @@ KILL_MARKER = "JCG_KILL_ME"
 KILL_AFTER_STEPS = 20        # the victim asks to be killed after this many steps
 GRACE_S = 10.0               # the main thread's time to surface an error the poller saw
 KV_PREFIX = "jcg_failures"
-HARD_EXIT = ("kill", "shapes_cached", "one_rank")  # may leave a peer dead or stuck: exit without
+HARD_EXIT = ("kill", "shapes_cached", "one_rank", "told")  # may leave a peer dead or stuck: exit without
                                       # jax.distributed's collective shutdown
 
 PROCESS_START = time.time()
@@ -551,6 +557,37 @@ def scenario_one_rank(ctx) -> dict:
   return out
 
 
+def scenario_told(ctx) -> dict:
+  """Every rank calls a pipelined_ce AllGather+GEMM whose window (the gathered
+  x, 128 MiB) the victim cannot get (JCG_PLANT_ALLOC_FAIL_FROM in its
+  environment alone); each reports when its call ended and with what."""
+  import jax  # noqa: PLC0415
+  import jax.numpy as jnp  # noqa: PLC0415
+  from jax.sharding import NamedSharding  # noqa: PLC0415
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  import jax_comm_gemm as jcg  # noqa: PLC0415
+  config = jcg.CommGemmConfig(backend="cublasmp", all_gather_algorithm="pipelined_ce",
+                              reduce_scatter="pipelined_ce")
+  f = ag_fn(ctx.mesh, config)
+  small = timed_call(f, *ag_inputs(ctx.mesh, 70, 256)[:2])  # a window every rank gets
+  out = {"planted": bool(os.environ.get("JCG_PLANT_ALLOC_FAIL_FROM")),
+         "warmup_error": small["error"]}
+  n, k, m = 8192, 8192, 256 * ctx.mesh.shape["tp"]
+  make = jax.jit(lambda: (jnp.ones((n, k), jnp.bfloat16), jnp.ones((k, m), jnp.bfloat16)),
+                 out_shardings=(NamedSharding(ctx.mesh, P("tp")),
+                                NamedSharding(ctx.mesh, P(None, "tp"))))
+  x, w = make()
+  # What is known so far, in case the sentinel ends the process in the call.
+  emit("told_before_call", {**out, "t_call": time.time()})
+  big = timed_call(f, x, w)
+  out.update(error=big["error"], seconds=big["seconds"], t_end=big["t_end"],
+             contexts=contexts_summary(), ok=True)  # the test judges the messages and times
+  if out["planted"]:
+    time.sleep(3.0)  # the herald publishes within a poll: stay until it has
+  return out
+
+
 def scenario_poll_growth(ctx) -> dict:
   """Tight polling of REGISTRY.contexts() from two threads while fused calls
   of growing shapes run on every GPU of this process."""
@@ -669,11 +706,13 @@ SCENARIOS = {
     "shapes_cached": scenario_shapes_cached,
     "kill": scenario_kill,
     "one_rank": scenario_one_rank,
+    "told": scenario_told,
     "poll_growth": scenario_poll_growth,
     "stress": scenario_stress,
 }
 NO_CONNECT = ("disagree",)  # they call connect themselves
 GUARD_S = {"disagree": 60, "shapes": 90, "shapes_cached": 120, "kill": 200, "one_rank": 200,
+           "told": 120,
            "poll_growth": 200, "stress": 240}
 
 

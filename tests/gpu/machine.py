@@ -46,11 +46,12 @@ def processes() -> int:
   return shared_ranks() or int(os.environ.get("JCG_GPU_PROCESSES") or gpu_count())
 
 
-def rank_environment(process_id: int) -> dict:
-  """What a rank's process needs in its environment beyond the parent's."""
-  ranks = shared_ranks()
-  if not ranks:
+def rank_environment(process_id: int, ranks: int | None = None) -> dict:
+  """What a rank's process needs in its environment beyond the parent's; in
+  the shared-GPU mode as one of `ranks` (default: the mode's) sharing GPU 0."""
+  if not shared_ranks():
     return {}
+  ranks = ranks or shared_ranks()
   from examples.launch import shared_gpu_environment  # noqa: PLC0415  (imports jax)
   return {SHARED: str(ranks), **shared_gpu_environment(process_id, ranks)}
 

@@ -27,7 +27,8 @@ import warnings
 import pytest
 
 from tests.gpu import checks
-from tests.gpu.machine import free_port, rank_environment, shared_ranks, skip_reason
+from tests.gpu.machine import (free_port, gpu_count, rank_environment, shared_ranks,
+                               skip_reason)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -43,6 +44,11 @@ SENTINEL_GRACE_S = 3      # JAX_COMM_GEMM_ABORT_GRACE of the kill_sentinel job
 ABORT_GRACE = "JAX_COMM_GEMM_ABORT_GRACE"
 JAX_OWN_ABORT_S = 65      # measured: jax's coordination service aborts the survivor
 STRESS_RUNS = int(os.environ.get("JCG_STRESS_RUNS", "500"))
+TOLD_VICTIM, TOLD_WITHIN_S, TOLD_GRACE_S = 2, 15, 5
+PLANT_SO = os.path.join(tempfile.gettempdir(), "jcg_plant_alloc_failure.so")
+# Windows of 100 MB or more: the scenario's first call (32 MiB) passes, its second fails.
+PLANTED = {"LD_PRELOAD": PLANT_SO + ":" + os.environ.get("LD_PRELOAD", ""),
+           "JCG_PLANT_ALLOC_FAIL_FROM": str(100_000_000)}
 SCALE = float(os.environ.get("JCG_FAILURE_JOB_SCALE", "1"))
 
 # name: (processes, scenarios, environment of each process, timeout s, extra args)
@@ -60,6 +66,11 @@ JOBS = {
     "one_rank": (2, "one_rank", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S),
                                   ABORT_GRACE: str(SENTINEL_GRACE_S)}] * 2, 150, []),
     "shapes_cached": (2, "shapes_cached", [{CALL_TIMEOUT: str(SHORT_DEADLINE_S)}] * 2, 150, []),
+    # One rank of four fails to allocate (a planted failure): the others must end
+    # within TOLD_WITHIN_S with its reason, the call timeout (300 s) far away.
+    "told": (4, "told", [{CALL_TIMEOUT: "300", ABORT_GRACE: str(TOLD_GRACE_S),
+                          **(PLANTED if pid == TOLD_VICTIM else {})} for pid in range(4)],
+             180, []),
     "single_default": (1, "stress,poll_growth", [{}], 240, ["--runs", str(STRESS_RUNS)]),
 }
 
@@ -80,8 +91,8 @@ def _summary(line: str, name: str = "failures_summary.log") -> None:
     f.write(line.rstrip() + "\n")
 
 
-def _worker_env(overrides: dict, timeout_s: float, process_id: int) -> dict:
-  env = dict(os.environ, **rank_environment(process_id))
+def _worker_env(overrides: dict, timeout_s: float, process_id: int, nproc: int) -> dict:
+  env = dict(os.environ, **rank_environment(process_id, nproc))
   env.pop("JAX_PLATFORMS", None)  # the pytest process is pinned to CPU, workers are not
   env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
                               if "xla_force_host_platform_device_count" not in f)
@@ -126,7 +137,7 @@ def _run_job(name: str) -> dict:
       cmd += ["--process-id", str(pid), "--num-processes", str(nproc), "--port", str(port)]
     path = os.path.join(_log_dir(), f"failures_{name}_process{pid}.log")
     with open(path, "w") as log:
-      p = subprocess.Popen(cmd, env=_worker_env(envs[pid], timeout_s, pid), stdout=log,
+      p = subprocess.Popen(cmd, env=_worker_env(envs[pid], timeout_s, pid, nproc), stdout=log,
                            stderr=subprocess.STDOUT)
     procs.append({"proc": p, "log": path, "t_launch": time.time(), "t_end": None})
   job = {"name": name, "t_kill": None, "timed_out": []}
@@ -177,6 +188,8 @@ def _job(name: str) -> dict:
     pytest.skip(reason)
   if shared_ranks() and JOBS[name][0] == 1:
     pytest.skip("the shared-GPU mode has one GPU: one process driving it is a group of one")
+  if not shared_ranks() and JOBS[name][0] > gpu_count():
+    pytest.skip(f"needs {JOBS[name][0]} GPUs, or the shared-GPU mode (JCG_GPU_SHARED)")
   if name not in _JOB_CACHE:
     _JOB_CACHE[name] = _run_job(name)
   return _JOB_CACHE[name]
@@ -340,6 +353,36 @@ def test_one_rank_failing_makes_the_peer_fail_not_hang():
           f"{'ended by the sentinel' if ended else 'got an error on its next call'}")
   _summary(line)
   warnings.warn(line)
+
+
+def test_a_rank_that_fails_alone_ends_every_rank_with_its_reason():
+  """The victim's planted allocation failure aborts its context for its own
+  reason; every other rank's call ends (an error, or the sentinel) within
+  TOLD_WITHIN_S of it, saying "rank 2 failed: " and the victim's reason."""
+  built = subprocess.run(["cc", "-shared", "-fPIC", "-o", PLANT_SO,
+                          os.path.join(HERE, "plant_alloc_failure.c"), "-ldl"],
+                         capture_output=True, text=True)
+  assert built.returncode == 0, built.stderr
+  job = _job("told")
+  victim = _result(job, TOLD_VICTIM, "told")
+  why = _why(job, TOLD_VICTIM, victim)
+  assert victim["planted"] and not victim["warmup_error"], why
+  assert victim["error"] and "ncclMemAlloc" in victim["error"], why
+  failed_at = victim["t_end"]
+  lines = [f"told: rank {TOLD_VICTIM} failed: {victim['error'][:160]}"]
+  for pid, p in enumerate(job["processes"]):
+    if pid == TOLD_VICTIM:
+      continue
+    r = p["results"].get("told")
+    said = (r or {}).get("error") or p["tail"]
+    ended = r["t_end"] if r else p["t_end"]
+    assert f"rank {TOLD_VICTIM} failed: " in said and "ncclMemAlloc" in said, (
+        f"process {pid}: {said[-2000:]}")
+    assert ended - failed_at <= TOLD_WITHIN_S, f"process {pid} ended {ended - failed_at:.1f} s after"
+    lines.append(f"process {pid}: {'its call failed' if r else 'the sentinel ended it'} "
+                 f"{ended - failed_at:.1f} s after the victim's failure")
+  _summary("; ".join(lines))
+  warnings.warn("; ".join(lines))
 
 
 def test_polling_contexts_during_workspace_growth_does_not_deadlock():
