@@ -17,8 +17,11 @@
 //
 // The algorithm, the descriptors and a cuBLASLt handle and the workspace the
 // algorithm needs (often none) live in the custom call's FFI state (made at
-// instantiation, filled at the first call, freed with the executable): no global state, nothing per call but the
-// scale pointers and the GEMM itself. Unlike the collective handlers it is
+// instantiation, filled at the first call on each device, freed with the
+// executable), one set per device: a process that drives several GPUs runs one
+// executable on each, and a handle, workspace or timed algorithm of one GPU
+// must not serve another (per_device.h). No global state, nothing per call but
+// the scale pointers and the GEMM itself. Unlike the collective handlers it is
 // command-buffer compatible: XLA may record it into the CUDA graphs it makes
 // of a step's GEMMs and fusions (a call outside them would split those graphs).
 #include <atomic>
@@ -36,6 +39,7 @@
 #include "cublaslt.h"
 #include "handlers.h"
 #include "library.h"
+#include "per_device.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -73,10 +77,8 @@ struct Fp8GemmPlan {
   size_t workspace_bytes = 0;
 };
 
-// The FFI state of one FP8 GEMM custom call (ffi::State): made empty at
-// instantiation, planned at the first call.
-struct Fp8GemmState {
-  static xla::ffi::TypeId id;  // set by XLA when Python registers the type
+// One device's share of an FP8 GEMM call site: planned at its first call there.
+struct Fp8GemmDeviceState {
   // What the timed candidates may use (cuBLASLt's advice for Hopper), at the
   // first call only; `workspace` is then what the chosen algorithm needs.
   static constexpr size_t kTrialWorkspaceBytes = size_t{32} << 20;
@@ -86,6 +88,13 @@ struct Fp8GemmState {
   LtHandle lt;
   DeviceBuffer workspace;
   Fp8GemmPlan plan;
+};
+
+// The FFI state of one FP8 GEMM custom call (ffi::State): made empty at
+// instantiation, a device's share made and planned at its first call there.
+struct Fp8GemmState {
+  static xla::ffi::TypeId id;  // set by XLA when Python registers the type
+  PerDevice<Fp8GemmDeviceState> devices;
 };
 
 ffi::TypeId Fp8GemmState::id = {};
@@ -209,7 +218,7 @@ class AllocationsDuringCapture {
 // The first call: a cuBLASLt handle and workspace on `device`, the
 // descriptors, and the algorithm (timed on this call's operands if `timed`
 // and not inside a graph capture).
-Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
+Status Plan(Fp8GemmDeviceState* st, int32_t device, cudaStream_t stream, bool timed,
             const Fp8GemmShape& shape, const void* a, const void* b, const void* sa,
             const void* sb, void* d) {
   DeviceScope scope;
@@ -227,7 +236,7 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
   DeviceBuffer trial_space;
   if (timed) {
     void* ptr = nullptr;
-    JCG_CUDA(cudaMalloc(&ptr, Fp8GemmState::kTrialWorkspaceBytes));
+    JCG_CUDA(cudaMalloc(&ptr, Fp8GemmDeviceState::kTrialWorkspaceBytes));
     trial_space.reset(ptr);
   }
   Fp8GemmPlan plan;
@@ -259,7 +268,7 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
                            std::to_string(shape.a_mode) + "/" + std::to_string(shape.b_mode) +
                            (shape.fast_accum ? ", fast accumulation" : "");
   JCG_RETURN_IF_ERROR(PickAlgorithm(st->lt.get(), plan.desc, plan.a, plan.b, plan.d,
-                                    Fp8GemmState::kTrialWorkspaceBytes, what,
+                                    Fp8GemmDeviceState::kTrialWorkspaceBytes, what,
                                     timed ? &trial : nullptr, &plan.algo,
                                     &plan.workspace_bytes));
   if (plan.workspace_bytes > 0) {
@@ -272,12 +281,19 @@ Status Plan(Fp8GemmState* st, int32_t device, cudaStream_t stream, bool timed,
   return Status();
 }
 
+// Inside the guard too: no C++ exception (an allocation's) may reach XLA.
 ffi::ErrorOr<std::unique_ptr<Fp8GemmState>> Fp8GemmInstantiate() {
-  return std::make_unique<Fp8GemmState>();
+  std::unique_ptr<Fp8GemmState> state;
+  ffi::Error error = FfiGuard(kFp8GemmTarget, [&]() -> Status {
+    state = std::make_unique<Fp8GemmState>();
+    return Status();
+  });
+  if (error.failure()) return ffi::Unexpected(std::move(error));
+  return state;
 }
 
 ffi::Error Fp8GemmExecute(cudaStream_t stream, int32_t device, bool timed, bool fast_accum,
-                          int32_t a_scale_mode, int32_t b_scale_mode, Fp8GemmState* st,
+                          int32_t a_scale_mode, int32_t b_scale_mode, Fp8GemmState* state,
                           ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer sa,
                           ffi::AnyBuffer sb, ffi::Result<ffi::AnyBuffer> d) {
   return FfiGuard(kFp8GemmTarget, [&]() -> Status {
@@ -285,6 +301,7 @@ ffi::Error Fp8GemmExecute(cudaStream_t stream, int32_t device, bool timed, bool 
     shape.fast_accum = fast_accum;
     shape.a_mode = a_scale_mode, shape.b_mode = b_scale_mode;
     JCG_RETURN_IF_ERROR(Describe(a, b, sa, sb, *d, &shape));
+    Fp8GemmDeviceState* st = state->devices.Get(device);
     std::lock_guard<std::mutex> lock(st->mu);
     if (!st->planned) {
       JCG_RETURN_IF_ERROR(Plan(st, device, stream, timed, shape, a.untyped_data(),
