@@ -712,7 +712,10 @@ def check_routing(mesh):
     err = max(float(np.max(np.abs(x1 - x2)) / (np.max(np.abs(x2)) + 1e-30))
               for (_, x1), (_, x2) in zip(blocks(a), blocks(b)))
     assert err < 2e-2, err
-  out = {"row_fused": str(counts), "row_fallback": str(fallback_counts)}
+  config = cublasmp(mesh)
+  out = {"algorithm": config.all_gather_algorithm,
+         "row_path": str(report.layer_path(config, mesh, "tp", dt, reduce_scatter_layer=True)),
+         "row_fused": str(counts), "row_fallback": str(fallback_counts)}
   x = put(mesh, random(12, n, d), P("tp"), dt)
   w1 = put(mesh, random(13, d, f, scale=d**-0.5), P(None, "tp"), dt)
   w2 = put(mesh, random(14, f, d, scale=f**-0.5), P("tp"), dt)
