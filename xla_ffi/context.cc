@@ -181,7 +181,7 @@ Status Context::Init(const ncclUniqueId& id) {
   // once, under connect()'s deadline. Where it is refused, the workspace is
   // plain device memory (workspace_mode() "plain"): cuBLASMp's default runs
   // there without overlap (an NCCL all-gather, then the GEMM; the same result
-  // bit for bit as NCCL + cuBLAS, benchmarks/probes/), and connect's verdict
+  // bit for bit as NCCL + cuBLAS, docs/design.md#the-plain-workspace-mode), and connect's verdict
   // tells routing which algorithms can run.
   const Status probe =
       workspace_.AllocateCublasMp(col_grid_.get(), row_grid_.get(), kWorkspaceGranule);
@@ -393,7 +393,7 @@ void Context::CountBuffers() {
 // dimension is cuBLASMp's n.
 Status Context::MakeCublasMpPlan(const MatmulCall& c, Plan* plan) {
   // cuBLASMp returns NOT_SUPPORTED from cublasMpMatmul for SPLIT_P2P on a plain
-  // workspace (measured, benchmarks/probes/): refused here instead, after the
+  // workspace (measured: docs/design.md#the-plain-workspace-mode): refused here, after the
   // plan agreement and before any collective, so alike on every rank.
   if (!workspace_error_.empty() && c.algorithm == CUBLASMP_MATMUL_ALGO_TYPE_SPLIT_P2P) {
     return Status::FailedPrecondition(

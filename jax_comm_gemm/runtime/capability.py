@@ -64,7 +64,7 @@ CUBLASMP_ALGORITHMS = tuple(a for a in ALGORITHMS if a not in OWN_ALGORITHMS)
 # What a plain workspace leaves to cuBLASMp's default (the mode's name in verdicts).
 PLAIN_WORKSPACE = "no NCCL symmetric memory: cuBLASMp's default runs without overlap"
 # cuBLASMp's algorithms that need symmetric memory: on a plain workspace
-# cublasMpMatmul returns NOT_SUPPORTED for them (measured: benchmarks/probes/).
+# cublasMpMatmul returns NOT_SUPPORTED for them (docs/design.md#the-plain-workspace-mode).
 SYMMETRIC_ONLY_ALGORITHMS = ("split_p2p",)
 
 
