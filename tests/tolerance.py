@@ -67,9 +67,11 @@ def reduction_atol(dtype, k: int, scale: float, ulps: float = ULPS) -> float:
 
 
 def assert_reduction_close(got, want, *, k: int, dtype=np.float32, scale=None,
-                           ulps: float = ULPS, what: str = "") -> None:
+                           ulps: float = ULPS, out_dtype=None, what: str = "") -> None:
   """`got` equals `want` up to :func:`reduction_atol` everywhere (shape and
-  NaNs included); `scale` defaults to ``max |want|``."""
+  NaNs included); `scale` defaults to ``max |want|``. `out_dtype`: the sums
+  were written in that narrower type, one rounding each: one of its steps
+  (``eps * |want|``) more."""
   got = np.asarray(got, np.float64)
   want = np.asarray(want, np.float64)
   assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
@@ -78,7 +80,7 @@ def assert_reduction_close(got, want, *, k: int, dtype=np.float32, scale=None,
     scale = float(np.max(np.abs(finite))) if finite.size else 0.0
   atol = reduction_atol(dtype, k, scale, ulps)
   np.testing.assert_allclose(
-      got, want, rtol=0, atol=atol, equal_nan=True,
+      got, want, rtol=0 if out_dtype is None else eps(out_dtype), atol=atol, equal_nan=True,
       err_msg=(f"{what}: beyond {ulps} * eps({np.dtype(dtype).name}) * sqrt({k}) * "
                f"{scale:.4g} = {atol:.3g}"))
 
