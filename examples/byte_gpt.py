@@ -170,6 +170,35 @@ class Trainer:
     return jax.jit(lambda params, tokens, targets: loss_fn(self.model, params, tokens,
                                                            targets))
 
+  def next_byte_logits(self):
+    """(params, tokens [seq, dp], position) -> the float32 logits [256] of the
+    byte after `position` in the first column: what `sample` draws from."""
+    return jax.jit(lambda params, tokens, position: self.model.apply(params, tokens)[
+        position, 0].astype(jnp.float32))
+
+
+def sample(next_logits, params, mesh: Mesh, prompt: bytes, length: int, seq_len: int,
+           seed: int = 0, temperature: float = 0.8) -> bytes:
+  """`length` bytes after `prompt`, each drawn from the model's distribution at
+  `temperature` (numpy's generator of `seed`: the same draws in every process).
+  The window holds the last `seq_len` bytes; causal attention lets the bytes
+  after the current position be anything (zeros). Collective with several
+  processes: every process calls it."""
+  if not 0 < len(prompt) < seq_len:
+    raise ValueError(f"the prompt must hold 1 to {seq_len - 1} bytes, not {len(prompt)}")
+  rng = np.random.default_rng(seed)
+  text = list(prompt)
+  sharding = NamedSharding(mesh, TOKENS)
+  for _ in range(length):
+    recent = text[-(seq_len - 1):]
+    window = np.zeros((seq_len, mesh.shape["dp"]), np.int32)
+    window[:len(recent)] = np.asarray(recent, np.int32)[:, None]
+    tokens = jax.make_array_from_callback(window.shape, sharding, lambda index: window[index])
+    logits = np.asarray(next_logits(params, tokens, len(recent) - 1), np.float64) / temperature
+    p = np.exp(logits - logits.max())
+    text.append(int(rng.choice(256, p=p / p.sum())))
+  return bytes(text[len(prompt):])
+
 
 def autotune(trainer: Trainer, params, opt_state, tokens, targets, say):
   """backend="auto" before training (``jcg.autotune_step``, collective): it

@@ -87,6 +87,27 @@ def loss_summary(history: dict, tokens_per_s: float, start: int) -> str:
   return "; ".join(parts)
 
 
+def plot_losses(history: dict, path: pathlib.Path, title: str) -> None:
+  """The training and validation losses against the step, as a PNG."""
+  import matplotlib  # noqa: PLC0415 (only the end of a run needs it)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for name, points, style in (("training", history["train"], "-"),
+                              ("validation", history["validation"], "o-")):
+    if points:
+      ax.plot([s for s, _ in points], [v for _, v in points], style, label=name)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats per byte)")
+  ax.set_title(title, fontsize=9)
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 # --- checkpoints ---------------------------------------------------------------------
 
 class Checkpoints:
@@ -98,7 +119,7 @@ class Checkpoints:
         args.checkpoint_every
     self.dir = pathlib.Path(args.checkpoint_dir).absolute()
     self.meta = {"model": dataclasses.asdict(model_config), "seed": args.seed}
-    self.say, self.saved = say, []
+    self.say, self.saved, self.kept = say, [], []
     self.manager = byte_gpt.checkpoint_manager(self.dir) if self.enabled else None
 
   def start(self, params, opt_state):
@@ -140,11 +161,20 @@ class Checkpoints:
       self.saved.append(step)
 
   def close(self) -> None:
+    """Waits for the saves; `kept` is then what the directory holds (orbax
+    keeps the last 2 of those saved)."""
     if self.manager is not None:
       self.manager.wait_until_finished()
+      self.kept = sorted(self.manager.all_steps())
       self.manager.close()
-      if self.saved:
-        self.say(f"checkpoints: steps {self.saved} saved in {self.dir}")
+
+  def where(self) -> str:
+    if not self.enabled:
+      return "checkpoints: none (--no-checkpoint)"
+    if not self.saved:
+      return f"checkpoints: none saved this run; {self.dir} holds steps {self.kept}"
+    return (f"checkpoints: {len(self.saved)} saved this run (steps {self.saved}); {self.dir} "
+            f"holds the last {len(self.kept)} (steps {self.kept}; --resume continues)")
 
 
 # --- the layer report ----------------------------------------------------------------

@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="computation dtype; parameters stay float32 (default: float32 on "
                          "CPU, bfloat16 on GPU)")
   comm = p.add_argument_group("communication")
-  comm.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto",
-                    help="'auto': cuBLASMp where it runs, else XLA's collectives; "
+  comm.add_argument("--backend", choices=("auto", "xla", "ring", "cublasmp"), default="auto",
+                    help="'auto': cuBLASMp where it runs, else XLA's collectives; 'ring': "
+                         "per-shard GEMMs and ppermutes that XLA overlaps, on any platform; "
                          "'cublasmp': fail where it cannot run")
   comm.add_argument("--fp8", choices=("tensor", "row", "delayed", "block"),
                     help="run every dense GEMM in FP8 (E4M3 forward, E5M2 gradients) with "
@@ -164,10 +165,17 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--log-every", type=int,
                    help="steps between progress lines when the output is not a terminal "
                         "(default: --steps / 20); a terminal gets a progress bar")
+  run.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "jax-comm-gemm-byte-gpt"),
+                   help="where the run writes its loss plot (loss.png), a sample of "
+                        "generated text (sample.txt) and, by default, its checkpoints "
+                        "(default: %(default)s)")
   run.add_argument("--checkpoint-dir",
-                   default=os.path.join(tempfile.gettempdir(), "jax-comm-gemm-byte-gpt"),
-                   help="where orbax-checkpoint keeps the last 2 checkpoints; a run without "
-                        "--resume replaces those of an earlier run")
+                   help="where orbax-checkpoint keeps the last 2 checkpoints (default: "
+                        "OUT_DIR/checkpoints); a run without --resume replaces those of an "
+                        "earlier run")
+  run.add_argument("--sample-bytes", type=int, default=200,
+                   help="bytes of text the trained model writes at the end, after a "
+                        "prompt from the validation files; 0: none (default: %(default)s)")
   run.add_argument("--checkpoint-every", type=int, default=250,
                    help="steps between checkpoints (and one at the end); 0: only at the end")
   run.add_argument("--no-checkpoint", action="store_true", help="save no checkpoints")
@@ -194,6 +202,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.resume and args.no_checkpoint:
     p.error("--resume needs checkpoints: drop --no-checkpoint")
+  if args.sample_bytes < 0:
+    p.error(f"--sample-bytes must be 0 or more, not {args.sample_bytes}")
+  if args.checkpoint_dir is None:
+    args.checkpoint_dir = os.path.join(args.out_dir, "checkpoints")
   return args
 
 
@@ -414,6 +426,9 @@ def train(args) -> dict:
     say(f"profile: 3 steps traced into {args.profile}")
   tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
   say(run_report.loss_summary(history, tokens_per_s, start))
+  outputs = show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
+                         rank0)
+  say(checkpoints.where())
   if args.share_gpu:
     say("(--share-gpu: the processes share one GPU, so tokens/s is not a speed measurement)")
 
@@ -426,7 +441,8 @@ def train(args) -> dict:
   summary.update(history=history, tokens_per_s=tokens_per_s, start_step=start,
                  final_step=max(start, s["steps"]), sizes=s, mesh={"dp": dp, "tp": tp},
                  platform=platform, process_count=jax.process_count(),
-                 checkpoint_steps=checkpoints.saved, jax_version=jax.__version__,
+                 checkpoint_steps=checkpoints.saved, checkpoints_kept=checkpoints.kept,
+                 outputs=outputs, jax_version=jax.__version__,
                  autotune=tuning, attention={"implementation": attention,
                                              "why": attention_why})
   if skip_ab is None:
@@ -440,6 +456,38 @@ def train(args) -> dict:
     with open(args.json_out, "w") as f:
       json.dump(summary, f, indent=2, default=str)
   return summary
+
+
+def show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
+                 rank0: bool) -> dict:
+  """The loss plot and a sample of generated text, in --out-dir (process 0
+  writes them; sampling is collective). Returns their paths."""
+  out = os.path.abspath(args.out_dir)
+  outputs = {}
+  if rank0:
+    os.makedirs(out, exist_ok=True)
+    outputs["plot"] = os.path.join(out, "loss.png")
+    run_report.plot_losses(history, outputs["plot"],
+                           f"byte GPT, {s['layers']} blocks, d_model {s['d_model']}, "
+                           f"backend {args.backend}" + (f", FP8 {args.fp8}" if args.fp8 else ""))
+    say(f"loss plot: {outputs['plot']}")
+  if args.sample_bytes:
+    next_logits = trainer.next_byte_logits()
+    if isinstance(step_fn, jcg.TunedStep):  # on the routes autotune chose (as evaluate)
+      next_logits = jcg.TunedStep(next_logits, step_fn.routes, step_fn.plan, step_fn.why)
+    prompt = bytes(corpus.batch("validation", 0, batch=1, length=s["seq_len"] // 2,
+                                seed=args.seed)[0])
+    text = byte_gpt.sample(next_logits, params, mesh, prompt, args.sample_bytes,
+                           s["seq_len"], seed=args.seed)
+    if rank0:
+      outputs["sample"] = os.path.join(out, "sample.txt")
+      with open(outputs["sample"], "wb") as f:
+        f.write(prompt + b"\n--- the model's continuation ---\n" + text + b"\n")
+      shown = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd"
+                      for c in text.decode("utf-8", "replace"))
+      say(f"sample ({args.sample_bytes} bytes after a {len(prompt)}-byte prompt from the "
+          f"validation files; both in {outputs['sample']}):\n{shown}\n---")
+  return outputs
 
 
 def _check_sizes(s, tp: int, dp: int, fp8: str | None = None) -> None:

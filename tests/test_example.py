@@ -48,7 +48,7 @@ import byte_gpt  # noqa: E402
 import train_byte_gpt  # noqa: E402
 
 SMALL = ("--d-model", "64", "--heads", "2", "--layers", "2", "--hidden", "128",
-         "--seq-len", "64", "--batch", "8", "--eval-batches", "2")
+         "--seq-len", "64", "--batch", "8", "--eval-batches", "2", "--sample-bytes", "0")
 
 
 def run_example(tmp_path, *flags, name="summary", devices=8):
@@ -59,8 +59,8 @@ def run_example(tmp_path, *flags, name="summary", devices=8):
                                                        os.environ.get("PYTHONPATH")])))
   env.pop("JAX_COMM_GEMM_BACKEND", None)
   proc = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--json-out", str(out),
-                         *flags], env=env, capture_output=True, text=True, timeout=300,
-                        cwd=tmp_path)
+                         "--out-dir", str(tmp_path / name), *flags], env=env,
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout, proc.stderr, json.loads(out.read_text())
 
@@ -94,7 +94,7 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   # costs every run here a longer compile and save (the other runs have two).
   flags = ("--layers", "1", "--steps", "12", "--checkpoint-every", "6", "--eval-every", "6",
            "--log-every", "3", "--fp8", "delayed", "--checkpoint-dir", str(checkpoints))
-  stdout, _, first = run_example(tmp_path, *flags, name="first")
+  stdout, _, first = run_example(tmp_path, *flags, "--sample-bytes", "24", name="first")
   train, val = first["history"]["train"], first["history"]["validation"]
   assert [s for s, _ in train] == list(range(1, 13))
   assert train[-1][1] < 0.9 * train[0][1], train
@@ -108,13 +108,26 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   assert "FP8 (delayed scaling)" in stdout and "MISMATCH" not in stdout
   assert first["counts"]["standalone_all_gathers"] == first["expected"][
       "standalone_all_gathers"] == 4
-  assert first["checkpoint_steps"] == [6, 12]
+  assert first["checkpoint_steps"] == first["checkpoints_kept"] == [6, 12]
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["12", "6"]
+  assert (f"checkpoints: 2 saved this run (steps [6, 12]); {checkpoints} holds the last 2 "
+          "(steps [6, 12]") in stdout
+  # What the run shows at its end: the loss plot and a sample of text, where it says.
+  out = tmp_path / "first"
+  plot, sample = out / "loss.png", out / "sample.txt"
+  assert first["outputs"] == {"plot": str(plot), "sample": str(sample)}
+  assert f"loss plot: {plot}" in stdout and f"both in {sample}" in stdout
+  assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+  prompt, continuation = sample.read_bytes().split(b"\n--- the model's continuation ---\n")
+  assert len(prompt) == 32 and len(continuation) == 24 + 1, sample.read_bytes()
+  assert "sample (24 bytes after a 32-byte prompt" in stdout
 
   # As if the run had stopped after step 6: resume, and repeat steps 7..12.
   shutil.rmtree(checkpoints / "12")
   stdout, _, resumed = run_example(tmp_path, *flags, "--resume", name="resumed")
   assert "resumed from step 6" in stdout
+  assert "checkpoints: 1 saved this run (steps [12]);" in stdout   # the directory holds 2
+  assert resumed["checkpoints_kept"] == [6, 12]
   assert resumed["start_step"] == 6
   assert [s for s, _ in resumed["history"]["train"]] == list(range(7, 13))
   np.testing.assert_allclose([l for _, l in resumed["history"]["train"]],
@@ -128,7 +141,7 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   # A fresh run in the same directory replaces the earlier checkpoints.
   capsys.readouterr()
   train_byte_gpt.main([*SMALL, "--layers", "1", "--steps", "1", "--checkpoint-dir",
-                       str(checkpoints)])
+                       str(checkpoints), "--out-dir", str(tmp_path / "fresh")])
   assert "removing 2 checkpoint(s) of an earlier run" in capsys.readouterr().out
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
 
@@ -207,7 +220,8 @@ def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, cap
   monkeypatch.setattr(tuning, "time_candidates", lambda runs, rounds, **_: (
       {n: (1e-3 if n == "ring" else 2e-3) for n in runs}))
   summary = train_byte_gpt.main([*SMALL, "--layers", "1", "--tp", "2", "--steps", "2",
-                                 "--ab-steps", "0", "--no-checkpoint"])
+                                 "--ab-steps", "0", "--no-checkpoint", "--out-dir",
+                                 str(tmp_path)])
   stdout = capsys.readouterr().out
   assert re.search(r"autotune in [\d.]+ s: plan 'ring'", stdout), stdout
   assert summary["autotune"]["plan"] == "ring"
@@ -271,7 +285,8 @@ def test_each_loss_is_read_after_the_next_step_is_dispatched(monkeypatch, tmp_pa
   monkeypatch.setattr(run_report, "tokens_per_second", recorded_tokens_per_second)
   summary = train_byte_gpt.main([*SMALL, "--layers", "1", "--steps", "6", "--eval-every", "3",
                                  "--eval-batches", "1", "--checkpoint-every", "5",
-                                 "--ab-steps", "0", "--checkpoint-dir", str(tmp_path)])
+                                 "--ab-steps", "0", "--checkpoint-dir", str(tmp_path),
+                                 "--out-dir", str(tmp_path)])
   capsys.readouterr()
   order = [e[:2] for e in events]
   d, r = (lambda n: ("dispatch", n)), (lambda n: ("read", n))
@@ -295,7 +310,7 @@ def test_every_option_has_help_and_shows_its_default(capsys):
   with pytest.raises(SystemExit):
     parser.parse_args(["--help"])
   text = " ".join(capsys.readouterr().out.split())
-  for shown in ("--backend {auto,xla,cublasmp} 'auto': cuBLASMp where it runs",
+  for shown in ("--backend {auto,xla,ring,cublasmp} 'auto': cuBLASMp where it runs",
                 "(default: auto)", "(default: 128 on CPU, 4096 on GPU)",
                 "(default: 1)", "(default: False)", "(default: 250)",
                 "(default: 20 on GPU, 0 on CPU, where both run XLA)"):

@@ -418,8 +418,8 @@ def fp8_route(config) -> Fp8Route:
            "xla": "on XLA's collectives",
            "cublasmp": (f"on the fused FP8 ops ({config.all_gather_algorithm}; "
                         f"reduce-scatter {config.reduce_scatter})")}.get(
-      backend, "per shape on XLA's collectives, the ring or the fused ops, as autotune "
-               "measured")
+      backend, "per shape, the fastest of XLA's collectives, the ring and the fused ops "
+               "where autotune measured the shape, else XLA's collectives")
   return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) {where}: FP8 bytes on the "
                         f"wire, {reuse}", backend)
 

@@ -511,6 +511,8 @@ def agreed_choice(ident, attempt, parts: tuple, mine: dict[str, float], timeout:
 # plans repeat within about 1-2% (docs/design.md#whole-step-tuning-autotune_step).
 KEEP_MARGIN = 0.01
 TUNED, XLA = "tuned", "xla"
+# The plan of a step that nothing was measured for: it runs under the plan in force.
+UNMEASURED = "unmeasured"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -519,11 +521,12 @@ class TunedStep:
   ``lower``) runs `step` jitted under ``routes``, the plan that holds them;
   the process's own plan and its compiled programs are not touched. ``plan``
   says which plan was kept (``"tuned"``: the per-op choices, ``"xla"``, or the
-  one implementation every op runs) and ``why``: the measurement, or why
-  nothing was measured.
+  one implementation every op runs; ``"unmeasured"``: nothing was measured,
+  the plan in force routes it) and ``why``: the measurement, or why nothing
+  was measured.
 
   >>> import jax.numpy as jnp
-  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "tuned", "nothing to choose")
+  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "unmeasured", "nothing to choose")
   >>> float(tuned(jnp.float32(3)))
   6.0
   """
@@ -600,8 +603,8 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> tuned = autotune_step(mesh, "tp", lambda x: x + 1, jnp.zeros(2))
-  >>> tuned.why
-  "nothing to choose: axis 'tp' has size 1: nothing to communicate"
+  >>> tuned.plan, tuned.why
+  ('unmeasured', "nothing to choose: axis 'tp' has size 1: nothing to communicate")
   >>> tuned(jnp.zeros(2)).tolist()
   [1.0, 1.0]
   """
@@ -609,11 +612,11 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
   base = current_plan()
   why_not = tunable(mesh, axis_name, base)
   if why_not is not None:
-    return TunedStep(step, base, TUNED, f"nothing to choose: {why_not}")
+    return TunedStep(step, base, UNMEASURED, f"nothing to choose: {why_not}")
   size = int(mesh.shape[axis_name])
   problems = [p for p in problems_of(step, *args) if p.axis_size == size]
   if not problems:
-    return TunedStep(step, base, TUNED, "the step meets no op that auto chooses for")
+    return TunedStep(step, base, UNMEASURED, "the step meets no op that auto chooses for")
   chosen = measure(mesh, axis_name, problems, base,
                    seconds_per_problem=seconds_per_problem)
   plans = step_plans(problems, chosen, implementations, base)
