@@ -186,20 +186,23 @@ def _gathers(mlp, keep):
   grad = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))
   text = grad.lower(x, w1, w2).compile().as_text()
   total, inside = hlo.count_collectives(text), hlo.count_collectives(text, SCOPE)
-  forward = hlo.count_collectives(jax.jit(f).lower(x, w1, w2).compile().as_text())
-  return total.all_gather - inside.all_gather, inside.all_gather, forward.all_gather
+  # The forward's gathers as traced (XLA's CSE would merge two gathers of x).
+  forward = str(jax.make_jaxpr(f)(x, w1, w2)).count("all_gather[")
+  return (total.all_gather - inside.all_gather, inside.all_gather, forward,
+          total.reduce_scatter)
 
 
 @pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
 @pytest.mark.parametrize("keep", [False, True])
 def test_gated_mlp_gathers_as_the_gelu_mlp(keep):
-  """Gate and up are one AllGather+GEMM: one fused gather forward (its input
-  once), and in the backward the GELU MLP's standalone all-gathers (1, 0 with
-  keep_gathered_input)."""
+  """Gate and up are one AllGather+GEMM: one gather forward (its input once),
+  and in the backward the GELU MLP's standalone all-gathers (1, 0 with
+  keep_gathered_input) and reduce-scatters (down's forward, gate and up's
+  dgrad: 2)."""
   gated, gelu = _gathers("gated", keep), _gathers("gelu", keep)
   assert gated == gelu
   assert gated[0] == (0 if keep else 1)
-  assert gated[2] == 1
+  assert gated[2] == 1 and gated[3] == 2
 
 
 # --- bad input ------------------------------------------------------------------------------
