@@ -15,14 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 from flax.linen import initializers
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.typing import Array, Initializer
 
 from jax_comm_gemm.flax import common
-from jax_comm_gemm.flax.common import LinenOptions, check_options, check_split, kw_only, options_of
-from jax_comm_gemm.flax.transformer_linen import _as_pairs, _Params
+from jax_comm_gemm.flax.common import LinenOptions, kw_only
+from jax_comm_gemm.flax.transformer_linen import _as_pairs, _Params, block_placement, fp8_histories
 from jax_comm_gemm.layers import llama
-from jax_comm_gemm.layers.dense import place
 from jax_comm_gemm.validation import Names
 
 
@@ -74,17 +72,7 @@ class SequenceParallelLlamaBlock(LinenOptions):
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    options = options_of(self) | {
-        name: getattr(self, name)
-        for name in ("activation", "causal", "scale_init", "keep_gathered_input")}
-    data = check_options(owner, options, features={"num_heads": self.num_heads,
-                                                   "hidden_features": self.hidden_features})
-    where = place(owner, self.mesh, self.axis_name, data)
-    check_split(f"{owner}.num_heads", self.num_heads, self.axis_name, where.size)
-    check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name, where.size)
-    if jnp.ndim(inputs) != 3:
-      raise ValueError(f"{owner}: `inputs` must be 3-D [seq, batch, features], got "
-                       f"shape {jnp.shape(inputs)}")
+    where = block_placement(self, owner, inputs)
     block_options = llama.LlamaOptions(
         num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
         activation=self.activation, rope_base=self.rope_base, causal=self.causal,
@@ -99,9 +87,6 @@ class SequenceParallelLlamaBlock(LinenOptions):
     params = {name: _Params(_as_pairs(group), inits, self.param_dtype, where.local,
                             where.size, name=name)()
               for name, group in layout.items()}
-    histories = llama.init_fp8_histories(block_options)
-    if histories is not None:  # "delayed" FP8: Flax's overwrite-with-gradient collection
-      histories = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
-                                lambda: histories).value
+    histories = fp8_histories(self, llama.init_fp8_histories(block_options))
     return common.run("llama", where, Names(owner, x="inputs"), inputs, params,
                       options=block_options, fp8_histories=histories)

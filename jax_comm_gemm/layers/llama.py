@@ -43,12 +43,13 @@ from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.fp8 import AmaxHistory, prologue
+from jax_comm_gemm.fp8 import prologue
 from jax_comm_gemm.layers import dense
 from jax_comm_gemm.layers.dense import Placement, global_placement
 from jax_comm_gemm.layers.gated_mlp import gated_mlp_parallel
 from jax_comm_gemm.layers.rotary import apply_rotary, check_head_dim
-from jax_comm_gemm.layers.transformer import FP8_LAYERS, ParamSpec, _is_shape, _paths
+from jax_comm_gemm.layers import transformer
+from jax_comm_gemm.layers.transformer import FP8_LAYERS, ParamSpec
 from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
 
@@ -167,12 +168,6 @@ def partition_specs(layout) -> dict:
   return jax.tree.map(lambda s: P(*s.names), layout)
 
 
-def local_shapes(layout, size: int) -> dict:
-  """Each parameter's local shape on an axis of `size`."""
-  return jax.tree.map(lambda s: tuple(n // size if name is not None else n
-                                      for n, name in zip(s.shape, s.names)), layout)
-
-
 def init_fp8_histories(options: LlamaOptions):
   """The block's empty FP8 amax histories (``{layer: AmaxHistory}``: "qkv",
   "out", "fc1" (gate and up), "fc2" (down)) where its config's recipe is
@@ -181,10 +176,7 @@ def init_fp8_histories(options: LlamaOptions):
   >>> init_fp8_histories(LlamaOptions(2)) is None
   True
   """
-  recipe = options.config.fp8
-  if recipe is None or recipe.scaling != "delayed":
-    return None
-  return {name: AmaxHistory.zeros(recipe) for name in FP8_LAYERS}
+  return transformer.init_fp8_histories(options)
 
 
 # --- local shards -------------------------------------------------------------------
@@ -340,9 +332,7 @@ def block_global(names: Names, x, params, *, where: Placement, options: LlamaOpt
   """:func:`sharded_llama_block` for a known placement: checks, then runs."""
   op, data = names.op, where.data_axes
   check_block(op, names.x, x, params, options, where.axis_name, where.size, local=False)
-  shards = int(np.prod([where.mesh.shape[a] for a in data]))
-  validation.check_divisible(op, names.x, "sequences (second dimension, the batch)",
-                             np.shape(x)[1], "*".join(data) or "()", shards)
+  transformer.check_batch(op, names.x, x, where)
   histories = _checked_histories(op, options, fp8_histories)
   return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
                   data_axes=data, options=options, plan=current_plan())
@@ -373,16 +363,7 @@ def check_block(op: str, x_name: str, x, params, options: LlamaOptions, axis_nam
   ...
   ValueError: f: the features (6) must divide into num_heads=4 heads of equal size (or pass head_dim)
   """
-  shape = np.shape(x)
-  if len(shape) != 3:
-    raise ValueError(f"{op}: `{x_name}` must be 3-D [seq, batch, features] (the sequence "
-                     f"first: it is sharded over {axis_name!r}), got shape {shape}")
-  if not local:
-    validation.check_divisible(op, x_name, "positions (first dimension, the sequence)",
-                               shape[0], axis_name, size)
-  validation.check_not_empty(op, x_name, x)
-  validation.check_dtype(op, x_name, x)
-  d = shape[-1]
+  d = transformer.check_activations(op, x_name, x, axis_name, size, local=local)
   if options.head_dim is None:
     if d % options.num_heads:
       raise ValueError(f"{op}: the features ({d}) must divide into "
@@ -399,14 +380,4 @@ def check_block(op: str, x_name: str, x, params, options: LlamaOptions, axis_nam
                      "(attention_norm, attention/{q,kv,out}, mlp_norm, "
                      "mlp/{gate_up,down})") from None
   validation.check_divisible(op, "mlp/down/kernel", "input features", hidden, axis_name, size)
-  want = local_shapes(layout, size) if local else jax.tree.map(lambda s: s.shape, layout)
-  got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
-  if (jax.tree.structure(got, is_leaf=_is_shape)
-      != jax.tree.structure(want, is_leaf=_is_shape)):
-    raise ValueError(f"{op}: `params` has entries {_paths(got)}, expected {_paths(want)}")
-  for path, shape_got, shape_want in zip(_paths(got), jax.tree.leaves(got, is_leaf=_is_shape),
-                                         jax.tree.leaves(want, is_leaf=_is_shape)):
-    if shape_got != shape_want:
-      where = "local shard" if local else "global shape"
-      raise ValueError(f"{op}: `params` {path} has shape {tuple(shape_got)}, expected "
-                       f"{shape_want} ({where}, model width {d})")
+  transformer.check_param_shapes(op, params, layout, size, d, local=local)
