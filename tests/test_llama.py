@@ -231,3 +231,25 @@ def test_bad_input_names_the_argument():
     jax.shard_map(lambda x, w: gated_mlp(x, w, jnp.ones((F, D)), axis_name="tp"),
                   mesh=cpu_mesh(1), in_specs=(P("tp"), P()), out_specs=P("tp"))(
         jnp.ones((4, D)), jnp.ones((D, F)))
+
+
+# --- the block's collectives: the GPT block's table -----------------------------------------
+
+@pytest.mark.filterwarnings("ignore:keep_gathered_input=True:RuntimeWarning")
+@pytest.mark.parametrize("routing", ["xla_fallback", "fused_with_reuse", "fused_with_reuse_keep"])
+def test_block_gathers_as_the_gpt_block(routing):
+  """Per block, forward + backward: the GPT block's counts (QKV and gate/up
+  are one column-parallel op each, out and down one row-parallel op each):
+  fused AllGather+GEMMs, standalone all-gathers and reduce-scatters as
+  tests/test_transformer_hlo.py's TABLE says."""
+  from test_transformer_hlo import TABLE  # noqa: PLC0415
+  config, keep, standalone, fused = TABLE[routing]
+  options = llama.LlamaOptions(HEADS, 2, keep_gathered_input=keep, config=config)
+  params, x, _ = inputs(options, 2)
+  mesh = cpu_mesh(2)
+  loss = lambda p, x: jnp.sum(llama.sharded_llama_block(x, p, mesh=mesh, options=options) ** 2)
+  text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(params, x).compile().as_text()
+  total, inside = hlo.count_collectives(text), hlo.count_collectives(text, SCOPE)
+  assert inside.all_gather == fused
+  assert total.all_gather - inside.all_gather == standalone
+  assert total.reduce_scatter == 4 and inside.reduce_scatter == (4 if fused else 0)
