@@ -140,6 +140,17 @@ CASES = {
 }
 
 
+def test_block_in_bfloat16_matches_float64():
+  """bfloat16 activations and computation (float32 parameters): within
+  bfloat16's rounding, as the GPT block's bfloat16 tests."""
+  options = llama.LlamaOptions(HEADS, 2, dtype=jnp.bfloat16)
+  params, x, ct = inputs(options, 2)
+  got = run(cpu_mesh(2), options, params, x.astype(jnp.bfloat16), ct)
+  assert got[0].dtype == jnp.bfloat16
+  assert_matches(got, reference(params, x.astype(jnp.bfloat16), ct, heads=HEADS, kv_heads=2),
+                 4e-2)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_block_matches_float64(case):
   tp, kv, bias, activation = CASES[case]

@@ -120,3 +120,22 @@ def test_module_errors_name_the_argument():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:3]), ("tp",))
     L.SequenceParallelLlamaBlock(HEADS, F, mesh=mesh).init(jax.random.key(0),
                                                           jnp.ones((6, 1, D)))
+
+
+def test_nnx_block_keeps_delayed_fp8_histories():
+  """Under a "delayed" recipe the NNX block holds one amax history per dense
+  layer as OverwriteWithGradient variables; a step replaces them with their
+  gradient (the next histories: this step's amaxes in them)."""
+  from jax_comm_gemm import CommGemmConfig  # noqa: PLC0415
+  from jax_comm_gemm.fp8 import Fp8Recipe  # noqa: PLC0415
+  block = N.SequenceParallelLlamaBlock(
+      D, HEADS, F, num_kv_heads=2, mesh=cpu_mesh(2), rngs=nnx.Rngs(0),
+      config=CommGemmConfig(fp8=Fp8Recipe("delayed", amax_history=4)))
+  assert sorted(block.fp8_histories()) == ["fc1", "fc2", "out", "qkv"]
+  x, _ = _data(6)
+  diff = nnx.DiffState(0, (nnx.Param, N.OverwriteWithGradient))
+  _, grads = nnx.value_and_grad(lambda m, x: jnp.mean(m(x) ** 2), argnums=diff)(block, x)
+  rest = N.overwrite_with_gradient(block, grads)
+  assert "fp8_amax_history" not in nnx.to_pure_dict(rest)
+  for name, history in block.fp8_histories().items():
+    assert float(history.x[0]) > 0 and float(history.w[0]) > 0, name
