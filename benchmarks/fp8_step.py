@@ -30,7 +30,8 @@ Each variant runs N steps back to back per timed batch, after 3 untimed rounds
 of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
-Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--arch {gpt,llama}] [--only VARIANT ...] [--hlo DIR]
+Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--arch {gpt,llama}]
+       [--only VARIANT ...] [--hlo DIR]
        [--profile DIR [--profile-variants VARIANT ...]] [--steps-per-batch N] [--master-f32]
 (--smoke: tiny, CPU)
 """
@@ -320,7 +321,8 @@ def main() -> None:
   results["meta"] = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                      "clocks_before": before, "clocks_after": clocks(),
                      "shape": dict(arch=args.arch, d=d, hidden=hidden, heads=heads,
-                                   kv_heads=kv_heads, layers=layers, seq=seq, batch=batch), "rounds": rounds, "steps_per_batch": per_batch,
+                                   kv_heads=kv_heads, layers=layers, seq=seq, batch=batch),
+                     "rounds": rounds, "steps_per_batch": per_batch,
                      "params": "float32" if args.master_f32 else "bfloat16"}
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1)

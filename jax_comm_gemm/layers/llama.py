@@ -208,7 +208,7 @@ def block_local(names: Names, x, params, *, where: Placement, options: LlamaOpti
   """:func:`llama_block` for a known placement: checks, then runs."""
   check_block(names.op, names.x, x, params, options, where.axis_name, where.size, local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
-               fp8_histories=_checked_histories(names.op, options, fp8_histories))
+               fp8_histories=transformer.checked_histories(names.op, options, fp8_histories))
 
 
 def block(x, params, *, axis_name: str, options: LlamaOptions, fp8_histories=None):
@@ -223,13 +223,13 @@ def block(x, params, *, axis_name: str, options: LlamaOptions, fp8_histories=Non
       a = params["attention"]
       q, k, v = _qkv(rms_operands(x, params["attention_norm"], o.epsilon, dtype), a, o,
                      dtype, h["qkv"], **common)
-      wo, bo = _dense(a["out"], dtype, o.config)
+      wo, bo = transformer.dense_params(a["out"], dtype, o.config)
       x = x + dense.row_parallel(_attention(q, k, v, o, axis_name), wo, bo,
                                  fp8_history=h["out"], merge_heads=True, **common)
     with jax.named_scope("mlp"):
       m = params["mlp"]
-      (w1, b1), (w2, b2) = _dense(m["gate_up"], dtype, o.config), _dense(m["down"], dtype,
-                                                                        o.config)
+      (w1, b1), (w2, b2) = (transformer.dense_params(m[name], dtype, o.config)
+                            for name in ("gate_up", "down"))
       return x + gated_mlp_parallel(rms_operands(x, params["mlp_norm"], o.epsilon, dtype),
                                     w1, b1, w2, b2, activation=o.activation,
                                     keep_gathered_input=o.keep_gathered_input,
@@ -241,8 +241,8 @@ def _qkv(operands, params, o: LlamaOptions, dtype, history, *, axis_name, **comm
   """This shard's q, k, v ``[batch, seq, heads, head_dim]`` from one
   column-parallel op (the RMSNorm applied by it: inside its cast under an FP8
   recipe), rotary embeddings applied at the global positions."""
-  (wq, bq), (wkv, bkv) = _dense(params["q"], dtype, o.config), _dense(params["kv"], dtype,
-                                                                      o.config)
+  (wq, bq), (wkv, bkv) = (transformer.dense_params(params[name], dtype, o.config)
+                          for name in ("q", "kv"))
   d = np.shape(wq)[0]
   head_dim = np.shape(wq)[1] // (o.num_heads // jax.lax.axis_size(axis_name))
   kernel = jnp.concatenate([wq, wkv.reshape(d, -1)], axis=1)
@@ -271,13 +271,6 @@ def _attention(q, k, v, o: LlamaOptions, axis_name):
                                       implementation=o.attention_implementation)
 
 
-def _dense(p, dtype, config):
-  """(kernel, bias or None), as the GPT block's: the kernel in `dtype` (as
-  stored under an FP8 recipe), the bias in `dtype`."""
-  kernel = p["kernel"] if config.fp8 is not None else p["kernel"].astype(dtype)
-  return kernel, (p["bias"].astype(dtype) if "bias" in p else None)
-
-
 def rms_operands(x, p, epsilon: float, dtype):
   """:func:`rms_norm`'s operands ``(x, rstd, scale)``: x in the wider of its
   dtype and `dtype`, ``rstd = 1/sqrt(mean(x^2) + epsilon)`` ``[..., 1]`` in
@@ -298,11 +291,6 @@ def rms_norm(x, p, epsilon: float, dtype):
   """
   return prologue.activated(rms_operands(x, p, epsilon, dtype),
                             prologue.rms_norm).astype(dtype)
-
-
-def _checked_histories(op, options, fp8_histories):
-  return validation.check_fp8_histories(op, options.config, fp8_histories, FP8_LAYERS,
-                                        "init_fp8_histories(options)")
 
 
 # --- global arrays ------------------------------------------------------------------
@@ -333,7 +321,7 @@ def block_global(names: Names, x, params, *, where: Placement, options: LlamaOpt
   op, data = names.op, where.data_axes
   check_block(op, names.x, x, params, options, where.axis_name, where.size, local=False)
   transformer.check_batch(op, names.x, x, where)
-  histories = _checked_histories(op, options, fp8_histories)
+  histories = transformer.checked_histories(op, options, fp8_histories)
   return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
                   data_axes=data, options=options, plan=current_plan())
 

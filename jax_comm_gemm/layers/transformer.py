@@ -176,7 +176,7 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
   check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
-               fp8_histories=_checked_histories(names.op, options, fp8_histories))
+               fp8_histories=checked_histories(names.op, options, fp8_histories))
 
 
 def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None):
@@ -207,8 +207,7 @@ def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, o
   # The LayerNorm's output is the first dense's input: the dense applies it
   # (under an FP8 recipe inside its cast, never written in bf16).
   h = normalization(x, norm, o.epsilon, dtype)
-  (k1, b1), (k2, b2) = _dense_params(first, dtype, o.config), _dense_params(second, dtype,
-                                                                            o.config)
+  (k1, b1), (k2, b2) = (dense_params(p, dtype, o.config) for p in (first, second))
   if inner is None:
     return x + dense.mlp_parallel(h, k1, b1, k2, b2, axis_name=axis_name,
                                   activation=o.activation,
@@ -227,7 +226,7 @@ def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, o
                                 fp8_history=histories[1], merge_heads=True)
 
 
-def _checked_histories(op, options, fp8_histories):
+def checked_histories(op, options, fp8_histories):
   """`fp8_histories`, checked: {layer: AmaxHistory} for FP8_LAYERS where the
   config's recipe is "delayed", else None."""
   return validation.check_fp8_histories(op, options.config, fp8_histories, FP8_LAYERS,
@@ -277,7 +276,7 @@ def attention_heads(q, k, v, causal: bool, implementation):
                                       implementation=implementation)
 
 
-def _dense_params(p, dtype, config):
+def dense_params(p, dtype, config):
   """(kernel, bias or None) in the computation dtype, like flax's promote_dtype;
   under an FP8 recipe the kernel as stored: the FP8 op makes its FP8 copies
   from it in one read and returns its gradient in its dtype, where a copy in
@@ -318,7 +317,7 @@ def block_global(names: Names, x, params, *, where: Placement, options: BlockOpt
   check_block(op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=False)
   check_batch(op, names.x, x, where)
-  histories = _checked_histories(op, options, fp8_histories)
+  histories = checked_histories(op, options, fp8_histories)
   return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
                   data_axes=data, options=options, plan=current_plan())
 
