@@ -161,6 +161,15 @@ def test_block_matches_float64(case):
                                 activation=activation, base=500.0), 2e-5)
 
 
+def test_head_dim_apart_from_the_width_matches_float64():
+  """head_dim given (H * head_dim = 64, twice the width 32), as Gemma's."""
+  options = llama.LlamaOptions(HEADS, 4, head_dim=8)
+  params, x, ct = inputs(options, 2)
+  assert params["attention"]["q"]["kernel"].shape == (D, HEADS * 8)
+  assert_matches(run(cpu_mesh(2), options, params, x, ct),
+                 reference(params, x, ct, heads=HEADS, kv_heads=4), 2e-5)
+
+
 def test_local_mode_and_a_data_axis_match_float64():
   """Inside the caller's shard_map over (dp, tp), replicated key/value heads:
   the caller's shard_map sums their gradients."""
