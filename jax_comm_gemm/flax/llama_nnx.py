@@ -18,7 +18,6 @@ from flax.nnx.nn import initializers
 from flax.typing import Array
 
 from jax_comm_gemm.flax import common
-from jax_comm_gemm.flax.common import DEFAULTS
 from jax_comm_gemm.flax.llama_linen import as_matrix
 from jax_comm_gemm.flax.nnx import _known_mesh, init_options, make_param
 from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
