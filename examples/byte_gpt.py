@@ -1,5 +1,6 @@
 """A byte-level GPT built from jax-comm-gemm's sequence-parallel transformer
-blocks, with its training step and checkpoints.
+blocks (GPT-2's or, with ``arch="llama"``, Llama's), with its training step
+and checkpoints.
 
 Layout: tokens ``[seq, batch]`` (Megatron's order), the sequence sharded over
 the mesh axis ``tp`` and the batch over ``dp``. The activations between blocks
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm import CommGemmConfig
-from jax_comm_gemm.linen import SequenceParallelTransformerBlock
+from jax_comm_gemm.linen import SequenceParallelLlamaBlock, SequenceParallelTransformerBlock
 
 VOCAB = 256  # bytes
 TOKENS = P("tp", "dp")  # [seq, batch]
@@ -43,6 +44,11 @@ class ModelConfig:
   layers: int
   hidden: int
   seq_len: int
+  # "gpt": SequenceParallelTransformerBlocks (LayerNorm, GELU MLP, learned
+  # positions); "llama": SequenceParallelLlamaBlocks (RMSNorm, SwiGLU, rotary
+  # embeddings, kv_heads key/value heads, no biases).
+  arch: str = "gpt"
+  kv_heads: int | None = None
 
 
 class ByteGPT(nn.Module):
@@ -59,19 +65,25 @@ class ByteGPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     m = self.model
+    llama = m.arch == "llama"
     embed = nn.Embed(VOCAB, m.d_model, embedding_init=nn.initializers.normal(0.02),
                      name="embed")
-    positions = self.param("positions", nn.initializers.normal(0.01), (m.seq_len, m.d_model))
-    x = embed(tokens) + positions[:tokens.shape[0], None, :]
+    x = embed(tokens)
+    if not llama:  # learned positions (the Llama blocks rotate q and k instead)
+      positions = self.param("positions", nn.initializers.normal(0.01),
+                             (m.seq_len, m.d_model))
+      x = x + positions[:tokens.shape[0], None, :]
     x = jax.lax.with_sharding_constraint(x.astype(self.dtype),
                                          NamedSharding(self.mesh, ACTIVATIONS))
-    block = nn.remat(SequenceParallelTransformerBlock) if self.remat else \
-        SequenceParallelTransformerBlock
+    kind = SequenceParallelLlamaBlock if llama else SequenceParallelTransformerBlock
+    block = nn.remat(kind) if self.remat else kind
+    extra = {"num_kv_heads": m.kv_heads} if llama else {}
     for i in range(m.layers):
       x = block(m.heads, m.hidden, mesh=self.mesh, data_axes=("dp",), dtype=self.dtype,
                 keep_gathered_input=self.keep_gathered_input, config=self.config,
-                attention_implementation=self.attention, name=f"block{i}")(x)
-    x = nn.LayerNorm(dtype=jnp.float32, name="ln_f")(x)
+                attention_implementation=self.attention, name=f"block{i}", **extra)(x)
+    norm = nn.RMSNorm if llama else nn.LayerNorm
+    x = norm(dtype=jnp.float32, name="ln_f")(x)
     return embed.attend(x)
 
 

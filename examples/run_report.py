@@ -15,7 +15,7 @@ from tqdm import tqdm
 import jax_comm_gemm as jcg
 from jax_comm_gemm import hlo
 from jax_comm_gemm.diagnostics import report
-from jax_comm_gemm.layers import transformer
+from jax_comm_gemm.layers import llama, transformer
 
 import byte_gpt
 
@@ -202,18 +202,24 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
   # so the counts follow those choices (listed) rather than one expectation.
   auto = isinstance(jcg.backends.choose_backend(config, "tp", mesh).backend,
                     jcg.backends.AutoBackend)
-  say(f"layer paths (backend {args.backend!r}, tp={mesh.shape['tp']}, {jax.numpy.dtype(dtype)}):")
+  # The Llama block's gated MLP: gate and up are one column-parallel op (fc1's
+  # place), down the row-parallel one (fc2's); so the counts are the same.
+  llama_blocks = getattr(args, "arch", "gpt") == "llama"
+  fc1, fc2 = ("gate_up", "down") if llama_blocks else ("fc1", "fc2")
+  say(f"layer paths (backend {args.backend!r}, tp={mesh.shape['tp']}, {jax.numpy.dtype(dtype)}, "
+      f"{'SequenceParallelLlamaBlock' if llama_blocks else 'SequenceParallelTransformerBlock'}"
+      "):")
   if auto:  # the paths below are the fused ones, taken only where chosen
     say(f"  blocks 0-{layers - 1}: each op as autotune chose for its shape (listed below)")
   else:
     for i in range(layers):
       say(f"  block{i}:  qkv {column.path:<22} out-proj {row.path:<22} "
-          f"fc1 {column.path:<22} fc2 {row.path}")
-  say(f"  qkv, fc1 (column-parallel): {column}")
-  say(f"  out-proj, fc2 (row-parallel): {row}")
+          f"{fc1} {column.path:<22} {fc2} {row.path}")
+  say(f"  qkv, {fc1} (column-parallel): {column}")
+  say(f"  out-proj, {fc2} (row-parallel): {row}")
 
   total = hlo.count_collectives(step_text)
-  blocks = hlo.count_collectives(step_text, transformer.SCOPE)
+  blocks = hlo.count_collectives(step_text, llama.SCOPE if llama_blocks else transformer.SCOPE)
   block = report.expected_block_all_gathers(config, mesh, "tp", dtype,
                                             keep_gathered_input=args.keep_gathered_input,
                                             remat=args.remat)

@@ -75,7 +75,12 @@ PRESETS = {
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
                 steps=60, lr=6e-5, warmup=40, dtype="bfloat16"),
 }
-SIZE_FIELDS = tuple(PRESETS["cpu"])
+# --arch llama's changes to the presets: Llama's SwiGLU hidden widths (about
+# 8/3 d_model, of the GPT MLP's 4 d_model) and grouped-query attention. The GPU
+# preset is Llama 3 8B's block (d_model 4096, 32 query heads and 8 key/value
+# heads of 128, hidden 14336), 4 of them.
+LLAMA_PRESETS = {"cpu": dict(hidden=384, kv_heads=2), "gpu": dict(hidden=14336, kv_heads=8)}
+SIZE_FIELDS = (*PRESETS["cpu"], "kv_heads")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -87,6 +92,11 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+  p.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                 help="the blocks: 'gpt' (SequenceParallelTransformerBlock: LayerNorm, GELU "
+                      "MLP, learned positions) or 'llama' (SequenceParallelLlamaBlock: "
+                      "RMSNorm, SwiGLU, grouped-query attention, rotary embeddings, no "
+                      "biases)")
   size = p.add_argument_group("size (each option overrides its --size preset)")
   size.add_argument("--size", choices=("auto", *PRESETS), default="auto",
                     help="preset: 'cpu' (d_model 128, 2 layers, 1000 steps: about 1.5 min on "
@@ -107,10 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     key = name.replace("-", "_")
     cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
     gpu = {"heads": f"d_model / {HEAD_DIM}", "batch": "4 x dp"}.get(key, gpu)
+    if key == "hidden":
+      cpu, gpu = (f"{PRESETS[z][key]} (llama {LLAMA_PRESETS[z][key]})" for z in ("cpu", "gpu"))
     if key == "warmup":
       cpu = "a fifth of --steps, at most 100"
     size.add_argument(f"--{name}", type=kind, help=f"{what} (default: {cpu} on CPU, {gpu} "
                                                     "on GPU)")
+  size.add_argument("--kv-heads", type=int,
+                    help="--arch llama's key/value heads, a divisor of --heads (default: "
+                         f"{LLAMA_PRESETS['cpu']['kv_heads']} on CPU, "
+                         f"{LLAMA_PRESETS['gpu']['kv_heads']} on GPU)")
   size.add_argument("--dtype", choices=tuple(DTYPES),
                     help="computation dtype; parameters stay float32 (default: float32 on "
                          "CPU, bfloat16 on GPU)")
@@ -212,7 +228,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def resolve_size(args, platform: str, tp: int, dp: int) -> dict:
   """The run's sizes: the options given, else the preset of --size."""
   size = args.size if args.size != "auto" else ("gpu" if platform == "gpu" else "cpu")
-  preset = dict(PRESETS[size], batch=PRESETS[size]["batch"] or 4 * dp)
+  preset = dict(PRESETS[size], batch=PRESETS[size]["batch"] or 4 * dp, kv_heads=None)
+  if args.arch == "llama":
+    preset.update(LLAMA_PRESETS[size])
   out = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
          for k in SIZE_FIELDS}
   if out["heads"] is None:  # the GPU preset: heads of HEAD_DIM of the model width given
@@ -307,9 +325,9 @@ def train(args) -> dict:
   status = jcg.connect(mesh, "tp")  # collective: every process, before the first step
   tp, dp = mesh.shape["tp"], mesh.shape["dp"]
   s = resolve_size(args, platform, tp, dp)
+  _check_sizes(s, tp, dp, args.fp8, args.arch)
   model_config = byte_gpt.ModelConfig(s["d_model"], s["heads"], s["layers"], s["hidden"],
-                                      s["seq_len"])
-  _check_sizes(s, tp, dp, args.fp8)
+                                      s["seq_len"], args.arch, s["kv_heads"])
   try:
     corpus = ByteCorpus(args.data_dir)
   except (OSError, ValueError) as e:
@@ -325,8 +343,11 @@ def train(args) -> dict:
   say(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
       f"{jax.process_count()} process(es); mesh dp={dp} tp={tp}; cuBLASMp: {status.reason}")
   say(f"data: {corpus}")
-  say(f"model ({s['size']} size): {s['layers']} blocks, d_model {s['d_model']}, "
-      f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard), "
+  kv = (f", {s['kv_heads']} key/value heads ("
+        + ("split" if s["kv_heads"] % tp == 0 else "replicated") + " over tp)"
+        if args.arch == "llama" else "")
+  say(f"model ({s['size']} size, {args.arch}): {s['layers']} blocks, d_model {s['d_model']}, "
+      f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard){kv}, "
       f"hidden {s['hidden']}, seq {s['seq_len']} x batch {s['batch']} = "
       f"{s['seq_len'] * s['batch']:,} tokens/step, {s['dtype']}, backend {args.backend!r}"
       + (f", FP8 GEMMs ({args.fp8} scaling, {args.fp8_gemm})" if args.fp8 else ""))
@@ -490,11 +511,24 @@ def show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
   return outputs
 
 
-def _check_sizes(s, tp: int, dp: int, fp8: str | None = None) -> None:
+def _check_sizes(s, tp: int, dp: int, fp8: str | None = None, arch: str = "gpt") -> None:
   problems = []
+  kv = s.get("kv_heads")
+  if arch != "llama" and kv is not None:
+    problems.append("--kv-heads is for --arch llama (the gpt blocks' heads are all "
+                    "key/value heads)")
+  if arch == "llama":
+    if kv is None or kv < 1 or s["heads"] % kv:
+      problems.append(f"--kv-heads ({kv}) must divide --heads ({s['heads']})")
+    elif s["d_model"] % s["heads"] == 0 and (s["d_model"] // s["heads"]) % 2:
+      problems.append(f"--d-model / --heads ({s['d_model'] // s['heads']}) must be even: "
+                      "rotary embeddings rotate pairs of features")
   if fp8 == "block":  # every GEMM dim, per tp shard, in blocks of 128
     dims = {"--d-model / tp": s["d_model"] // tp, "--hidden / tp": s["hidden"] // tp,
             "--d-model": s["d_model"], "--seq-len x --batch / dp": s["seq_len"] * s["batch"] // dp}
+    if arch == "llama" and kv and s["heads"] % kv == 0 and s["d_model"] % s["heads"] == 0:
+      dims["2 x --kv-heads (/ tp where it divides) x head size"] = (
+          2 * (kv // tp if kv % tp == 0 else kv) * (s["d_model"] // s["heads"]))
     problems += [f"--fp8 block needs {name} ({value}) to be a multiple of 128"
                  for name, value in dims.items() if value % 128]
   if s["heads"] % tp:

@@ -146,6 +146,29 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
 
 
+@pytest.mark.parametrize("flags", [("--dtype", "bfloat16", "--kv-heads", "1"),
+                                   ("--fp8", "delayed", "--kv-heads", "2")],
+                         ids=["bf16_mqa_replicated", "fp8_gqa_split"])
+def test_llama_trains_with_checkpoints(tmp_path, flags):
+  """--arch llama (SequenceParallelLlamaBlock: grouped-query attention with its
+  key/value heads replicated or split over tp, SwiGLU, rotary embeddings):
+  the loss falls, checkpoints are saved, and the report names the block and
+  counts the GPT block's all-gathers (gate and up are one gather)."""
+  checkpoints = tmp_path / "checkpoints"
+  stdout, _, summary = run_example(tmp_path, "--arch", "llama", "--layers", "1", "--steps",
+                                   "12", "--checkpoint-every", "6", "--eval-every", "6",
+                                   "--checkpoint-dir", str(checkpoints), *flags)
+  train, val = summary["history"]["train"], summary["history"]["validation"]
+  assert train[-1][1] < 0.9 * train[0][1], train
+  assert val[-1][1] < 0.9 * val[0][1], val
+  assert summary["sizes"]["kv_heads"] == int(flags[-1])
+  assert "SequenceParallelLlamaBlock" in stdout and "MISMATCH" not in stdout
+  assert re.search(r"block0: +qkv \S.* gate_up \S.* down ", stdout), stdout
+  assert summary["counts"]["standalone_all_gathers"] == summary["expected"][
+      "standalone_all_gathers"] == 4
+  assert summary["checkpoint_steps"] == [6, 12]
+
+
 def test_bfloat16_keep_remat_and_the_ab(tmp_path):
   stdout, _, summary = run_example(tmp_path, "--steps", "4", "--dtype", "bfloat16",
                                    "--keep-gathered-input", "--remat", "--no-checkpoint",
@@ -313,7 +336,9 @@ def test_every_option_has_help_and_shows_its_default(capsys):
   for shown in ("--backend {auto,xla,ring,cublasmp} 'auto': cuBLASMp where it runs",
                 "(default: auto)", "(default: 128 on CPU, 4096 on GPU)",
                 "(default: 1)", "(default: False)", "(default: 250)",
-                "(default: 20 on GPU, 0 on CPU, where both run XLA)"):
+                "(default: 20 on GPU, 0 on CPU, where both run XLA)",
+                "(default: 512 (llama 384) on CPU, 16384 (llama 14336) on GPU)",
+                "(default: 2 on CPU, 8 on GPU)"):
     assert shown in text, shown
 
 
@@ -324,6 +349,9 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     (("--batch", "6"), r"error: --batch \(6\) must be a multiple of dp=4"),
     (("--warmup", "0"), r"error: --warmup \(0\) must be 1 step or more"),
     (("--resume",), r"error: --resume: no checkpoint in .*empty"),
+    (("--arch", "llama", "--kv-heads", "3", "--heads", "4"),
+     r"error: --kv-heads \(3\) must divide --heads \(4\)"),
+    (("--kv-heads", "1"), r"error: --kv-heads is for --arch llama"),
 ])
 def test_errors(tmp_path, flags, match):
   with pytest.raises(SystemExit, match=match):

@@ -18,7 +18,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 
 from jax_comm_gemm import validation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.layers import dense, transformer
+from jax_comm_gemm.layers import dense, llama, transformer
 from jax_comm_gemm.validation import Names
 
 default_kernel_init = initializers.lecun_normal()
@@ -183,8 +183,11 @@ def config_of(module) -> CommGemmConfig:
 
 
 def run(kind: str, where: dense.Placement, names: Names, *operands, **options):
-  """Runs layer `kind` ("column", "row" or "block") where `where` says: on local
-  shards inside the caller's ``jax.shard_map``, or on global arrays."""
+  """Runs layer `kind` ("column", "row", "block" or "llama") where `where`
+  says: on local shards inside the caller's ``jax.shard_map``, or on global arrays."""
+  if kind == "llama":
+    run_block = llama.block_local if where.local else llama.block_global
+    return run_block(names, *operands, where=where, **options)
   if kind == "column" and where.local:
     return dense.column_local(names, *operands, where=where, **options)
   if kind == "column":

@@ -176,7 +176,7 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
   check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
-               fp8_histories=_checked_histories(names.op, options, fp8_histories))
+               fp8_histories=checked_histories(names.op, options, fp8_histories))
 
 
 def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None):
@@ -207,8 +207,7 @@ def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, o
   # The LayerNorm's output is the first dense's input: the dense applies it
   # (under an FP8 recipe inside its cast, never written in bf16).
   h = normalization(x, norm, o.epsilon, dtype)
-  (k1, b1), (k2, b2) = _dense_params(first, dtype, o.config), _dense_params(second, dtype,
-                                                                            o.config)
+  (k1, b1), (k2, b2) = (dense_params(p, dtype, o.config) for p in (first, second))
   if inner is None:
     return x + dense.mlp_parallel(h, k1, b1, k2, b2, axis_name=axis_name,
                                   activation=o.activation,
@@ -227,7 +226,7 @@ def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, o
                                 fp8_history=histories[1], merge_heads=True)
 
 
-def _checked_histories(op, options, fp8_histories):
+def checked_histories(op, options, fp8_histories):
   """`fp8_histories`, checked: {layer: AmaxHistory} for FP8_LAYERS where the
   config's recipe is "delayed", else None."""
   return validation.check_fp8_histories(op, options.config, fp8_histories, FP8_LAYERS,
@@ -277,7 +276,7 @@ def attention_heads(q, k, v, causal: bool, implementation):
                                       implementation=implementation)
 
 
-def _dense_params(p, dtype, config):
+def dense_params(p, dtype, config):
   """(kernel, bias or None) in the computation dtype, like flax's promote_dtype;
   under an FP8 recipe the kernel as stored: the FP8 op makes its FP8 copies
   from it in one read and returns its gradient in its dtype, where a copy in
@@ -317,10 +316,8 @@ def block_global(names: Names, x, params, *, where: Placement, options: BlockOpt
   op, data = names.op, where.data_axes
   check_block(op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=False)
-  shards = int(np.prod([where.mesh.shape[a] for a in data]))
-  validation.check_divisible(op, names.x, "sequences (second dimension, the batch)",
-                             np.shape(x)[1], "*".join(data) or "()", shards)
-  histories = _checked_histories(op, options, fp8_histories)
+  check_batch(op, names.x, x, where)
+  histories = checked_histories(op, options, fp8_histories)
   return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
                   data_axes=data, options=options, plan=current_plan())
 
@@ -351,19 +348,7 @@ def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
   ...
   ValueError: f: the features (8) must divide into num_heads=3 heads of equal size
   """
-  shape = np.shape(x)
-  if len(shape) != 3:
-    raise ValueError(
-        f"{op}: `{x_name}` must be 3-D [seq, batch, features] (the sequence first: "
-        f"it is sharded over {axis_name!r}), got shape {shape}")
-  if not local:
-    validation.check_divisible(
-        op, x_name, "positions (first dimension, the sequence)", shape[0], axis_name, size,
-        ". The layout is [seq, batch, features]: for [batch, seq, features] "
-        "activations pass jnp.swapaxes(x, 0, 1)")
-  validation.check_not_empty(op, x_name, x)
-  validation.check_dtype(op, x_name, x)
-  d = shape[-1]
+  d = check_activations(op, x_name, x, axis_name, size, local=local)
   if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
     raise ValueError(f"{op}: num_heads must be a positive int, got {num_heads!r}")
   if d % num_heads:
@@ -379,7 +364,40 @@ def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
                      "(ln_1, attention/{qkv,out}, ln_2, mlp/{fc1,fc2})") from None
   validation.check_divisible(op, "mlp/fc1/kernel", "output features", hidden, axis_name,
                              size)
-  want = jax.tree.map(lambda s: tuple(n // size if name == axis_name and local else n
+  check_param_shapes(op, params, layout, size, d, local=local)
+
+
+def check_activations(op: str, x_name: str, x, axis_name: str, size: int, *,
+                      local: bool) -> int:
+  """A block's `x`: 3-D ``[seq, batch, d]``, globally its sequence split over
+  the axis; returns d."""
+  shape = np.shape(x)
+  if len(shape) != 3:
+    raise ValueError(
+        f"{op}: `{x_name}` must be 3-D [seq, batch, features] (the sequence first: "
+        f"it is sharded over {axis_name!r}), got shape {shape}")
+  if not local:
+    validation.check_divisible(
+        op, x_name, "positions (first dimension, the sequence)", shape[0], axis_name, size,
+        ". The layout is [seq, batch, features]: for [batch, seq, features] "
+        "activations pass jnp.swapaxes(x, 0, 1)")
+  validation.check_not_empty(op, x_name, x)
+  validation.check_dtype(op, x_name, x)
+  return shape[-1]
+
+
+def check_batch(op: str, x_name: str, x, where: Placement) -> None:
+  """A global block's batch (`x`'s second dimension) splits over the data axes."""
+  data = where.data_axes
+  shards = int(np.prod([where.mesh.shape[a] for a in data]))
+  validation.check_divisible(op, x_name, "sequences (second dimension, the batch)",
+                             np.shape(x)[1], "*".join(data) or "()", shards)
+
+
+def check_param_shapes(op: str, params, layout, size: int, d: int, *, local: bool) -> None:
+  """`params` has `layout`'s entries (a dict of :class:`ParamSpec`), each of
+  its global shape, or locally of its shape cut by `size` along the axis."""
+  want = jax.tree.map(lambda s: tuple(n // size if name is not None and local else n
                                       for n, name in zip(s.shape, s.names)), layout)
   got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
   if (jax.tree.structure(got, is_leaf=_is_shape)
