@@ -489,7 +489,7 @@ def show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
     os.makedirs(out, exist_ok=True)
     outputs["plot"] = os.path.join(out, "loss.png")
     run_report.plot_losses(history, outputs["plot"],
-                           f"byte GPT, {s['layers']} blocks, d_model {s['d_model']}, "
+                           f"byte {args.arch}, {s['layers']} blocks, d_model {s['d_model']}, "
                            f"backend {args.backend}" + (f", FP8 {args.fp8}" if args.fp8 else ""))
     say(f"loss plot: {outputs['plot']}")
   if args.sample_bytes:
