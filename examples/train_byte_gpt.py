@@ -457,8 +457,12 @@ def train(args) -> dict:
   if args.profile and rank0:  # beside the trace: benchmarks/producers.py joins the two
     with open(os.path.join(args.profile, "step.hlo.txt"), "w") as f:
       f.write(step_text)
+  # The paths from the routes the step was compiled under: the tuned step's,
+  # else the process plan's (nothing has been published since the compile).
   summary = run_report.layer_report(step_text, config, mesh, dtype, args, s["layers"], say,
-                                    routes=getattr(step_fn, "routes", None))
+                                    routes=getattr(step_fn, "routes", None),
+                                    step=trainer.step_function(),
+                                    step_args=(params, opt_state, tokens, targets))
   summary.update(history=history, tokens_per_s=tokens_per_s, start_step=start,
                  final_step=max(start, s["steps"]), sizes=s, mesh={"dp": dp, "tp": tp},
                  platform=platform, process_count=jax.process_count(),

@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +34,11 @@ import pytest
 
 from conftest import CPU_TEST_FLAGS, cpu_mesh
 from fake_native import install_fake_native
+import jax_comm_gemm as jcg
 from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.backends import Capability, CublasMpBackend
 from jax_comm_gemm.diagnostics import hlo, report
+from jax_comm_gemm.runtime.registry import current_plan
 import jax_comm_gemm.backends.tuning as tuning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -70,8 +73,10 @@ def check_report(stdout, summary, layers, remat=False):
   for i in range(layers):
     assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
                      r"fallback +fc2 xla fallback", stdout), stdout
-  assert f"qkv, fc1 (column-parallel): xla fallback ({reason}" in stdout
-  assert f"out-proj, fc2 (row-parallel): xla fallback ({reason}" in stdout
+  # Each path, then the reason they share once.
+  assert ("qkv, fc1 (column-parallel): xla fallback\n  out-proj, fc2 (row-parallel): xla "
+          f"fallback\n  why: {reason}") in stdout, stdout
+  assert stdout.count(reason) == 1, stdout
   assert summary["paths"]["row_parallel"]["path"] == "xla fallback"
   assert "MISMATCH" not in stdout and "all-gathers in the blocks" in stdout
   # XLA fallback, per block: QKV's and fc1's forward gathers, out-proj's and
@@ -213,8 +218,8 @@ def test_one_device_trains_on_xla_and_says_why(tmp_path):
   for i in range(2):
     assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
                      r"fallback +fc2 xla fallback", stdout), stdout
-  assert f"qkv, fc1 (column-parallel): xla fallback ({reason})" in stdout
-  assert f"out-proj, fc2 (row-parallel): xla fallback ({reason})" in stdout
+  assert ("qkv, fc1 (column-parallel): xla fallback\n  out-proj, fc2 (row-parallel): xla "
+          f"fallback\n  why: {reason}") in stdout, stdout
   assert "MISMATCH" not in stdout
   assert re.search(r"all-gathers in the blocks +counted +0 +expected +0 +ok", stdout), stdout
   assert re.search(r"fused AllGather\+GEMM calls +counted +0 +expected +0 +ok", stdout), stdout
@@ -249,9 +254,59 @@ def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, cap
   assert re.search(r"autotune in [\d.]+ s: plan 'ring'", stdout), stdout
   assert summary["autotune"]["plan"] == "ring"
   assert [s for s, _ in summary["history"]["validation"]] == [0, 1, 2]
-  # The layer table names no one path under auto: each op runs as chosen (listed).
-  assert "blocks 0-0: each op as autotune chose for its shape" in stdout, stdout
-  assert not re.search(r"block0: +qkv", stdout), stdout
+  # The layer table: the ring, as the tuned step's routes chose for every op
+  # (listed, the step's measurement said once), and the ring's counts.
+  assert re.search(r"block0: +qkv ring +out-proj ring +fc1 ring +fc2 ring", stdout), stdout
+  assert "why: every op chose ring ([1])" in stdout
+  assert len(re.findall(r"(all_gather_matmul|matmul_reduce_scatter) rows=.* ring +\[1\]",
+                        stdout)) == 8, stdout
+  assert stdout.count("(all ring kept)") == 2, stdout  # autotune's line, and the table's [1]
+  assert summary["expected"]["standalone_all_gathers"] == summary["counts"][
+      "standalone_all_gathers"] == 2 and "MISMATCH" not in stdout
+
+
+@pytest.mark.parametrize("kept", ["xla", "ring"])
+def test_the_layer_table_names_the_path_the_step_compiled_with(monkeypatch, capsys, kept):
+  """Ranks sharing a GPU (cuBLASMp refused its workspace) where autotune_step
+  kept one implementation for every op: the step makes no fused call, and the
+  table names that implementation for every layer and op, from the tuned
+  step's routes (not "fused" from the config's backend="auto"), with each
+  reason once (not the refusal on every line), and that path's counts."""
+  monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  refusal = "cuBLASMp was refused its workspace (stand-in)"
+  install_fake_native(monkeypatch, workspace_error=refusal)
+  mesh = train_byte_gpt.make_mesh(2, "cpu")
+  jcg.connect(mesh, "tp")
+  model = byte_gpt.ByteGPT(byte_gpt.ModelConfig(32, 2, 1, 64, 16), mesh)
+  trainer, params, opt_state = byte_gpt.Trainer.create(
+      model, byte_gpt.optimizer(1e-3, 2), mesh, seed=0)
+  tokens = byte_gpt.to_device(mesh, np.zeros((4, 17), np.uint8))
+  args = (params, opt_state, *tokens)
+  step = trainer.step_function()
+  why = f"step measured: all {kept} 1.000 ms ({kept} kept)"
+  routes = current_plan().with_decisions(
+      {p: (kept, why) for p in jcg.problems_of(step, *args)})
+  tuned = jcg.TunedStep(step, routes, kept, why)
+  flags = types.SimpleNamespace(backend="auto", keep_gathered_input=False, remat=False)
+  summary = run_report.layer_report(run_report.program_text(tuned, *args), model.config,
+                                    mesh, jnp.float32, flags, 1, print, routes=tuned.routes,
+                                    step=step, step_args=args)
+  table = capsys.readouterr().out
+  paths = table.split("collectives of the compiled")[0]
+  path = {"xla": "xla fallback", "ring": "ring"}[kept]
+  assert re.search(rf"block0: +qkv {path} +out-proj {path} +fc1 {path} +fc2 {path}\n", table)
+  assert (f"qkv, fc1 (column-parallel): {path}\n  out-proj, fc2 (row-parallel): {path}\n"
+          f"  why: every op chose {kept} ([1])") in table, table
+  assert [op["path"] for op in summary["ops"]] == [kept] * 8, summary["ops"]
+  assert {op["role"] for op in summary["ops"]} == {
+      f"{kind}-parallel {which}" for kind in ("column", "row") for which in ("forward",
+                                                                            "backward")}
+  assert table.count(why) == 1 and refusal not in table and "fused" not in paths, table
+  assert summary["counts"]["fused_all_gather_matmuls"] == 0
+  assert summary["counts"]["standalone_all_gathers"] == summary["expected"][
+      "standalone_all_gathers"] == {"xla": 4, "ring": 2}[kept]
+  assert "MISMATCH" not in table
 
 
 def test_each_loss_is_read_after_the_next_step_is_dispatched(monkeypatch, tmp_path, capsys):

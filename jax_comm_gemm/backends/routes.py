@@ -187,13 +187,17 @@ class AutoBackend(Backend):
 
   name = "auto"
 
+  def default(self, op: str) -> str:
+    """The implementation the rule of thumb fuses op `op` (AG or RS) with: the
+    configured algorithm."""
+    configured = (self.fused.all_gather_algorithm if op == AG else self.fused.reduce_scatter)
+    return (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
+            else f"cublasmp_{configured}")
+
   def chosen(self, op: str, x, w, transpose_w, axis_name, gathered=False) -> Backend:
     """The backend that runs op `op` (AG or RS) on these operands (arrays or
     their shapes), `gathered`: an AllGather+GEMM that hands out its operand."""
-    configured = (self.fused.all_gather_algorithm if op == AG else self.fused.reduce_scatter)
-    default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
-               else f"cublasmp_{configured}")
-    name, _ = choose(problem(op, x, w, transpose_w, axis_name, gathered), default)
+    name, _ = choose(problem(op, x, w, transpose_w, axis_name, gathered), self.default(op))
     return implementation(name, self.fused)
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,

@@ -1,4 +1,5 @@
-"""Which path a layer takes and why, and how many all-gathers a training step
+"""Which path a layer takes and why, which implementation each op of a step
+runs under ``backend="auto"`` (:func:`op_paths`), and how many all-gathers a training step
 should hold, for reports (the example) and tests, to set beside what
 :func:`jax_comm_gemm.diagnostics.hlo.compiled_collectives` counts. Both come
 from the functions that decide at trace time (``backends.routes``)."""
@@ -7,14 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
-from jax_comm_gemm.backends.routes import workspace
+import warnings
+
+from jax_comm_gemm.backends import (AutoBackend, CublasMpBackend, RingBackend, choose_backend,
+                                    pallas)
+from jax_comm_gemm.backends.routes import AG, Problem, choose, workspace
+from jax_comm_gemm.backends.tuning import problems_of
 from jax_comm_gemm.config import CommGemmConfig
 from jax_comm_gemm.backends.routes import fp8_route, gathered_route
+from jax_comm_gemm.runtime import plan as plan_lib
 
 FUSED_WITH_REUSE = "fused with reuse"
 FUSED_WITH_ALL_GATHER = "fused with all_gather"
 XLA_FALLBACK = "xla fallback"
+RING = "ring"
 PALLAS_KERNEL = "pallas kernel"
 FP8_ON_XLA = "fp8 on xla"
 FP8_ON_RING = "fp8 on ring"
@@ -88,6 +95,8 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                                       "where its tiles divide the shape, else XLA's ops")
     return LayerPath(XLA_FALLBACK, f"{choice.reason}; the Pallas kernel cannot run it: "
                                    f"{verdict.reason}")
+  if isinstance(choice.backend, RingBackend):  # XLA's GEMMs on a ring of ppermutes
+    return LayerPath(RING, choice.reason)
   if not isinstance(choice.backend, (CublasMpBackend, AutoBackend)):
     return LayerPath(XLA_FALLBACK, choice.reason)
   # With "auto" each AllGather+GEMM runs fused or on XLA as measured for its
@@ -110,6 +119,56 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
 
 
 @dataclasses.dataclass(frozen=True)
+class OpPath:
+  """The implementation ("xla", "ring", "cublasmp_split_p2p", ...) that runs
+  one op of a step, and why (:func:`op_paths`)."""
+  problem: Problem
+  implementation: str
+  why: str
+
+  @property
+  def role(self) -> str:
+    """Which pass of which layer the op is, for the library's layers (their
+    kernels untransposed): a column-parallel layer's forward is an
+    AllGather+GEMM and its dgrad a GEMM+ReduceScatter of the transposed
+    kernel, a row-parallel layer the other way round. An FP8 op is chosen
+    once, for its forward and its backward.
+
+    >>> from jax_comm_gemm.backends.routes import RS
+    >>> OpPath(Problem(RS, 8, 4, 16, "bfloat16", True, 2), "xla", "").role
+    'column-parallel backward'
+    """
+    column = (self.problem.op == AG) != self.problem.transpose_w
+    which = ("forward and backward" if self.problem.fp8 else
+             "backward" if self.problem.transpose_w else "forward")
+    return f"{'column' if column else 'row'}-parallel {which}"
+
+
+def op_paths(config: CommGemmConfig, plan, step, *args) -> list[OpPath]:
+  """Each op of `step(*args)` that ``backend="auto"`` (or FP8 on "auto") chooses
+  an implementation for, in order, with the implementation and why under
+  `plan`: the choices a program of `step` traced under `plan` was compiled
+  with (for ``autotune_step``'s step, its ``routes`` and ``step``). Traces
+  `step` once more (``jax.eval_shape``), compiles nothing. Empty where no op
+  is chosen per problem (a backend other than "auto", or cuBLASMp unavailable).
+
+  >>> import jax.numpy as jnp, jax_comm_gemm as jcg
+  >>> from jax_comm_gemm.runtime.registry import current_plan
+  >>> op_paths(jcg.CommGemmConfig(), current_plan(), lambda x: x + 1, jnp.zeros(2))
+  []
+  """
+  with plan_lib.use(plan):
+    problems = problems_of(step, *args)
+  auto = config.backend if isinstance(config.backend, AutoBackend) else AutoBackend(config.fused)
+  found = []
+  with warnings.catch_warnings():  # the step's trace said so already: each not measured
+    warnings.simplefilter("ignore", RuntimeWarning)
+    for p in problems:
+      found.append(OpPath(p, *choose(p, "xla" if p.fp8 else auto.default(p.op), plan)))
+  return found
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpectedCounts:
   """Collectives in one forward + backward, as
   :func:`jax_comm_gemm.diagnostics.hlo.count_collectives` counts them:
@@ -125,15 +184,15 @@ def expected_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   size 1; with the fused ops two fused (fc1's forward, fc2's dgrad) and a
   standalone one per weight gradient that does not reuse its operand (2, 1 with
   fc2's reuse, 0 when fc1 keeps its input too); on XLA's collectives 2 (XLA's
-  CSE merges fc1's backward gather with its forward's); FP8 on the ring 1
-  (fc1's backward; 0 with `keep_gathered_input`)."""
+  CSE merges fc1's backward gather with its forward's); on the ring, bf16 or
+  FP8, 1 (fc1's backward; 0 with `keep_gathered_input`)."""
   if int(mesh.shape[axis_name]) == 1:
     return ExpectedCounts(0, 0)
   fc1 = layer_path(config, mesh, axis_name, dtype, keep_gathered_input=keep_gathered_input)
   fc2 = layer_path(config, mesh, axis_name, dtype, reduce_scatter_layer=True)
   if fc2.path in (XLA_FALLBACK, FP8_ON_XLA):
     return ExpectedCounts(2, 0)
-  if fc2.path == FP8_ON_RING:  # the rings gather by ppermute; fc1's backward gathers again
+  if fc2.path in (RING, FP8_ON_RING):  # the rings gather by ppermute; fc1's backward again
     return ExpectedCounts(int(not keep_gathered_input), 0)
   return ExpectedCounts(int(fc1.path != FUSED_WITH_REUSE) + int(fc2.path != FUSED_WITH_REUSE),
                         2)
@@ -144,10 +203,11 @@ def expected_block_all_gathers(config: CommGemmConfig, mesh, axis_name: str, dty
                                remat: bool = False) -> ExpectedCounts:
   """The all-gathers of one transformer block's forward + backward: twice the
   SP-MLP block's; with `remat` QKV's and fc1's forward gathers run again (2
-  more, fused where the forward's are)."""
+  more, fused where the forward's are; none on the bf16 ring, whose are ppermutes)."""
   mlp = expected_all_gathers(config, mesh, axis_name, dtype,
                              keep_gathered_input=keep_gathered_input)
   standalone, fused = 2 * mlp.standalone_all_gathers, 2 * mlp.fused_all_gather_matmuls
-  if remat and int(mesh.shape[axis_name]) > 1:
+  ring = layer_path(config, mesh, axis_name, dtype).path == RING
+  if remat and int(mesh.shape[axis_name]) > 1 and not ring:
     standalone, fused = (standalone, fused + 2) if fused else (standalone + 2, fused)
   return ExpectedCounts(standalone, fused)
