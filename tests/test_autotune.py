@@ -283,14 +283,15 @@ def test_a_failure_in_one_process_only_is_skipped_by_every_process(monkeypatch, 
 
 def test_autotune_step_where_every_plan_failed_raises_naming_each():
   """Every plan of the step fails (here to compile, in every process): there
-  is nothing to choose, and every process raises the same error naming each
-  plan and what it raised (with one process, no process is named)."""
+  is nothing to choose, and every process raises the same error naming the
+  step's XLA plan, the reference, and each plan and what it raised (with one
+  process, no process is named)."""
   def step(x):
     raise ValueError("planted: the step cannot be traced")
 
   routes = {"ring": stand_in_plan(), "xla": stand_in_plan()}
-  with pytest.raises(RuntimeError, match=r"every plan of the step failed: "
-                                         r"xla \(planted: the step cannot be traced\), "
+  with pytest.raises(RuntimeError, match=r"the step under the all-XLA plan: XLA's run, .* "
+                                         r"failed: xla \(planted: the step cannot be traced\), "
                                          r"ring \(planted: the step cannot be traced\)$"):
     autotune._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)
 
@@ -648,3 +649,55 @@ def test_the_names_autotune_may_force_are_autos_candidates():
   """JAX_COMM_GEMM_AUTOTUNE is checked against settings.IMPLEMENTATIONS,
   without importing the backends: the two lists must name the same."""
   assert set(routes.CANDIDATES[AG]) | set(routes.CANDIDATES[RS]) == set(settings.IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("argument", ["rounds", "iterations"])
+@pytest.mark.parametrize("value", [0, -1, 2.5])
+def test_autotune_step_refuses_a_count_that_measures_nothing(argument, value):
+  """rounds=0 would time nothing and keep (and cache) an unmeasured plan:
+  refused before any work, naming the argument."""
+  with pytest.raises(ValueError, match=rf"autotune_step: `{argument}` must be a whole number "
+                                       rf"of at least 1, got {value}"):
+    autotune.autotune_step(cpu_mesh(2), "tp", lambda x: x, jnp.ones(2), **{argument: value})
+
+
+def test_a_failed_xla_reference_run_is_an_error_naming_the_problem():
+  """XLA's run is the reference every candidate is checked against: where it
+  fails (here in its warm-up) nothing can be checked or chosen, and every
+  process raises alike, naming what was measured and why XLA failed, before
+  any other candidate runs."""
+  ran = []
+
+  def xla():
+    raise RuntimeError("planted: XLA's program ran out of memory")
+
+  with pytest.raises(RuntimeError, match=r"jax_comm_gemm autotune: all_gather_matmul rows=8: "
+                                         r"XLA's run, the reference .* failed: xla \(planted: "
+                                         r"XLA's program ran out of memory\)"):
+    autotune.time_candidates({"xla": (xla, 1), "ring": (lambda: ran.append("ring"), 1)},
+                             rounds=2, wait=lambda out: None, reference="xla",
+                             about="all_gather_matmul rows=8")
+  assert ran == []
+  # XLA's program that does not build is the same error.
+  with pytest.raises(RuntimeError, match=r"the step: XLA's run, the reference .* failed: "
+                                         r"xla \(cannot compile\)"):
+    autotune.time_candidates({"xla": "cannot compile", "ring": (lambda: "r", 1)}, rounds=2,
+                             wait=lambda out: None, reference="xla", about="the step")
+
+
+def test_autotune_step_whose_all_xla_step_fails_raises_naming_it():
+  """The all-XLA step is the reference the other plans' results are checked
+  against: where it fails (here to trace) and another plan runs, that plan is
+  not kept unchecked; the error names the step's XLA plan and its failure."""
+  xla_plan = stand_in_plan(autotune="off")
+  routes = {"ring": stand_in_plan(), "xla": xla_plan}
+
+  def step(x):
+    if REGISTRY.plan() is xla_plan:
+      raise ValueError("planted: the XLA step cannot be traced")
+    return x + 1
+
+  with pytest.raises(RuntimeError, match=r"the step under the all-XLA plan: XLA's run, the "
+                                         r"reference .* failed: xla \(planted: the XLA step "
+                                         r"cannot be traced\)"):
+    autotune._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)
