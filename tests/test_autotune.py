@@ -349,7 +349,8 @@ def test_timed_batches_follow_the_workspace_verdict(monkeypatch):
   """_runnables sizes its batches by connect's workspace verdict for the group."""
   p = Problem(AG, 8, 8, 6, "float32", False, 2)
   for ok, want in ((True, 200), (False, 3)):
-    monkeypatch.setattr(autotune, "workspace", lambda size, ok=ok: Capability(ok, "planted"))
+    monkeypatch.setattr(autotune, "workspace",
+                        lambda size, plan, ok=ok: Capability(ok, "planted"))
     runs = autotune._runnables(cpu_mesh(2), "tp", p, seconds=0.1)
     assert runs["xla"][1] == want, (ok, runs["xla"][1])
 
@@ -366,14 +367,14 @@ def test_rule_of_thumb_then_the_measured_choice(empty_decisions):
   small = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)
   large = Problem(AG, 4096, 8192, 4096, "bfloat16", False, 2)
   with pytest.warns(RuntimeWarning, match="keeps that route when autotune measures it"):
-    assert routes.choose(small, "cublasmp_split_p2p")[0] == "xla"
+    assert routes.choose(small, "cublasmp_split_p2p", REGISTRY.plan())[0] == "xla"
   with pytest.warns(RuntimeWarning, match="is not measured"):
-    name, why = routes.choose(large, "cublasmp_split_p2p")
+    name, why = routes.choose(large, "cublasmp_split_p2p", REGISTRY.plan())
   assert name == "cublasmp_split_p2p" and "not measured yet" in why
   REGISTRY.record_decisions({small: ("cublasmp_split_p2p", "measured: ...")})
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert routes.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
+    assert routes.choose(small, "xla", REGISTRY.plan()) == ("cublasmp_split_p2p", "measured: ...")
 
 
 def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
@@ -382,7 +383,7 @@ def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
   alone = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 1)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert routes.choose(alone, "cublasmp_split_p2p")[0] == "xla"
+    assert routes.choose(alone, "cublasmp_split_p2p", REGISTRY.plan())[0] == "xla"
 
 
 def test_no_warning_where_autotune_cannot_measure():
@@ -393,7 +394,7 @@ def test_no_warning_where_autotune_cannot_measure():
   assert not REGISTRY.plan().cublasmp.ok
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert routes.choose(fp8, "xla")[0] == "xla"
+    assert routes.choose(fp8, "xla", REGISTRY.plan())[0] == "xla"
 
 
 
@@ -415,7 +416,7 @@ def test_the_environment_is_not_read_while_tracing(empty_decisions, monkeypatch)
   changes no route until the next connect publishes a plan with it."""
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
   monkeypatch.setenv(settings.AUTOTUNE, "ring")
-  assert routes.choose(p, "xla")[0] != "ring"
+  assert routes.choose(p, "xla", REGISTRY.plan())[0] != "ring"
 
 
 def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: int):

@@ -311,9 +311,11 @@ def iterations(p: Problem, seconds: float, symmetric_memory: bool = True) -> int
   return max(1, min(200, int(seconds / 10 / estimate)))
 
 
-def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
-  """A compiled program per candidate of `p` on random data, as time_candidates
-  takes them: ``(call, iterations)``, the error building it raised, or None."""
+def _runnables(mesh, axis_name: str, p: Problem, seconds: float, plan: Plan | None = None) -> dict:
+  """A compiled program per candidate of `p` on random data, under `plan`
+  (default: the plan in force), as time_candidates takes them: ``(call,
+  iterations)``, the error building it raised, or None."""
+  plan = current_plan() if plan is None else plan
   size = p.axis_size
   if p.op == AG:
     x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
@@ -331,16 +333,17 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   w = _random(mesh, w_shape, w_spec, p.dtype, 2, scale=p.k ** -0.5)
   # Every candidate has an entry, in the same order in every process.
   runs = {}
+  fused = CublasMpBackend(plan=plan)
   for name in candidates(p):
-    if not runnable(name, p).ok:
+    if not runnable(name, p, plan).ok:
       runs[name] = None
       continue
-    backend = implementation(name, CublasMpBackend())
+    backend = implementation(name, fused)
 
     def local(x, w, backend=backend, name=name):
       if p.fp8:  # the FP8 op, its fused steps on `name`'s collectives
         recipe = Fp8Recipe.from_key(p.fp8)
-        collectives = fp8_collectives_of(name, CublasMpBackend())
+        collectives = fp8_collectives_of(name, fused)
         if p.op == AG:
           return fp8_all_gather_matmul(x, w, axis_name, recipe=recipe,
                                        transpose_w=p.transpose_w, return_gathered=p.gathered,
@@ -355,7 +358,7 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     runs[name] = build(lambda local=local: jax.jit(jax.shard_map(local, mesh=mesh, **specs))
                        .lower(x, w).compile(),
                        lambda program: program(x, w),
-                       iterations(p, seconds, workspace(size).ok))
+                       iterations(p, seconds, workspace(size, plan).ok))
   return runs
 
 
@@ -479,8 +482,8 @@ def measure(mesh, axis_name: str, problems, plan, *,
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(work["measure"]))
     parts = ("autotune", index)
     mine, failed = timed(ident, attempt, parts, _runnables(mesh, axis_name, p,
-                                                           seconds_per_problem), 10, timeout,
-                         about=p.text())
+                                                           seconds_per_problem, plan),
+                         10, timeout, about=p.text())
     choices[p] = agreed_choice(ident, attempt, parts, mine, timeout, failed, decide)
   measured = {Problem(**q).text(): list(choices[Problem(**q)]) for q, _ in work["measure"]}
   remember(path, section, measured)
@@ -578,6 +581,7 @@ def step_plans(problems, chosen: dict, implementations=None, plan=None) -> dict[
   `plan` (default: the plan in force), XLA always; per-op choices of one
   implementation are timed once, under its name."""
   names = _plan_names(implementations)
+  plan = current_plan() if plan is None else plan
   plans = {name: {p: (name, "step-level comparison") for p in problems}
            for name in IMPLEMENTATIONS
            if name in names and all(name in CANDIDATES[p.op] and runnable(name, p, plan).ok

@@ -8,9 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 from jax_comm_gemm.backends import AutoBackend, CublasMpBackend, choose_backend, pallas
-from jax_comm_gemm.backends.routes import workspace
+from jax_comm_gemm.backends.routes import (bound, fp8_route, fused_backend, gathered_route,
+                                           workspace)
 from jax_comm_gemm.config import CommGemmConfig
-from jax_comm_gemm.backends.routes import fp8_route, gathered_route
+from jax_comm_gemm.runtime.registry import current_plan
 
 FUSED_WITH_REUSE = "fused with reuse"
 FUSED_WITH_ALL_GATHER = "fused with all_gather"
@@ -58,7 +59,8 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   if path_reason is not None:
     return LayerPath(XLA_FALLBACK, path_reason)
   size = int(mesh.shape[axis_name])
-  fp8 = fp8_route(config)
+  plan = current_plan()  # read once: every answer below is under the same plan
+  fp8 = fp8_route(config, plan)
   if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives, the ring or fused
     if size == 1:
       return LayerPath(FP8_ON_XLA, f"FP8 GEMMs; {single_device_reason(axis_name)}")
@@ -68,14 +70,14 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                          "gathers its input again in the backward pass unless "
                          "keep_gathered_input=True")
       gathered = config.fp8.backward_dtype if reduce_scatter_layer else config.fp8.forward_dtype
-      fused = config.fused
+      fused = bound(fused_backend(config), plan)
       route = gathered_route(fused, config.reuse_gathered, size, gathered, transpose_w=True)
       return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
                        f"{fp8.reason}; {route.reason}")
     # "auto" runs each shape as measured; the counts below are XLA's, the
     # default where nothing was measured (the compiled step's show which).
     return LayerPath(FP8_ON_RING if fp8.backend == "ring" else FP8_ON_XLA, fp8.reason)
-  choice = choose_backend(config, axis_name, mesh)
+  choice = choose_backend(config, axis_name, mesh, plan=plan)
   if size == 1:  # whatever the backend: each layer is a plain GEMM
     return LayerPath(XLA_FALLBACK, single_device_reason(axis_name))
   if isinstance(choice.backend, pallas.PallasBackend):
@@ -95,7 +97,7 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   # where the fused op is faster (the compiled step's counts show which).
   per_shape = ""
   if isinstance(choice.backend, AutoBackend):
-    refused = workspace(size)
+    refused = workspace(size, plan)
     per_shape = ("backend='auto', where autotune finds the fused op faster: " if refused.ok
                  else f"backend='auto' ({refused.reason}), where autotune finds one of the "
                       "project's own algorithms faster: ")

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import AmaxHistory, prologue
 from jax_comm_gemm.fp8.heads import merge_heads, split_heads
 from jax_comm_gemm.layers import dense
@@ -85,7 +85,7 @@ class BlockOptions:
   def __post_init__(self):
     op = type(self).__name__
     validation.check_callable(op, "activation", self.activation)
-    validation.check_config(op, self.config)
+    check_config(op, self.config)
     object.__setattr__(self, "precision", validation.check_precision(op, self.precision))
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
