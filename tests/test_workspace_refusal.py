@@ -10,6 +10,7 @@ algorithms is an error at ``connect`` and at trace time that names the reason.
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -227,3 +228,16 @@ def test_pipelined_ce_runs_and_reuses_where_its_verdict_passed(monkeypatch, back
   gathers = [e for e in equations if e.primitive.name == "all_gather"]
   assert len(gathers) == (1 if verified else 2)
 
+
+def test_a_failed_layout_self_test_says_so_once(monkeypatch):
+  """Cases whose self-test fails turn reuse off there (the layers stay correct)
+  and connect says so in one warning naming the failures; where every case
+  passes it says nothing."""
+  install_fake_native(monkeypatch, passing=lambda key: key.dtype != "float32")
+  with pytest.warns(RuntimeWarning, match=r"the layout self-test failed.*fake self-test") as seen:
+    jcg.connect(mesh2(), "tp")
+  assert sum("self-test failed" in str(w.message) for w in seen) == 1
+  install_fake_native(monkeypatch)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jcg.connect(mesh2(), "tp")
