@@ -44,24 +44,30 @@ def files_on_the_path() -> tuple[set[str], set[tuple[str, str]]]:
     def loss(params, x):
       return jnp.sum(model.apply(params, x) ** 2)
 
-    seen: set[str] = set()
-    reads: set[tuple[str, str]] = set()
-    package = str(ROOT / "jax_comm_gemm")
+    return traced(lambda: jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x))
 
-    def profile(frame, event, arg):
-      if event == "call" and frame.f_code.co_filename.startswith(package):
-        seen.add(frame.f_code.co_filename)
-        if frame.f_code.co_name == "current_plan":
-          caller = frame.f_back.f_code
-          reads.add((_relative(caller.co_filename), caller.co_name))
 
-    sys.setprofile(profile)
-    threading.setprofile(profile)
-    try:
-      jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x)
-    finally:
-      sys.setprofile(None)
-      threading.setprofile(None)
+def traced(run) -> tuple[set[str], set[tuple[str, str]]]:
+  """(the package files that run during `run()`, the (file, function) of
+  each read of the plan in force among them), by ``sys.setprofile``."""
+  seen: set[str] = set()
+  reads: set[tuple[str, str]] = set()
+  package = str(ROOT / "jax_comm_gemm")
+
+  def profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_filename.startswith(package):
+      seen.add(frame.f_code.co_filename)
+      if frame.f_code.co_name == "current_plan":
+        caller = frame.f_back.f_code
+        reads.add((_relative(caller.co_filename), caller.co_name))
+
+  sys.setprofile(profile)
+  threading.setprofile(profile)
+  try:
+    run()
+  finally:
+    sys.setprofile(None)
+    threading.setprofile(None)
   return {_relative(f) for f in seen}, reads
 
 

@@ -77,3 +77,40 @@ def test_a_vjp_taken_under_one_plan_runs_its_backward_under_it(elsewhere):
   np.testing.assert_allclose(y, x64 @ w64, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dx, ct64 @ w64.T, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(dw, x64.T @ ct64, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("where", ["global", "local"])
+def test_the_transformer_block_reads_the_plan_at_its_entry_alone(monkeypatch, fp8, where):
+  """A forward and backward of the transformer block on cuBLASMp's route (or
+  FP8's): the plan in force is read once, where the block's program is built,
+  and passed down to every op."""
+  from call_path import traced
+  from fake_native import install_fake_native
+  from jax_comm_gemm.fp8 import Fp8Recipe
+  from jax_comm_gemm.layers import transformer
+
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  install_fake_native(monkeypatch)
+  mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
+  jcg.connect(mesh, "tp")
+  config = (jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()) if fp8 else
+            jcg.CommGemmConfig(backend="cublasmp", reduce_scatter="split_p2p"))
+  options = transformer.BlockOptions(num_heads=2, config=config)
+  # Shapes no other test uses: the block's jits trace afresh here.
+  params = jax.tree.map(lambda s: jnp.full(s.shape, 0.05, jnp.float32),
+                        transformer.param_layout(16, 48, "tp"))
+  x = jnp.ones((6, 1, 16), jnp.float32)
+  if where == "global":
+    block = lambda x, p: transformer.sharded_transformer_block(x, p, mesh=mesh,
+                                                               options=options)
+    entry = "block_global"
+  else:
+    block = jax.shard_map(
+        lambda x, p: transformer.transformer_block(x, p, axis_name="tp", options=options),
+        mesh=mesh, in_specs=(P("tp"), transformer.partition_specs(params, "tp")),
+        out_specs=P("tp"))
+    entry = "block_local"
+  step = jax.jit(jax.grad(lambda x, p: jnp.sum(block(x, p) ** 2), argnums=(0, 1)))
+  _, reads = traced(lambda: step.lower(x, params))
+  assert reads == {("jax_comm_gemm/layers/transformer.py", entry)}
