@@ -85,7 +85,7 @@ def test_the_transformer_block_reads_the_plan_at_its_entry_alone(monkeypatch, fp
   """A forward and backward of the transformer block on cuBLASMp's route (or
   FP8's): the plan in force is read once, where the block's program is built,
   and passed down to every op."""
-  from call_path import traced
+  from call_path import forget_traces, traced
   from fake_native import install_fake_native
   from jax_comm_gemm.fp8 import Fp8Recipe
   from jax_comm_gemm.layers import transformer
@@ -97,7 +97,6 @@ def test_the_transformer_block_reads_the_plan_at_its_entry_alone(monkeypatch, fp
   config = (jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()) if fp8 else
             jcg.CommGemmConfig(backend="cublasmp", reduce_scatter="split_p2p"))
   options = transformer.BlockOptions(num_heads=2, config=config)
-  # Shapes no other test uses: the block's jits trace afresh here.
   params = jax.tree.map(lambda s: jnp.full(s.shape, 0.05, jnp.float32),
                         transformer.param_layout(16, 48, "tp"))
   x = jnp.ones((6, 1, 16), jnp.float32)
@@ -112,5 +111,6 @@ def test_the_transformer_block_reads_the_plan_at_its_entry_alone(monkeypatch, fp
         out_specs=P("tp"))
     entry = "block_local"
   step = jax.jit(jax.grad(lambda x, p: jnp.sum(block(x, p) ** 2), argnums=(0, 1)))
+  forget_traces()
   _, reads = traced(lambda: step.lower(x, params))
   assert reads == {("jax_comm_gemm/layers/transformer.py", entry)}
