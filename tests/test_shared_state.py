@@ -1,6 +1,7 @@
 """State shared between threads and jobs: the registry's plan and autotune's
 disk cache keep every update made at once."""
 
+import multiprocessing
 import threading
 import time
 
@@ -79,3 +80,32 @@ def test_jobs_that_write_the_autotune_cache_at_once_keep_every_entry(tmp_path, m
                                     "problem 1": ["xla", "job 1"]}}
   assert sorted(p.name for p in (tmp_path / "cache").iterdir()
                 if not p.name.endswith(".lock")) == ["autotune.json"]  # no temporary left
+
+
+def _write_slowly(path: str, job: int, start) -> None:
+  """One job's write of its entry (in a process of its own), after every job is ready."""
+  read = tuning.load_cache
+
+  def slow_read(where):
+    found = read(where)
+    time.sleep(0.3)
+    return found
+
+  tuning.load_cache = slow_read
+  start.wait(timeout=120)
+  tuning.remember(path, "section", {f"problem {job}": ["xla", f"job {job}"]})
+
+
+def test_processes_that_write_the_autotune_cache_at_once_keep_every_entry(tmp_path):
+  """As above, with two processes: the lock holds between jobs, not only threads."""
+  path = str(tmp_path / "autotune.json")
+  context = multiprocessing.get_context("spawn")
+  start = context.Barrier(2)
+  jobs = [context.Process(target=_write_slowly, args=(path, job, start)) for job in range(2)]
+  for job in jobs:
+    job.start()
+  for job in jobs:
+    job.join(timeout=120)
+  assert [job.exitcode for job in jobs] == [0, 0]
+  assert tuning.load_cache(path) == {"section": {"problem 0": ["xla", "job 0"],
+                                                 "problem 1": ["xla", "job 1"]}}
