@@ -298,8 +298,8 @@ def choose_backend(config, axis_name: str, mesh=None, precision=None, plan=None)
   plan = current_plan() if plan is None else plan
   choice = _choose(config, axis_name, mesh, plan, precision)
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
-    # The options only the fused ops read: CublasMpBackend's fields, whose
-    # defaults CommGemmConfig takes too.
+    # The options only the fused ops read (FUSED_OPTIONS), set to other than
+    # the config's defaults.
     unused = [f"{name}={getattr(config, name)!r}" for name in FUSED_OPTIONS
               if getattr(config, name) != getattr(DEFAULT_CONFIG, name)]
     if unused:
