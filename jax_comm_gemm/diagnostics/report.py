@@ -12,11 +12,12 @@ import warnings
 
 from jax_comm_gemm.backends import (AutoBackend, CublasMpBackend, RingBackend, choose_backend,
                                     pallas)
-from jax_comm_gemm.backends.routes import AG, Problem, choose, workspace
+from jax_comm_gemm.backends.routes import (AG, Problem, bound, choose, fp8_route, fused_backend,
+                                           gathered_route, workspace)
 from jax_comm_gemm.backends.tuning import problems_of
 from jax_comm_gemm.config import CommGemmConfig
-from jax_comm_gemm.backends.routes import fp8_route, gathered_route
 from jax_comm_gemm.runtime import plan as plan_lib
+from jax_comm_gemm.runtime.registry import current_plan
 
 FUSED_WITH_REUSE = "fused with reuse"
 FUSED_WITH_ALL_GATHER = "fused with all_gather"
@@ -65,7 +66,8 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   if path_reason is not None:
     return LayerPath(XLA_FALLBACK, path_reason)
   size = int(mesh.shape[axis_name])
-  fp8 = fp8_route(config)
+  plan = current_plan()  # read once: every answer below is under the same plan
+  fp8 = fp8_route(config, plan)
   if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives, the ring or fused
     if size == 1:
       return LayerPath(FP8_ON_XLA, f"FP8 GEMMs; {single_device_reason(axis_name)}")
@@ -75,14 +77,14 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
                          "gathers its input again in the backward pass unless "
                          "keep_gathered_input=True")
       gathered = config.fp8.backward_dtype if reduce_scatter_layer else config.fp8.forward_dtype
-      fused = config.fused
+      fused = bound(fused_backend(config), plan)
       route = gathered_route(fused, config.reuse_gathered, size, gathered, transpose_w=True)
       return LayerPath(FUSED_WITH_REUSE if route.reuse else FUSED_WITH_ALL_GATHER,
                        f"{fp8.reason}; {route.reason}")
     # "auto" runs each shape as measured; the counts below are XLA's, the
     # default where nothing was measured (the compiled step's show which).
     return LayerPath(FP8_ON_RING if fp8.backend == "ring" else FP8_ON_XLA, fp8.reason)
-  choice = choose_backend(config, axis_name, mesh)
+  choice = choose_backend(config, axis_name, mesh, plan=plan)
   if size == 1:  # whatever the backend: each layer is a plain GEMM
     return LayerPath(XLA_FALLBACK, single_device_reason(axis_name))
   if isinstance(choice.backend, pallas.PallasBackend):
@@ -104,7 +106,7 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   # where the fused op is faster (the compiled step's counts show which).
   per_shape = ""
   if isinstance(choice.backend, AutoBackend):
-    refused = workspace(size)
+    refused = workspace(size, plan)
     per_shape = ("backend='auto', where autotune finds the fused op faster: " if refused.ok
                  else f"backend='auto' ({refused.reason}), where autotune finds one of the "
                       "project's own algorithms faster: ")
@@ -159,7 +161,7 @@ def op_paths(config: CommGemmConfig, plan, step, *args) -> list[OpPath]:
   """
   with plan_lib.use(plan):
     problems = problems_of(step, *args)
-  auto = config.backend if isinstance(config.backend, AutoBackend) else AutoBackend(config.fused)
+  auto = config.backend if isinstance(config.backend, AutoBackend) else AutoBackend(fused_backend(config))
   found = []
   with warnings.catch_warnings():  # the step's trace said so already: each not measured
     warnings.simplefilter("ignore", RuntimeWarning)

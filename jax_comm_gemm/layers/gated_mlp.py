@@ -23,6 +23,7 @@ from jax_comm_gemm import validation
 from jax_comm_gemm.collective_matmul import scoped_activation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.layers import dense
+from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
 
 
@@ -79,7 +80,8 @@ def gated_mlp(x, gate_up_kernel, down_kernel, gate_up_bias=None, down_bias=None,
   del options["dot_general"]
   return gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias,
                             axis_name=axis_name, activation=activation,
-                            fp8_histories=(histories["fc1"], histories["fc2"]), **options)
+                            fp8_histories=(histories["fc1"], histories["fc2"]),
+                            plan=current_plan(), **options)
 
 
 def check_gate_up(op: str, kernel, bias, features: int) -> None:
@@ -101,7 +103,8 @@ def flat(kernel):
 
 def gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias, *, axis_name,
                        activation, keep_gathered_input=False, precision=None,
-                       config=DEFAULT_CONFIG, fp8_histories=(None, None), prologue=None):
+                       config=DEFAULT_CONFIG, fp8_histories=(None, None), prologue=None,
+                       plan=None):
   """:func:`gated_mlp` for callers that checked the arguments (`prologue` as in
   :func:`jax_comm_gemm.layers.dense.column_parallel`): gate and up in one
   column-parallel op, the gated product (XLA fuses it into its producer and
@@ -110,7 +113,9 @@ def gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias, 
   bias = None if gate_up_bias is None else jnp.reshape(gate_up_bias, (-1,))
   h = dense.column_parallel(x, flat(gate_up_kernel), bias, axis_name=axis_name,
                             keep_gathered_input=keep_gathered_input, precision=precision,
-                            config=config, fp8_history=fp8_histories[0], prologue=prologue)
+                            config=config, fp8_history=fp8_histories[0], prologue=prologue,
+                            plan=plan)
   a = scoped_activation(gated(activation), h)
   return dense.row_parallel(a, down_kernel, down_bias, axis_name=axis_name,
-                            precision=precision, config=config, fp8_history=fp8_histories[1])
+                            precision=precision, config=config, fp8_history=fp8_histories[1],
+                            plan=plan)

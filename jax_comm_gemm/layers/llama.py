@@ -42,7 +42,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import prologue
 from jax_comm_gemm.layers import dense
 from jax_comm_gemm.layers.dense import Placement, global_placement
@@ -109,7 +109,7 @@ class LlamaOptions:
         or not self.rope_base > 1:
       raise ValueError(f"{op}: rope_base must be a number > 1, got {self.rope_base!r}")
     validation.check_callable(op, "activation", self.activation)
-    validation.check_config(op, self.config)
+    check_config(op, self.config)
     object.__setattr__(self, "precision", validation.check_precision(op, self.precision))
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
@@ -208,16 +208,18 @@ def block_local(names: Names, x, params, *, where: Placement, options: LlamaOpti
   """:func:`llama_block` for a known placement: checks, then runs."""
   check_block(names.op, names.x, x, params, options, where.axis_name, where.size, local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
-               fp8_histories=transformer.checked_histories(names.op, options, fp8_histories))
+               fp8_histories=transformer.checked_histories(names.op, options, fp8_histories),
+               plan=current_plan())
 
 
-def block(x, params, *, axis_name: str, options: LlamaOptions, fp8_histories=None):
-  """:func:`llama_block` for callers that checked the arguments."""
+def block(x, params, *, axis_name: str, options: LlamaOptions, fp8_histories=None, plan=None):
+  """:func:`llama_block` for callers that checked the arguments, under `plan`,
+  the routing plan the entry read (None: each op reads the plan in force)."""
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
   x = x.astype(dtype)
   h = fp8_histories or dict.fromkeys(FP8_LAYERS)
-  common = dict(axis_name=axis_name, precision=o.precision, config=o.config)
+  common = dict(axis_name=axis_name, precision=o.precision, config=o.config, plan=plan)
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
       a = params["attention"]
@@ -333,7 +335,8 @@ def _sharded(x, params, histories, *, mesh, axis_name, data_axes, options, plan)
                         axis_name, mesh.shape[axis_name], "bias" in params["attention"]["q"])
 
   def body(x, params, histories):
-    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories)
+    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories,
+                 plan=plan)
 
   specs = (tokens, partition_specs(layout), None if histories is None else P())
   return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(x, params, histories)

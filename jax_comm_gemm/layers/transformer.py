@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import AmaxHistory, prologue
 from jax_comm_gemm.fp8.heads import merge_heads, split_heads
 from jax_comm_gemm.layers import dense
@@ -85,7 +85,7 @@ class BlockOptions:
   def __post_init__(self):
     op = type(self).__name__
     validation.check_callable(op, "activation", self.activation)
-    validation.check_config(op, self.config)
+    check_config(op, self.config)
     object.__setattr__(self, "precision", validation.check_precision(op, self.precision))
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
@@ -176,15 +176,17 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
   check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
-               fp8_histories=checked_histories(names.op, options, fp8_histories))
+               fp8_histories=checked_histories(names.op, options, fp8_histories),
+               plan=current_plan())
 
 
-def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None):
-  """:func:`transformer_block` for callers that checked the arguments."""
+def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None, plan=None):
+  """:func:`transformer_block` for callers that checked the arguments, under
+  `plan`, the routing plan the entry read (None: each op reads the plan in force)."""
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
   x = x.astype(dtype)
-  sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype)
+  sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype, plan=plan)
   h = fp8_histories or dict.fromkeys(FP8_LAYERS)
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
@@ -198,7 +200,7 @@ def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=Non
 
 
 def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, options, dtype,
-              histories):
+              histories, plan):
   """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
   row-parallel dense around `inner` (attention, of q, k and v in its own
   layout, :func:`attention_heads`); without one, the MLP
@@ -213,17 +215,18 @@ def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, o
                                   activation=o.activation,
                                   keep_gathered_input=o.keep_gathered_input,
                                   precision=o.precision, config=o.config,
-                                  fp8_histories=histories, prologue=prologue.layer_norm)
+                                  fp8_histories=histories, prologue=prologue.layer_norm,
+                                  plan=plan)
   # Attention's arrays [batch, seq, heads, head_dim] leave the first dense and
   # enter the second as they are: an FP8 cast reads them there (docs/fp8.md).
   q, k, v = dense.column_parallel(h, k1, b1, axis_name=axis_name,
                                   keep_gathered_input=o.keep_gathered_input,
                                   precision=o.precision, config=o.config,
                                   fp8_history=histories[0], prologue=prologue.layer_norm,
-                                  split_heads=(3, head_dim))
+                                  split_heads=(3, head_dim), plan=plan)
   return x + dense.row_parallel(inner(q, k, v), k2, b2, axis_name=axis_name,
                                 precision=o.precision, config=o.config,
-                                fp8_history=histories[1], merge_heads=True)
+                                fp8_history=histories[1], merge_heads=True, plan=plan)
 
 
 def checked_histories(op, options, fp8_histories):
@@ -329,7 +332,8 @@ def _sharded(x, params, histories, *, mesh, axis_name, data_axes, options, plan)
   tokens = P(axis_name, data_axes or None, None)
 
   def body(x, params, histories):
-    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories)
+    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories,
+                 plan=plan)
 
   specs = (tokens, partition_specs(params, axis_name), None if histories is None else P())
   return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(x, params, histories)
