@@ -66,18 +66,25 @@ def reduction_atol(dtype, k: int, scale: float, ulps: float = ULPS) -> float:
   return ulps * eps(dtype) * np.sqrt(k) * float(scale)
 
 
-def assert_reduction_close(got, want, *, k: int, dtype=np.float32, scale=None,
-                           ulps: float = ULPS, out_dtype=None, what: str = "") -> None:
-  """`got` equals `want` up to :func:`reduction_atol` everywhere (shape and
-  NaNs included); `scale` defaults to ``max |want|``. `out_dtype`: the sums
-  were written in that narrower type, one rounding each: one of its steps
-  (``eps * |want|``) more."""
+def _operands(got, want, scale, what: str):
+  """`got` and `want` in float64, of one shape, and `scale` (default: the
+  largest finite magnitude of `want`)."""
   got = np.asarray(got, np.float64)
   want = np.asarray(want, np.float64)
   assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
   if scale is None:
     finite = want[np.isfinite(want)]
     scale = float(np.max(np.abs(finite))) if finite.size else 0.0
+  return got, want, float(scale)
+
+
+def assert_reduction_close(got, want, *, k: int, dtype=np.float32, scale=None,
+                           ulps: float = ULPS, out_dtype=None, what: str = "") -> None:
+  """`got` equals `want` up to :func:`reduction_atol` everywhere (shape and
+  NaNs included); `scale` defaults to ``max |want|``. `out_dtype`: the sums
+  were written in that narrower type, one rounding each: one of its steps
+  (``eps * |want|``) more."""
+  got, want, scale = _operands(got, want, scale, what)
   atol = reduction_atol(dtype, k, scale, ulps)
   np.testing.assert_allclose(
       got, want, rtol=0 if out_dtype is None else eps(out_dtype), atol=atol, equal_nan=True,
@@ -115,12 +122,7 @@ def assert_fp8_programs_close(got, want, *, fmt, k: int, flips: int = 1, scale=N
   """Two programs of the same FP8 arithmetic agree within `flips` flipped
   codes of `fmt` (:func:`fp8_flip_atol`) plus float32's reduction bound over
   `k` terms (:func:`reduction_atol`), everywhere (shape and NaNs included)."""
-  got = np.asarray(got, np.float64)
-  want = np.asarray(want, np.float64)
-  assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
-  if scale is None:
-    finite = want[np.isfinite(want)]
-    scale = float(np.max(np.abs(finite))) if finite.size else 0.0
+  got, want, scale = _operands(got, want, scale, what)
   atol = fp8_flip_atol(fmt, scale, flips) + reduction_atol(np.float32, k, scale)
   np.testing.assert_allclose(
       got, want, rtol=0, atol=atol, equal_nan=True,
