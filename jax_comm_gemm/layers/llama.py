@@ -28,7 +28,8 @@ and key/value heads form one column-parallel kernel ``[d, (H/P + 2*G_local)*D]``
 per step). Split key/value heads pair with this shard's query heads as in
 the unsharded model; replicated ones are all computed on every shard, each
 shard attending with the ones its query heads use (query head h uses key/value
-head ``h // (H/G)``)."""
+head ``h // (H/G)``). Longer than 300 lines: one model's options, layout, block
+and checks, each public function with a runnable example."""
 
 from __future__ import annotations
 
