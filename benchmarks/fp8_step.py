@@ -1,6 +1,8 @@
 """The byte GPT's GPU-preset training step on one GPU, bf16 against FP8, the
 project's transformer blocks against a plain-XLA FP8 block with no project
-code, interleaved in one process.
+code, interleaved in one process. ``--arch llama``: the same for the Llama
+preset's blocks (``layers.llama``; d_model 4096, 32 query and 8 key/value heads
+of 128, SwiGLU hidden 14336, no biases), the plain reference in plain_llama.py.
 
 The step is loss + gradients of 4 pre-LN blocks (d_model 4096, hidden 16384,
 32 heads of 128, sequence 2048 x batch 4 = 8192 tokens), as the example's
@@ -28,7 +30,8 @@ Each variant runs N steps back to back per timed batch, after 3 untimed rounds
 of load; rounds alternate in order; median ms per step. The SM clock and power
 are printed before and after. Prints a markdown table last; writes JSON.
 
-Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--only VARIANT ...] [--hlo DIR]
+Usage: python benchmarks/fp8_step.py OUT.json [--smoke] [--arch {gpt,llama}]
+       [--only VARIANT ...] [--hlo DIR]
        [--profile DIR [--profile-variants VARIANT ...]] [--steps-per-batch N] [--master-f32]
 (--smoke: tiny, CPU)
 """
@@ -51,7 +54,9 @@ from jax.sharding import Mesh
 import jax_comm_gemm as jcg
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime.constants import TARGETS
-from jax_comm_gemm.layers import dense, transformer as tb
+from jax_comm_gemm.layers import dense, llama, transformer as tb
+
+from plain_llama import plain_llama_block
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -147,24 +152,31 @@ class HeadsOutside(WithHistories):
       return super().lower(ps, x)
 
 
-def steps(mesh, heads, attention, layers):
-  """{variant: jitted (params, x) -> (loss, grads)}."""
+def steps(mesh, heads, attention, layers, kv_heads=None):
+  """{variant: jitted (params, x) -> (loss, grads)}; with `kv_heads`, of
+  Llama blocks (``layers.llama``; the plain reference ``plain_llama.py``)."""
   def project(config, step=WithHistories, axis="tp"):
-    options = tb.BlockOptions(num_heads=heads, dtype=BF16, attention_implementation=attention,
-                              config=config)
+    if kv_heads is None:
+      options = tb.BlockOptions(num_heads=heads, dtype=BF16,
+                                attention_implementation=attention, config=config)
+      block = tb.sharded_transformer_block
+    else:
+      options = llama.LlamaOptions(num_heads=heads, num_kv_heads=kv_heads, dtype=BF16,
+                                   attention_implementation=attention, config=config)
+      block = llama.sharded_llama_block
     on = mesh if axis == "tp" else Mesh(mesh.devices, (axis,))
 
     def loss(ps, x, hs):
       for p, h in zip(ps, hs):
-        x = tb.sharded_transformer_block(x, p, mesh=on, axis_name=axis, options=options,
-                                         fp8_histories=h)
+        x = block(x, p, mesh=on, axis_name=axis, options=options, fp8_histories=h)
       return jnp.mean(x.astype(F32) ** 2)
     histories = [tb.init_fp8_histories(options)] * layers  # Nones but for "delayed"
     return step(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), histories)
 
   def plain(ps, x):
     for p in ps:
-      x = plain_block(p, x, heads, attention)
+      x = (plain_block(p, x, heads, attention) if kv_heads is None
+           else plain_llama_block(p, x, heads, attention, plain_fp8_dense))
     return jnp.mean(x.astype(F32) ** 2)
 
   return {"project_bf16": project(jcg.CommGemmConfig()),
@@ -210,6 +222,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out")
   parser.add_argument("--smoke", action="store_true", help="tiny shapes, a few rounds (CPU)")
+  parser.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                      help="the blocks: 'gpt' (pre-LN, GELU MLP; the byte GPT's GPU preset) or "
+                           "'llama' (RMSNorm, SwiGLU, grouped-query attention, rotary, no "
+                           "biases: d 4096, 32 query heads and 8 key/value heads of 128, "
+                           "hidden 14336, as the example's --arch llama GPU preset)")
   parser.add_argument("--no-bias", action="store_true",
                       help="dense layers without biases (the project's variants only)")
   parser.add_argument("--hlo", metavar="DIR",
@@ -232,10 +249,16 @@ def main() -> None:
   args = parser.parse_args()
   d, hidden, heads, layers, seq, batch = ((64, 128, 2, 2, 16, 2) if args.smoke
                                           else (4096, 16384, 32, 4, 2048, 4))
+  kv_heads = None
+  if args.arch == "llama":
+    hidden, heads, kv_heads = (128, 4, 2) if args.smoke else (14336, 32, 8)
   rounds, per_batch = (2, 1) if args.smoke else (10, args.steps_per_batch)
   attention = None if args.smoke else "cudnn"
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
-  layout = tb.param_layout(d, hidden, "tp", use_bias=not args.no_bias)
+  if kv_heads is None:
+    layout = tb.param_layout(d, hidden, "tp", use_bias=not args.no_bias)
+  else:  # Llama's blocks have no biases
+    layout = llama.param_layout(d, hidden, llama.LlamaOptions(heads, kv_heads), "tp")
   ps = []
   for i in range(layers):
     leaves, tree = jax.tree_util.tree_flatten_with_path(
@@ -243,7 +266,7 @@ def main() -> None:
     keys = jax.random.split(jax.random.key(i), len(leaves))
 
     def init(key, path, spec):  # kernels ~ k^-1/2, LayerNorm scales 1, biases 0
-      if len(spec.shape) == 2:
+      if len(spec.shape) >= 2:  # Llama's [d, 2, F] too: fan-in d
         return (jax.random.normal(key, spec.shape, F32) / np.sqrt(spec.shape[0])).astype(BF16)
       scale = "scale" in jax.tree_util.keystr(path)
       return (jnp.ones if scale else jnp.zeros)(spec.shape, BF16)
@@ -252,7 +275,7 @@ def main() -> None:
     ps.append(jax.tree.unflatten(tree, [init(k, path, spec)
                                         for k, (path, spec) in zip(keys, leaves)]))
   x = jax.random.normal(jax.random.key(99), (seq, batch, d), F32).astype(BF16)
-  variants = steps(mesh, heads, attention, layers)
+  variants = steps(mesh, heads, attention, layers, kv_heads)
   if args.only:
     variants = {n: f for n, f in variants.items() if n in {"project_bf16", *args.only}}
   results = {}
@@ -297,8 +320,9 @@ def main() -> None:
     results[name]["tokens_per_s"] = seq * batch / (results[name]["ms"] / 1e3)
   results["meta"] = {"jax": jax.__version__, "device": jax.devices()[0].device_kind,
                      "clocks_before": before, "clocks_after": clocks(),
-                     "shape": dict(d=d, hidden=hidden, heads=heads, layers=layers, seq=seq,
-                                   batch=batch), "rounds": rounds, "steps_per_batch": per_batch,
+                     "shape": dict(arch=args.arch, d=d, hidden=hidden, heads=heads,
+                                   kv_heads=kv_heads, layers=layers, seq=seq, batch=batch),
+                     "rounds": rounds, "steps_per_batch": per_batch,
                      "params": "float32" if args.master_f32 else "bfloat16"}
   with open(args.out, "w") as f:
     json.dump(results, f, indent=1)

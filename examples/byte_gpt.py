@@ -1,5 +1,6 @@
 """A byte-level GPT built from jax-comm-gemm's sequence-parallel transformer
-blocks, with its training step and checkpoints.
+blocks (GPT-2's or, with ``arch="llama"``, Llama's), with its training step
+and checkpoints.
 
 Layout: tokens ``[seq, batch]`` (Megatron's order), the sequence sharded over
 the mesh axis ``tp`` and the batch over ``dp``. The activations between blocks
@@ -29,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm import CommGemmConfig
-from jax_comm_gemm.linen import SequenceParallelTransformerBlock
+from jax_comm_gemm.linen import SequenceParallelLlamaBlock, SequenceParallelTransformerBlock
 
 VOCAB = 256  # bytes
 TOKENS = P("tp", "dp")  # [seq, batch]
@@ -43,6 +44,11 @@ class ModelConfig:
   layers: int
   hidden: int
   seq_len: int
+  # "gpt": SequenceParallelTransformerBlocks (LayerNorm, GELU MLP, learned
+  # positions); "llama": SequenceParallelLlamaBlocks (RMSNorm, SwiGLU, rotary
+  # embeddings, kv_heads key/value heads, no biases).
+  arch: str = "gpt"
+  kv_heads: int | None = None
 
 
 class ByteGPT(nn.Module):
@@ -59,19 +65,25 @@ class ByteGPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     m = self.model
+    llama = m.arch == "llama"
     embed = nn.Embed(VOCAB, m.d_model, embedding_init=nn.initializers.normal(0.02),
                      name="embed")
-    positions = self.param("positions", nn.initializers.normal(0.01), (m.seq_len, m.d_model))
-    x = embed(tokens) + positions[:tokens.shape[0], None, :]
+    x = embed(tokens)
+    if not llama:  # learned positions (the Llama blocks rotate q and k instead)
+      positions = self.param("positions", nn.initializers.normal(0.01),
+                             (m.seq_len, m.d_model))
+      x = x + positions[:tokens.shape[0], None, :]
     x = jax.lax.with_sharding_constraint(x.astype(self.dtype),
                                          NamedSharding(self.mesh, ACTIVATIONS))
-    block = nn.remat(SequenceParallelTransformerBlock) if self.remat else \
-        SequenceParallelTransformerBlock
+    kind = SequenceParallelLlamaBlock if llama else SequenceParallelTransformerBlock
+    block = nn.remat(kind) if self.remat else kind
+    extra = {"num_kv_heads": m.kv_heads} if llama else {}
     for i in range(m.layers):
       x = block(m.heads, m.hidden, mesh=self.mesh, data_axes=("dp",), dtype=self.dtype,
                 keep_gathered_input=self.keep_gathered_input, config=self.config,
-                attention_implementation=self.attention, name=f"block{i}")(x)
-    x = nn.LayerNorm(dtype=jnp.float32, name="ln_f")(x)
+                attention_implementation=self.attention, name=f"block{i}", **extra)(x)
+    norm = nn.RMSNorm if llama else nn.LayerNorm
+    x = norm(dtype=jnp.float32, name="ln_f")(x)
     return embed.attend(x)
 
 
@@ -169,6 +181,35 @@ class Trainer:
   def eval_step(self):
     return jax.jit(lambda params, tokens, targets: loss_fn(self.model, params, tokens,
                                                            targets))
+
+  def next_byte_logits(self):
+    """(params, tokens [seq, dp], position) -> the float32 logits [256] of the
+    byte after `position` in the first column: what `sample` draws from."""
+    return jax.jit(lambda params, tokens, position: self.model.apply(params, tokens)[
+        position, 0].astype(jnp.float32))
+
+
+def sample(next_logits, params, mesh: Mesh, prompt: bytes, length: int, seq_len: int,
+           seed: int = 0, temperature: float = 0.8) -> bytes:
+  """`length` bytes after `prompt`, each drawn from the model's distribution at
+  `temperature` (numpy's generator of `seed`: the same draws in every process).
+  The window holds the last `seq_len` bytes; causal attention lets the bytes
+  after the current position be anything (zeros). Collective with several
+  processes: every process calls it."""
+  if not 0 < len(prompt) < seq_len:
+    raise ValueError(f"the prompt must hold 1 to {seq_len - 1} bytes, not {len(prompt)}")
+  rng = np.random.default_rng(seed)
+  text = list(prompt)
+  sharding = NamedSharding(mesh, TOKENS)
+  for _ in range(length):
+    recent = text[-(seq_len - 1):]
+    window = np.zeros((seq_len, mesh.shape["dp"]), np.int32)
+    window[:len(recent)] = np.asarray(recent, np.int32)[:, None]
+    tokens = jax.make_array_from_callback(window.shape, sharding, lambda index: window[index])
+    logits = np.asarray(next_logits(params, tokens, len(recent) - 1), np.float64) / temperature
+    p = np.exp(logits - logits.max())
+    text.append(int(rng.choice(256, p=p / p.sum())))
+  return bytes(text[len(prompt):])
 
 
 def autotune(trainer: Trainer, params, opt_state, tokens, targets, say):

@@ -8,14 +8,19 @@ import os
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 from tqdm import tqdm
 
 import jax_comm_gemm as jcg
 from jax_comm_gemm import hlo
+from jax_comm_gemm.backends import choose_backend
+from jax_comm_gemm.backends.routes import fp8_route
 from jax_comm_gemm.diagnostics import report
-from jax_comm_gemm.layers import transformer
+from jax_comm_gemm.layers import llama, transformer
+from jax_comm_gemm.runtime import plan as plan_lib
+from jax_comm_gemm.runtime.registry import current_plan
 
 import byte_gpt
 
@@ -87,6 +92,27 @@ def loss_summary(history: dict, tokens_per_s: float, start: int) -> str:
   return "; ".join(parts)
 
 
+def plot_losses(history: dict, path: pathlib.Path, title: str) -> None:
+  """The training and validation losses against the step, as a PNG."""
+  import matplotlib  # noqa: PLC0415 (only the end of a run needs it)
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for name, points, style in (("training", history["train"], "-"),
+                              ("validation", history["validation"], "o-")):
+    if points:
+      ax.plot([s for s, _ in points], [v for _, v in points], style, label=name)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats per byte)")
+  ax.set_title(title, fontsize=9)
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 # --- checkpoints ---------------------------------------------------------------------
 
 class Checkpoints:
@@ -98,7 +124,7 @@ class Checkpoints:
         args.checkpoint_every
     self.dir = pathlib.Path(args.checkpoint_dir).absolute()
     self.meta = {"model": dataclasses.asdict(model_config), "seed": args.seed}
-    self.say, self.saved = say, []
+    self.say, self.saved, self.kept = say, [], []
     self.manager = byte_gpt.checkpoint_manager(self.dir) if self.enabled else None
 
   def start(self, params, opt_state):
@@ -140,14 +166,28 @@ class Checkpoints:
       self.saved.append(step)
 
   def close(self) -> None:
+    """Waits for the saves; `kept` is then what the directory holds (orbax
+    keeps the last 2 of those saved)."""
     if self.manager is not None:
       self.manager.wait_until_finished()
+      self.kept = sorted(self.manager.all_steps())
       self.manager.close()
-      if self.saved:
-        self.say(f"checkpoints: steps {self.saved} saved in {self.dir}")
+
+  def where(self) -> str:
+    if not self.enabled:
+      return "checkpoints: none (--no-checkpoint)"
+    if not self.saved:
+      return f"checkpoints: none saved this run; {self.dir} holds steps {self.kept}"
+    return (f"checkpoints: {len(self.saved)} saved this run (steps {self.saved}); {self.dir} "
+            f"holds the last {len(self.kept)} (steps {self.kept}; --resume continues)")
 
 
 # --- the layer report ----------------------------------------------------------------
+
+# The layers of each kind in a block.
+# The Llama block's gated MLP: gate and up are one column-parallel op (fc1's
+# place), down the row-parallel one (fc2's); so its counts are the GPT block's.
+MLP_NAMES = {"gpt": ("fc1", "fc2"), "llama": ("gate_up", "down")}
 
 def program_text(step_fn, *args) -> str:
   """The HLO of the compiled training step: an ahead-of-time compiled step's
@@ -160,48 +200,91 @@ def _compiled(step_fn, *args):
 
 
 def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
-                 routes=None) -> dict:
+                 routes=None, step=None, step_args=()) -> dict:
   """Prints and returns the path of every layer, why, and the collectives of
   the compiled training step (its HLO, `step_text`): counted inside the
-  blocks, and expected (``diagnostics.report``, for every tp). `routes`: the
-  tuned step's routing plan, whose per-problem decisions are listed."""
-  column = report.layer_path(config, mesh, "tp", dtype,
-                             keep_gathered_input=args.keep_gathered_input)
-  row = report.layer_path(config, mesh, "tp", dtype, reduce_scatter_layer=True)
-  # Under "auto" each op's implementation is autotune's choice for its shape,
-  # so the counts follow those choices (listed) rather than one expectation.
-  auto = isinstance(jcg.backends.choose_backend(config, "tp", mesh).backend,
-                    jcg.backends.AutoBackend)
-  say(f"layer paths (backend {args.backend!r}, tp={mesh.shape['tp']}, {jax.numpy.dtype(dtype)}):")
-  if auto:  # the paths below are the fused ones, taken only where chosen
-    say(f"  blocks 0-{layers - 1}: each op as autotune chose for its shape (listed below)")
-  else:
+  blocks, and expected (``diagnostics.report``, for every tp). The paths come
+  from `routes`, the routing plan the step was compiled under (a tuned step's
+  ``routes``; default: the plan in force). Where ``backend="auto"`` chooses
+  per op, each op of `step(*step_args)` (the step's function, traced again)
+  is listed with the implementation those routes chose, and the layers'
+  paths and counts are that implementation's where every op chose the same
+  plain one (XLA or the ring). Each reason is said once."""
+  arch = getattr(args, "arch", "gpt")
+  fc1, fc2 = MLP_NAMES[arch]
+  column_label, row_label = f"qkv, {fc1} (column-parallel)", f"out-proj, {fc2} (row-parallel)"
+  routes = current_plan() if routes is None else routes
+  with plan_lib.use(routes):  # the decisions the step was compiled with
+    fp8 = fp8_route(config)
+    per_op = mesh.shape["tp"] > 1 and (
+        fp8.backend == "auto" if fp8.fp8 else
+        isinstance(choose_backend(config, "tp", mesh).backend, jcg.backends.AutoBackend))
+  ops = report.op_paths(config, routes, step, *step_args) if per_op and step else []
+  notes = {}  # each reason of the ops once, numbered
+  for op in ops:
+    notes.setdefault(op.why, len(notes) + 1)
+  chosen = list(dict.fromkeys(op.implementation for op in ops))
+  # The config whose layer-level paths and counts are the step's: the one
+  # plain implementation every op chose, if so; none where ops differ or fuse.
+  effective = (config if not per_op else
+               dataclasses.replace(config, backend=chosen[0])
+               if len(chosen) == 1 and chosen[0] in ("xla", "ring") else None)
+  say(f"layer paths (backend {args.backend!r}, tp={mesh.shape['tp']}, "
+      f"{jax.numpy.dtype(dtype)}, {'SequenceParallelLlamaBlock' if arch == 'llama' else 'SequenceParallelTransformerBlock'})" + (": each op as routed for its shape" if per_op else ""))
+  paths, expected = {}, None
+  if effective is not None:
+    with plan_lib.use(routes), warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)  # the config's, said at its first use
+      column = report.layer_path(effective, mesh, "tp", dtype,
+                                 keep_gathered_input=args.keep_gathered_input)
+      row = report.layer_path(effective, mesh, "tp", dtype, reduce_scatter_layer=True)
+      block = report.expected_block_all_gathers(effective, mesh, "tp", dtype,
+                                                keep_gathered_input=args.keep_gathered_input,
+                                                remat=args.remat)
     for i in range(layers):
       say(f"  block{i}:  qkv {column.path:<22} out-proj {row.path:<22} "
-          f"fc1 {column.path:<22} fc2 {row.path}")
-  say(f"  qkv, fc1 (column-parallel): {column}")
-  say(f"  out-proj, fc2 (row-parallel): {row}")
+          f"{fc1} {column.path:<22} {fc2} {row.path}")
+    if per_op:  # why: the ops' reasons, below (and FP8's recipe, on that path)
+      why = f"every op chose {chosen[0]} ({', '.join(f'[{n}]' for n in notes.values())})"
+      reasons = [why + (f": {column.reason}" if fp8.fp8 else "")] * 2
+    else:
+      reasons = [column.reason, row.reason]
+    if reasons[0] == reasons[1]:
+      say(f"  {column_label}: {column.path}\n  {row_label}: {row.path}\n  why: {reasons[0]}")
+    else:
+      say(f"  {column_label}: {column.path} ({reasons[0]})\n  {row_label}: {row.path} ({reasons[1]})")
+    paths = {"column_parallel": {"path": column.path, "reason": reasons[0]},
+             "row_parallel": {"path": row.path, "reason": reasons[1]}}
+    expected = {"standalone_all_gathers": layers * block.standalone_all_gathers,
+                "fused_all_gather_matmuls": layers * block.fused_all_gather_matmuls}
+  elif per_op:  # ops of a kind differ, or fuse: each kind's implementations
+    for name, kind, label in (("column_parallel", column_label, "column"),
+                              ("row_parallel", row_label, "row")):
+      passes = {}
+      for op in ops:
+        if op.role.startswith(label):
+          passes.setdefault(op.role.split(" ", 1)[1], []).append(op.implementation)
+      text = "; ".join(f"{which} {', '.join(dict.fromkeys(names))}"
+                       for which, names in passes.items()) or "no op chosen per shape"
+      say(f"  {kind}: {text}")
+      paths[name] = {"path": text, "reason": "as routed per op"}
+  if per_op:
+    say(f"  each op of the step (op, local shape, dtype, transpose, group size), in blocks "
+        f"0-{layers - 1}:")
+    for op in ops:
+      say(f"    {op.problem.text():<58} {op.implementation:<20} [{notes[op.why]}]")
+    for why, number in notes.items():
+      say(f"  [{number}] {why}")
 
   total = hlo.count_collectives(step_text)
-  blocks = hlo.count_collectives(step_text, transformer.SCOPE)
-  block = report.expected_block_all_gathers(config, mesh, "tp", dtype,
-                                            keep_gathered_input=args.keep_gathered_input,
-                                            remat=args.remat)
-  expected = {"standalone_all_gathers": layers * block.standalone_all_gathers,
-              "fused_all_gather_matmuls": layers * block.fused_all_gather_matmuls}
+  blocks = hlo.count_collectives(step_text, llama.SCOPE if arch == "llama" else transformer.SCOPE)
   got = {"standalone_all_gathers": blocks.all_gather,
          "fused_all_gather_matmuls": total.fused_all_gather_matmul}
-  if auto:
-    expected = None
-    say("autotune's choice per problem (op, local shape, dtype, transpose, group size):")
-    for problem, chosen in (routes.decisions if routes is not None else ()):
-      say(f"  {problem.text():<58} {chosen[0] if chosen else 'rule of thumb'}"
-          f"{'  (' + chosen[1] + ')' if chosen else ''}")
   say(f"collectives of the compiled training step (forward + backward, {layers} blocks):")
   for key, label in (("standalone_all_gathers", "all-gathers in the blocks"),
                      ("fused_all_gather_matmuls", "fused AllGather+GEMM calls")):
-    if auto:
-      say(f"  {label:<30} counted {got[key]:>3}   (as autotune chose, above)")
+    if expected is None:
+      say(f"  {label:<30} counted {got[key]:>3}   (as routed per op, above)")
       continue
     verdict = "ok" if got[key] == expected[key] else "MISMATCH"
     say(f"  {label:<30} counted {got[key]:>3}   expected {expected[key]:>3}  {verdict}")
@@ -212,8 +295,9 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
   if total.single_device:
     say(f"  {'over a group of one device':<30} counted {total.single_device:>3}   (they move no "
         "data: not in the counts above)")
-  return {"paths": {"column_parallel": {"path": column.path, "reason": column.reason},
-                    "row_parallel": {"path": row.path, "reason": row.reason}},
+  return {"paths": paths,
+          "ops": [{"op": op.problem.text(), "role": op.role, "path": op.implementation,
+                   "why": op.why} for op in ops],
           "counts": {**got, "all_gathers_in_step": total.all_gather,
                      "reduce_scatters": total.reduce_scatter,
                      "fused_matmul_reduce_scatters": total.fused_matmul_reduce_scatter,

@@ -75,7 +75,12 @@ PRESETS = {
     "gpu": dict(d_model=4096, heads=None, layers=4, hidden=16384, seq_len=2048, batch=None,
                 steps=60, lr=6e-5, warmup=40, dtype="bfloat16"),
 }
-SIZE_FIELDS = tuple(PRESETS["cpu"])
+# --arch llama's changes to the presets: Llama's SwiGLU hidden widths (about
+# 8/3 d_model, of the GPT MLP's 4 d_model) and grouped-query attention. The GPU
+# preset is Llama 3 8B's block (d_model 4096, 32 query heads and 8 key/value
+# heads of 128, hidden 14336), 4 of them.
+LLAMA_PRESETS = {"cpu": dict(hidden=384, kv_heads=2), "gpu": dict(hidden=14336, kv_heads=8)}
+SIZE_FIELDS = (*PRESETS["cpu"], "kv_heads")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):
@@ -87,6 +92,11 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help)
+  p.add_argument("--arch", choices=("gpt", "llama"), default="gpt",
+                 help="the blocks: 'gpt' (SequenceParallelTransformerBlock: LayerNorm, GELU "
+                      "MLP, learned positions) or 'llama' (SequenceParallelLlamaBlock: "
+                      "RMSNorm, SwiGLU, grouped-query attention, rotary embeddings, no "
+                      "biases)")
   size = p.add_argument_group("size (each option overrides its --size preset)")
   size.add_argument("--size", choices=("auto", *PRESETS), default="auto",
                     help="preset: 'cpu' (d_model 128, 2 layers, 1000 steps: about 1.5 min on "
@@ -107,16 +117,23 @@ def build_parser() -> argparse.ArgumentParser:
     key = name.replace("-", "_")
     cpu, gpu = PRESETS["cpu"][key], PRESETS["gpu"][key]
     gpu = {"heads": f"d_model / {HEAD_DIM}", "batch": "4 x dp"}.get(key, gpu)
+    if key == "hidden":
+      cpu, gpu = (f"{PRESETS[z][key]} (llama {LLAMA_PRESETS[z][key]})" for z in ("cpu", "gpu"))
     if key == "warmup":
       cpu = "a fifth of --steps, at most 100"
     size.add_argument(f"--{name}", type=kind, help=f"{what} (default: {cpu} on CPU, {gpu} "
                                                     "on GPU)")
+  size.add_argument("--kv-heads", type=int,
+                    help="--arch llama's key/value heads, a divisor of --heads (default: "
+                         f"{LLAMA_PRESETS['cpu']['kv_heads']} on CPU, "
+                         f"{LLAMA_PRESETS['gpu']['kv_heads']} on GPU)")
   size.add_argument("--dtype", choices=tuple(DTYPES),
                     help="computation dtype; parameters stay float32 (default: float32 on "
                          "CPU, bfloat16 on GPU)")
   comm = p.add_argument_group("communication")
-  comm.add_argument("--backend", choices=("auto", "xla", "cublasmp"), default="auto",
-                    help="'auto': cuBLASMp where it runs, else XLA's collectives; "
+  comm.add_argument("--backend", choices=("auto", "xla", "ring", "cublasmp"), default="auto",
+                    help="'auto': cuBLASMp where it runs, else XLA's collectives; 'ring': "
+                         "per-shard GEMMs and ppermutes that XLA overlaps, on any platform; "
                          "'cublasmp': fail where it cannot run")
   comm.add_argument("--fp8", choices=("tensor", "row", "delayed", "block"),
                     help="run every dense GEMM in FP8 (E4M3 forward, E5M2 gradients) with "
@@ -164,10 +181,17 @@ def build_parser() -> argparse.ArgumentParser:
   run.add_argument("--log-every", type=int,
                    help="steps between progress lines when the output is not a terminal "
                         "(default: --steps / 20); a terminal gets a progress bar")
+  run.add_argument("--out-dir", default=os.path.join(tempfile.gettempdir(), "jax-comm-gemm-byte-gpt"),
+                   help="where the run writes its loss plot (loss.png), a sample of "
+                        "generated text (sample.txt) and, by default, its checkpoints "
+                        "(default: %(default)s)")
   run.add_argument("--checkpoint-dir",
-                   default=os.path.join(tempfile.gettempdir(), "jax-comm-gemm-byte-gpt"),
-                   help="where orbax-checkpoint keeps the last 2 checkpoints; a run without "
-                        "--resume replaces those of an earlier run")
+                   help="where orbax-checkpoint keeps the last 2 checkpoints (default: "
+                        "OUT_DIR/checkpoints); a run without --resume replaces those of an "
+                        "earlier run")
+  run.add_argument("--sample-bytes", type=int, default=200,
+                   help="bytes of text the trained model writes at the end, after a "
+                        "prompt from the validation files; 0: none (default: %(default)s)")
   run.add_argument("--checkpoint-every", type=int, default=250,
                    help="steps between checkpoints (and one at the end); 0: only at the end")
   run.add_argument("--no-checkpoint", action="store_true", help="save no checkpoints")
@@ -194,13 +218,19 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = p.parse_args(argv)
   if args.resume and args.no_checkpoint:
     p.error("--resume needs checkpoints: drop --no-checkpoint")
+  if args.sample_bytes < 0:
+    p.error(f"--sample-bytes must be 0 or more, not {args.sample_bytes}")
+  if args.checkpoint_dir is None:
+    args.checkpoint_dir = os.path.join(args.out_dir, "checkpoints")
   return args
 
 
 def resolve_size(args, platform: str, tp: int, dp: int) -> dict:
   """The run's sizes: the options given, else the preset of --size."""
   size = args.size if args.size != "auto" else ("gpu" if platform == "gpu" else "cpu")
-  preset = dict(PRESETS[size], batch=PRESETS[size]["batch"] or 4 * dp)
+  preset = dict(PRESETS[size], batch=PRESETS[size]["batch"] or 4 * dp, kv_heads=None)
+  if args.arch == "llama":
+    preset.update(LLAMA_PRESETS[size])
   out = {k: getattr(args, k) if getattr(args, k) is not None else preset[k]
          for k in SIZE_FIELDS}
   if out["heads"] is None:  # the GPU preset: heads of HEAD_DIM of the model width given
@@ -295,9 +325,9 @@ def train(args) -> dict:
   status = jcg.connect(mesh, "tp")  # collective: every process, before the first step
   tp, dp = mesh.shape["tp"], mesh.shape["dp"]
   s = resolve_size(args, platform, tp, dp)
+  _check_sizes(s, tp, dp, args.fp8, args.arch)
   model_config = byte_gpt.ModelConfig(s["d_model"], s["heads"], s["layers"], s["hidden"],
-                                      s["seq_len"])
-  _check_sizes(s, tp, dp, args.fp8)
+                                      s["seq_len"], args.arch, s["kv_heads"])
   try:
     corpus = ByteCorpus(args.data_dir)
   except (OSError, ValueError) as e:
@@ -313,8 +343,11 @@ def train(args) -> dict:
   say(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
       f"{jax.process_count()} process(es); mesh dp={dp} tp={tp}; cuBLASMp: {status.reason}")
   say(f"data: {corpus}")
-  say(f"model ({s['size']} size): {s['layers']} blocks, d_model {s['d_model']}, "
-      f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard), "
+  kv = (f", {s['kv_heads']} key/value heads ("
+        + ("split" if s["kv_heads"] % tp == 0 else "replicated") + " over tp)"
+        if args.arch == "llama" else "")
+  say(f"model ({s['size']} size, {args.arch}): {s['layers']} blocks, d_model {s['d_model']}, "
+      f"{s['heads']} heads of {s['d_model'] // s['heads']} ({s['heads'] // tp} per tp shard){kv}, "
       f"hidden {s['hidden']}, seq {s['seq_len']} x batch {s['batch']} = "
       f"{s['seq_len'] * s['batch']:,} tokens/step, {s['dtype']}, backend {args.backend!r}"
       + (f", FP8 GEMMs ({args.fp8} scaling, {args.fp8_gemm})" if args.fp8 else ""))
@@ -414,6 +447,9 @@ def train(args) -> dict:
     say(f"profile: 3 steps traced into {args.profile}")
   tokens_per_s = run_report.tokens_per_second(times, s["seq_len"] * s["batch"])
   say(run_report.loss_summary(history, tokens_per_s, start))
+  outputs = show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
+                         rank0)
+  say(checkpoints.where())
   if args.share_gpu:
     say("(--share-gpu: the processes share one GPU, so tokens/s is not a speed measurement)")
 
@@ -421,12 +457,17 @@ def train(args) -> dict:
   if args.profile and rank0:  # beside the trace: benchmarks/producers.py joins the two
     with open(os.path.join(args.profile, "step.hlo.txt"), "w") as f:
       f.write(step_text)
+  # The paths from the routes the step was compiled under: the tuned step's,
+  # else the process plan's (nothing has been published since the compile).
   summary = run_report.layer_report(step_text, config, mesh, dtype, args, s["layers"], say,
-                                    routes=getattr(step_fn, "routes", None))
+                                    routes=getattr(step_fn, "routes", None),
+                                    step=trainer.step_function(),
+                                    step_args=(params, opt_state, tokens, targets))
   summary.update(history=history, tokens_per_s=tokens_per_s, start_step=start,
                  final_step=max(start, s["steps"]), sizes=s, mesh={"dp": dp, "tp": tp},
                  platform=platform, process_count=jax.process_count(),
-                 checkpoint_steps=checkpoints.saved, jax_version=jax.__version__,
+                 checkpoint_steps=checkpoints.saved, checkpoints_kept=checkpoints.kept,
+                 outputs=outputs, jax_version=jax.__version__,
                  autotune=tuning, attention={"implementation": attention,
                                              "why": attention_why})
   if skip_ab is None:
@@ -442,11 +483,56 @@ def train(args) -> dict:
   return summary
 
 
-def _check_sizes(s, tp: int, dp: int, fp8: str | None = None) -> None:
+def show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
+                 rank0: bool) -> dict:
+  """The loss plot and a sample of generated text, in --out-dir (process 0
+  writes them; sampling is collective). Returns their paths."""
+  out = os.path.abspath(args.out_dir)
+  outputs = {}
+  if rank0:
+    os.makedirs(out, exist_ok=True)
+    outputs["plot"] = os.path.join(out, "loss.png")
+    run_report.plot_losses(history, outputs["plot"],
+                           f"byte {args.arch}, {s['layers']} blocks, d_model {s['d_model']}, "
+                           f"backend {args.backend}" + (f", FP8 {args.fp8}" if args.fp8 else ""))
+    say(f"loss plot: {outputs['plot']}")
+  if args.sample_bytes:
+    next_logits = trainer.next_byte_logits()
+    if isinstance(step_fn, jcg.TunedStep):  # on the routes autotune chose (as evaluate)
+      next_logits = jcg.TunedStep(next_logits, step_fn.routes, step_fn.plan, step_fn.why)
+    prompt = bytes(corpus.batch("validation", 0, batch=1, length=s["seq_len"] // 2,
+                                seed=args.seed)[0])
+    text = byte_gpt.sample(next_logits, params, mesh, prompt, args.sample_bytes,
+                           s["seq_len"], seed=args.seed)
+    if rank0:
+      outputs["sample"] = os.path.join(out, "sample.txt")
+      with open(outputs["sample"], "wb") as f:
+        f.write(prompt + b"\n--- the model's continuation ---\n" + text + b"\n")
+      shown = "".join(c if c.isprintable() or c in "\n\t" else "\ufffd"
+                      for c in text.decode("utf-8", "replace"))
+      say(f"sample ({args.sample_bytes} bytes after a {len(prompt)}-byte prompt from the "
+          f"validation files; both in {outputs['sample']}):\n{shown}\n---")
+  return outputs
+
+
+def _check_sizes(s, tp: int, dp: int, fp8: str | None = None, arch: str = "gpt") -> None:
   problems = []
+  kv = s.get("kv_heads")
+  if arch != "llama" and kv is not None:
+    problems.append("--kv-heads is for --arch llama (the gpt blocks' heads are all "
+                    "key/value heads)")
+  if arch == "llama":
+    if kv is None or kv < 1 or s["heads"] % kv:
+      problems.append(f"--kv-heads ({kv}) must divide --heads ({s['heads']})")
+    elif s["d_model"] % s["heads"] == 0 and (s["d_model"] // s["heads"]) % 2:
+      problems.append(f"--d-model / --heads ({s['d_model'] // s['heads']}) must be even: "
+                      "rotary embeddings rotate pairs of features")
   if fp8 == "block":  # every GEMM dim, per tp shard, in blocks of 128
     dims = {"--d-model / tp": s["d_model"] // tp, "--hidden / tp": s["hidden"] // tp,
             "--d-model": s["d_model"], "--seq-len x --batch / dp": s["seq_len"] * s["batch"] // dp}
+    if arch == "llama" and kv and s["heads"] % kv == 0 and s["d_model"] % s["heads"] == 0:
+      dims["2 x --kv-heads (/ tp where it divides) x head size"] = (
+          2 * (kv // tp if kv % tp == 0 else kv) * (s["d_model"] // s["heads"]))
     problems += [f"--fp8 block needs {name} ({value}) to be a multiple of 128"
                  for name, value in dims.items() if value % 128]
   if s["heads"] % tp:

@@ -9,9 +9,9 @@ the transformer block), ``collective_matmul.py`` (the custom_vjps),
 registry) and ``diagnostics/``. The top-level ``linen``, ``nnx``, ``sharded``,
 ``dense`` and ``hlo`` modules are public names for what the folders define."""
 
-import re
+import re as _re
 
-import jax
+import jax as _jax
 
 # The oldest jax the tests run on (CI's oldest leg); README "Supported versions".
 OLDEST_JAX = "0.10.2"
@@ -26,14 +26,14 @@ def require_jax(version: str) -> None:
   ImportError: jax-comm-gemm needs jax >= 0.10.2 (the oldest version it is tested with); this environment has jax 0.9.2: pip install -U "jax>=0.10.2"
   """
   def release(v):
-    return tuple(int(part) for part in re.findall(r"\d+", v)[:3])
+    return tuple(int(part) for part in _re.findall(r"\d+", v)[:3])
   if release(version) < release(OLDEST_JAX):
     raise ImportError(f"jax-comm-gemm needs jax >= {OLDEST_JAX} (the oldest version it is "
                       f"tested with); this environment has jax {version}: "
                       f'pip install -U "jax>={OLDEST_JAX}"')
 
 
-require_jax(jax.__version__)
+require_jax(_jax.__version__)
 
 from jax_comm_gemm import diagnostics, hlo, sharded  # noqa: E402
 from jax_comm_gemm.backends import (AutoBackend, Backend, Capability, CublasMpBackend,

@@ -1,14 +1,10 @@
-"""Differentiable collective matmuls along the token dimension, inside shard_map:
-``all_gather_matmul`` (column-parallel, ``AG(x) @ w``) and
-``matmul_reduce_scatter`` (row-parallel, ``RS(x @ w)``), each a
-``jax.custom_vjp`` whose backward runs the other op for the input gradient.
-How both run is one value decided where the op is called, ``routes.op_route``'s
-:class:`OpRoute`: the backend of each op (``auto``'s choices made) and where
-each weight gradient's gathered operand comes from: in the row-parallel
-backward from the AllGather+GEMM of the input gradient where the backend hands
-it out (the self-test's verdict), in the column-parallel backward from the
-forward with ``keep_gathered_input``; else from a ``lax.all_gather``. With
-``config.fp8`` both run :mod:`jax_comm_gemm.fp8`'s custom_vjps (``routes.fp8_route``)."""
+"""Differentiable collective matmuls along tokens, inside shard_map: ``all_gather_matmul``
+(``AG(x) @ w``) and ``matmul_reduce_scatter`` (``RS(x @ w)``), each a ``jax.custom_vjp``
+whose backward runs the other op for the input gradient. How both run is one value
+decided where the op is called, under the plan passed in: ``routes.op_route``'s
+:class:`OpRoute` (each op's backend, bound to that plan, and where each weight
+gradient's gathered operand comes from: the AllGather+GEMM where the self-test lets it
+hand it out, else ``lax.all_gather``). With ``config.fp8``: :mod:`jax_comm_gemm.fp8`."""
 
 from __future__ import annotations
 
@@ -26,7 +22,7 @@ from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import Backend, all_gather_tokens
 from jax_comm_gemm.backends.routes import AG, RS, OpRoute, fp8_collectives, fp8_route, op_route
 from jax_comm_gemm.backends.xla import weight_gradient
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter, fp8_mlp
 from jax_comm_gemm.fp8.prologue import scoped
 from jax_comm_gemm.runtime.registry import current_plan
@@ -74,7 +70,7 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   (4, 2)
   """
   op = "all_gather_matmul"
-  validation.check_config(op, config)
+  check_config(op, config)
   transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
   return_gathered = validation.check_flag(op, "return_gathered", return_gathered)
   keep_gathered_input = validation.check_flag(op, "keep_gathered_input", keep_gathered_input)
@@ -83,7 +79,7 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   return all_gather_matmul_unchecked(
       x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
       keep_gathered_input=keep_gathered_input, precision=precision, config=config,
-      fp8_history=fp8_history)
+      fp8_history=fp8_history, plan=current_plan())
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -103,68 +99,71 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
   (4, 2)
   """
   op = "matmul_reduce_scatter"
-  validation.check_config(op, config)
+  check_config(op, config)
   transpose_w = validation.check_flag(op, "transpose_w", transpose_w)
   size = validation.bound_axis_size(op, axis_name)
   validation.check_matmul(op, x, w, transpose_w=transpose_w)
   validation.check_divisible(op, "x", "tokens", x.shape[0], axis_name, size)
   return matmul_reduce_scatter_unchecked(x, w, axis_name, transpose_w=transpose_w,
                                          precision=precision, config=config,
-                                         fp8_history=fp8_history)
+                                         fp8_history=fp8_history, plan=current_plan())
 
 
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config, fp8_history=None,
-                                prologue=None, split_heads=None, bias=None):
+                                prologue=None, split_heads=None, bias=None, plan=None):
   """:func:`all_gather_matmul` for callers that validated the arguments, of
   ``prologue(*x)`` where one is given (an elementwise function of the tuple x,
   :mod:`jax_comm_gemm.fp8.prologue`: the FP8 op applies it inside x's cast),
-  plus `bias` (None or ``[m]``; inside the FP8 op, whose gradient cast sums it)."""
+  plus `bias` (None or ``[m]``; inside the FP8 op, whose gradient cast sums it), under
+  `plan`, the routing plan its caller read (None: the plan in force)."""
   precision = validation.check_op_options("all_gather_matmul", config, fp8_history, precision)
-  if fp8_route(config).fp8:
+  plan = current_plan() if plan is None else plan
+  if fp8_route(config, plan).fp8:
     gathered = return_gathered or keep_gathered_input
     first = x[0] if prologue is not None else x
+    collectives = fp8_collectives(config, AG, first, w, transpose_w, axis_name, gathered, plan)
     return fp8_all_gather_matmul(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w, history=fp8_history,
         keep_gathered_input=keep_gathered_input, return_gathered=return_gathered,
-        collectives=fp8_collectives(config, AG, first, w, transpose_w, axis_name,
-                                    gathered)[0], prologue=prologue, split_heads=split_heads,
-        bias=bias)
+        collectives=collectives[0], prologue=prologue, split_heads=split_heads, bias=bias)
   x = scoped(x, prologue)
   route = op_route(config, AG, x, w, transpose_w, axis_name, precision,
-                   hands_out=return_gathered or keep_gathered_input)
+                   hands_out=return_gathered or keep_gathered_input, plan=plan)
   if keep_gathered_input and config.reuse_gathered is not False and not (
       route.gathered_forward.reuse):
     warnings.warn("keep_gathered_input=True: the fused op cannot hand out its gathered "
                   f"input ({route.gathered_forward.reason}); the forward pass all-gathers "
                   "it with lax.all_gather instead", RuntimeWarning, stacklevel=3)
   static = _Static(axis_name, transpose_w, route, return_gathered, keep_gathered_input,
-                   precision, plan=current_plan())
+                   precision, plan=plan)
   y = _all_gather_matmul_jit(*vma.varying_along(axis_name, x, w), static)
   return y if bias is None else ((y[0] + bias, y[1]) if return_gathered else y + bias)
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
-                                    fp8_history=None, activation=None, merge_heads=None):
+                                    fp8_history=None, activation=None, merge_heads=None,
+                                    plan=None):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments, of
   ``activation(x)`` where one is given (an elementwise function: the FP8 op
-  applies it inside x's cast, docs/fp8.md "Fused casts")."""
+  applies it inside x's cast, docs/fp8.md "Fused casts"); `plan` as there."""
   precision = validation.check_op_options("matmul_reduce_scatter", config, fp8_history, precision)
-  if fp8_route(config).fp8:
+  plan = current_plan() if plan is None else plan
+  if fp8_route(config, plan).fp8:
     return fp8_matmul_reduce_scatter(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
         reuse_gathered=config.reuse_gathered is not False, history=fp8_history,
-        collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name)[0],
+        collectives=fp8_collectives(config, RS, x, w, transpose_w, axis_name, False, plan)[0],
         activation=activation, merge_heads=merge_heads)
   if activation is not None:
     x = scoped_activation(activation, x)
-  route = op_route(config, RS, x, w, transpose_w, axis_name, precision)
-  static = _Static(axis_name, transpose_w, route, precision=precision, plan=current_plan())
+  route = op_route(config, RS, x, w, transpose_w, axis_name, precision, False, plan)
+  static = _Static(axis_name, transpose_w, route, precision=precision, plan=plan)
   return _matmul_reduce_scatter_jit(*vma.varying_along(axis_name, x, w), static)
 
 
 def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_input, precision,
-                      config, fp8_histories=(None, None), prologue=None):
+                      config, fp8_histories=(None, None), prologue=None, plan=None):
   """``RS(activation(AG(x) @ w1 + b1) @ w2)`` under ``config.fp8``, for callers
   that validated the arguments (x ``[n/P, k]``, or `prologue`'s operands as in
   :func:`all_gather_matmul_unchecked`): the two FP8 ops in one custom_vjp
@@ -175,9 +174,11 @@ def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_inp
   first = x[0] if prologue is not None else x
   hidden = jax.ShapeDtypeStruct((first.shape[0] * lax.axis_size(axis_name), w1.shape[1]),
                                 first.dtype)
+  plan = current_plan() if plan is None else plan
+  fp8_route(config, plan)  # a JAX_COMM_GEMM_BACKEND that FP8 cannot run on raises
   collectives = (
-      fp8_collectives(config, AG, first, w1, False, axis_name, keep_gathered_input)[0],
-      fp8_collectives(config, RS, hidden, w2, False, axis_name)[0])
+      fp8_collectives(config, AG, first, w1, False, axis_name, keep_gathered_input, plan)[0],
+      fp8_collectives(config, RS, hidden, w2, False, axis_name, False, plan)[0])
   return fp8_mlp(x, w1, b1, w2, axis_name, activation=activation, recipe=config.fp8,
                  keep_gathered_input=keep_gathered_input,
                  reuse_gathered=config.reuse_gathered is not False, collectives=collectives,
@@ -193,8 +194,7 @@ def scoped_activation(activation, x):
 
 
 def _gathering_matmul(s: _Static, backend: Backend, route, x, w, transpose_w):
-  """``(AG(x) @ w, AG(x))``: the gathered operand from the op where `route`
-  (a GatheredRoute) says so, else from a ``lax.all_gather``."""
+  """``(AG(x) @ w, AG(x))``, AG(x) from the op where `route` says so, else lax.all_gather."""
   if route.reuse:
     return backend.all_gather_matmul(x, w, s.axis_name, transpose_w=transpose_w,
                                      return_gathered=True, precision=s.precision)

@@ -1,23 +1,40 @@
-"""Options shared by the collective matmuls, the dense layers and the Flax modules."""
+"""Options shared by the collective matmuls, the dense layers and the Flax
+modules, with their defaults (the fused ops' too: ``CublasMpBackend`` takes
+them from here), and the check that a value is such a config. Below the
+backends: it imports none of them."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.runtime.constants import ALGORITHMS, REDUCE_SCATTER_ALGORITHMS
 from jax_comm_gemm.runtime.settings import BACKENDS
 
 # How the fused backends run GEMM+ReduceScatter.
 REDUCE_SCATTER_IMPLS = ("xla", "ring") + REDUCE_SCATTER_ALGORITHMS
-_FUSED = CublasMpBackend()  # the fused ops' defaults, written once there
+# The fused ops' defaults (docs/design.md#gemmreducescatter).
+DEFAULT_ALL_GATHER_ALGORITHM = "split_p2p"
+DEFAULT_REDUCE_SCATTER = "xla"
 # The backends an FP8 config may name (docs/fp8.md).
 FP8_BACKENDS = ("auto", "xla", "ring", "cublasmp")
+
+
+@runtime_checkable
+class BackendLike(Protocol):
+  """What ``CommGemmConfig.backend`` takes besides a name: an object with the
+  methods of :class:`jax_comm_gemm.backends.Backend` (the interface lives with
+  the backends, above this module)."""
+
+  def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
+                        precision=None): ...
+
+  def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None): ...
+
+  def gathered_reuse(self, axis_size, dtype, transpose_w): ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,14 +72,14 @@ class CommGemmConfig:
   """
 
   backend: Any = "auto"
-  all_gather_algorithm: str = _FUSED.all_gather_algorithm
-  reduce_scatter: str = _FUSED.reduce_scatter
+  all_gather_algorithm: str = DEFAULT_ALL_GATHER_ALGORITHM
+  reduce_scatter: str = DEFAULT_REDUCE_SCATTER
   reuse_gathered: bool | None = None
   fp8: Fp8Recipe | None = None
 
   def __post_init__(self):
     if not (self.backend in BACKENDS if isinstance(self.backend, str)
-            else isinstance(self.backend, Backend)):
+            else isinstance(self.backend, BackendLike)):
       raise ValueError(
           f"CommGemmConfig.backend must be one of {BACKENDS} or a Backend "
           f"instance, got {self.backend!r}")
@@ -87,15 +104,6 @@ class CommGemmConfig:
                          f"per tensor ('tensor' or 'delayed' scaling); {self.fp8.scaling!r} "
                          f"scaling runs on backend 'xla', 'ring' or 'auto'")
 
-  @property
-  def fused(self) -> CublasMpBackend:
-    """The fused ops with this config's algorithms.
-
-    >>> CommGemmConfig(all_gather_algorithm="pipelined_ce").fused.all_gather_algorithm
-    'pipelined_ce'
-    """
-    return CublasMpBackend(self.all_gather_algorithm, self.reduce_scatter)
-
 
 def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:
   if not isinstance(value, str) or value not in allowed:
@@ -104,3 +112,20 @@ def _check_choice(field: str, value, allowed: tuple[str, ...]) -> None:
 
 
 DEFAULT_CONFIG = CommGemmConfig()
+
+
+def check_config(where: str, config) -> None:
+  """Raises TypeError naming `config` unless it is a CommGemmConfig.
+
+  >>> check_config("f", CommGemmConfig())
+  >>> check_config("f", "xla")
+  Traceback (most recent call last):
+  ...
+  TypeError: f: `config` must be a jax_comm_gemm.CommGemmConfig, got 'xla' (str); e.g. config=CommGemmConfig(backend='xla')
+  """
+  if not isinstance(config, CommGemmConfig):
+    hint = (f"config=CommGemmConfig(backend={config!r})"
+            if isinstance(config, str) else "config=CommGemmConfig()")
+    raise TypeError(
+        f"{where}: `config` must be a jax_comm_gemm.CommGemmConfig, got "
+        f"{config!r} ({type(config).__name__}); e.g. {hint}")

@@ -2,7 +2,8 @@
 
 from jax_comm_gemm.flax.linen import (ColumnParallelDense, RowParallelDense,
                                       SequenceParallelMLP)
+from jax_comm_gemm.flax.llama_linen import SequenceParallelLlamaBlock
 from jax_comm_gemm.flax.transformer_linen import SequenceParallelTransformerBlock
 
-__all__ = ["ColumnParallelDense", "RowParallelDense", "SequenceParallelMLP",
-           "SequenceParallelTransformerBlock"]
+__all__ = ["ColumnParallelDense", "RowParallelDense", "SequenceParallelLlamaBlock",
+           "SequenceParallelMLP", "SequenceParallelTransformerBlock"]

@@ -321,27 +321,6 @@ def check_op_options(where: str, config, fp8_history, precision):
   return precision
 
 
-def check_config(where: str, config) -> None:
-  """Raises TypeError naming `config` unless it is a CommGemmConfig.
-
-  >>> from jax_comm_gemm.config import CommGemmConfig
-  >>> check_config("f", CommGemmConfig())
-  >>> check_config("f", "xla")
-  Traceback (most recent call last):
-  ...
-  TypeError: f: `config` must be a jax_comm_gemm.CommGemmConfig, got 'xla' (str); e.g. config=CommGemmConfig(backend='xla')
-  """
-  # isinstance by the class's name: config.py imports the backends, which import
-  # the FP8 ops, which check through this module.
-  if "jax_comm_gemm.config.CommGemmConfig" not in (
-      f"{c.__module__}.{c.__qualname__}" for c in type(config).__mro__):
-    hint = (f"config=CommGemmConfig(backend={config!r})"
-            if isinstance(config, str) else "config=CommGemmConfig()")
-    raise TypeError(
-        f"{where}: `config` must be a jax_comm_gemm.CommGemmConfig, got "
-        f"{config!r} ({type(config).__name__}); e.g. {hint}")
-
-
 def check_flag(where: str, name: str, value) -> bool:
   """`value` as a Python bool where it is a bool or a numpy bool, else a
   TypeError naming the argument (a truthy ``"no"`` must not switch it on).

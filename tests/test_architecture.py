@@ -9,6 +9,7 @@
 """
 
 import ast
+import re
 import pathlib
 
 import pytest
@@ -101,6 +102,11 @@ def test_no_package_imports_inside_functions():
 @pytest.mark.parametrize("layer, forbidden", [
     ("jax_comm_gemm.runtime", ("backends", "layers", "flax", "collective_matmul",
                                "diagnostics", "config")),
+    # The config and the checks sit below the backends: their defaults live there.
+    ("jax_comm_gemm.config", ("backends", "layers", "flax", "collective_matmul",
+                              "diagnostics")),
+    ("jax_comm_gemm.validation", ("backends", "layers", "flax", "collective_matmul",
+                                  "diagnostics", "config", "runtime")),
     ("jax_comm_gemm.backends", ("layers", "flax", "collective_matmul", "diagnostics")),
     ("jax_comm_gemm.layers", ("flax", "diagnostics")),
 ])
@@ -119,3 +125,34 @@ def test_files_are_short_or_say_why():
     if text.count("\n") > MAX_LINES and "longer than 300 lines" not in text[:1500].lower():
       long.append(f"{path.relative_to(PACKAGE.parent)}: {text.count(chr(10))} lines")
   assert not long
+
+
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+
+def _listed_path() -> tuple[set[str], set[str]]:
+  """The Python and the C++ files docs/design.md's "The path of one call" names."""
+  text = DESIGN.read_text()
+  section = text.split("\n## The path of one call\n", 1)[1].split("\n## ", 1)[0]
+  files = set(re.findall(r"`((?:jax_comm_gemm|xla_ffi)/[\w/]+\.(?:py|cc))", section))
+  return {f for f in files if f.endswith(".py")}, {f for f in files if f.endswith(".cc")}
+
+
+def test_the_design_lists_the_files_one_call_runs_through(monkeypatch):
+  """The Python files that a forward and backward of the linen dense layers run
+  through on cuBLASMp's route (traced and lowered on a CPU, a stand-in
+  extension) are those docs/design.md lists: a listed file no longer on the
+  path fails, and so does a file on it that the list leaves out. The plan in
+  force is read at the layers' entries alone. The C++ files exist."""
+  from call_path import files_on_the_path
+  from fake_native import install_fake_native
+
+  python, cpp = _listed_path()
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  install_fake_native(monkeypatch)
+  found, plan_reads = files_on_the_path()
+  assert sorted(python - found) == [], "listed in docs/design.md but not on the path"
+  assert sorted(found - python) == [], "on the path but not listed in docs/design.md"
+  assert plan_reads == {("jax_comm_gemm/layers/dense.py", "column_global"),
+                        ("jax_comm_gemm/layers/dense.py", "row_global")}
+  assert cpp and all((PACKAGE.parent / f).is_file() for f in cpp), cpp

@@ -283,14 +283,15 @@ def test_a_failure_in_one_process_only_is_skipped_by_every_process(monkeypatch, 
 
 def test_autotune_step_where_every_plan_failed_raises_naming_each():
   """Every plan of the step fails (here to compile, in every process): there
-  is nothing to choose, and every process raises the same error naming each
-  plan and what it raised (with one process, no process is named)."""
+  is nothing to choose, and every process raises the same error naming the
+  step's XLA plan, the reference, and each plan and what it raised (with one
+  process, no process is named)."""
   def step(x):
     raise ValueError("planted: the step cannot be traced")
 
   routes = {"ring": stand_in_plan(), "xla": stand_in_plan()}
-  with pytest.raises(RuntimeError, match=r"every plan of the step failed: "
-                                         r"xla \(planted: the step cannot be traced\), "
+  with pytest.raises(RuntimeError, match=r"the step under the all-XLA plan: XLA's run, .* "
+                                         r"failed: xla \(planted: the step cannot be traced\), "
                                          r"ring \(planted: the step cannot be traced\)$"):
     autotune._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)
 
@@ -348,7 +349,8 @@ def test_timed_batches_follow_the_workspace_verdict(monkeypatch):
   """_runnables sizes its batches by connect's workspace verdict for the group."""
   p = Problem(AG, 8, 8, 6, "float32", False, 2)
   for ok, want in ((True, 200), (False, 3)):
-    monkeypatch.setattr(autotune, "workspace", lambda size, ok=ok: Capability(ok, "planted"))
+    monkeypatch.setattr(autotune, "workspace",
+                        lambda size, plan, ok=ok: Capability(ok, "planted"))
     runs = autotune._runnables(cpu_mesh(2), "tp", p, seconds=0.1)
     assert runs["xla"][1] == want, (ok, runs["xla"][1])
 
@@ -365,14 +367,14 @@ def test_rule_of_thumb_then_the_measured_choice(empty_decisions):
   small = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)
   large = Problem(AG, 4096, 8192, 4096, "bfloat16", False, 2)
   with pytest.warns(RuntimeWarning, match="keeps that route when autotune measures it"):
-    assert routes.choose(small, "cublasmp_split_p2p")[0] == "xla"
+    assert routes.choose(small, "cublasmp_split_p2p", REGISTRY.plan())[0] == "xla"
   with pytest.warns(RuntimeWarning, match="is not measured"):
-    name, why = routes.choose(large, "cublasmp_split_p2p")
+    name, why = routes.choose(large, "cublasmp_split_p2p", REGISTRY.plan())
   assert name == "cublasmp_split_p2p" and "not measured yet" in why
   REGISTRY.record_decisions({small: ("cublasmp_split_p2p", "measured: ...")})
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert routes.choose(small, "xla") == ("cublasmp_split_p2p", "measured: ...")
+    assert routes.choose(small, "xla", REGISTRY.plan()) == ("cublasmp_split_p2p", "measured: ...")
 
 
 def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
@@ -381,7 +383,7 @@ def test_no_warning_where_measuring_has_nothing_to_choose(empty_decisions):
   alone = Problem(AG, 2048, 4096, 2048, "bfloat16", False, 1)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert routes.choose(alone, "cublasmp_split_p2p")[0] == "xla"
+    assert routes.choose(alone, "cublasmp_split_p2p", REGISTRY.plan())[0] == "xla"
 
 
 def test_no_warning_where_autotune_cannot_measure():
@@ -392,7 +394,7 @@ def test_no_warning_where_autotune_cannot_measure():
   assert not REGISTRY.plan().cublasmp.ok
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert routes.choose(fp8, "xla")[0] == "xla"
+    assert routes.choose(fp8, "xla", REGISTRY.plan())[0] == "xla"
 
 
 
@@ -414,7 +416,7 @@ def test_the_environment_is_not_read_while_tracing(empty_decisions, monkeypatch)
   changes no route until the next connect publishes a plan with it."""
   p = Problem(RS, 8192, 4096, 8192, "bfloat16", False, 2)
   monkeypatch.setenv(settings.AUTOTUNE, "ring")
-  assert routes.choose(p, "xla")[0] != "ring"
+  assert routes.choose(p, "xla", REGISTRY.plan())[0] != "ring"
 
 
 def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: int):
@@ -648,3 +650,55 @@ def test_the_names_autotune_may_force_are_autos_candidates():
   """JAX_COMM_GEMM_AUTOTUNE is checked against settings.IMPLEMENTATIONS,
   without importing the backends: the two lists must name the same."""
   assert set(routes.CANDIDATES[AG]) | set(routes.CANDIDATES[RS]) == set(settings.IMPLEMENTATIONS)
+
+
+@pytest.mark.parametrize("argument", ["rounds", "iterations"])
+@pytest.mark.parametrize("value", [0, -1, 2.5])
+def test_autotune_step_refuses_a_count_that_measures_nothing(argument, value):
+  """rounds=0 would time nothing and keep (and cache) an unmeasured plan:
+  refused before any work, naming the argument."""
+  with pytest.raises(ValueError, match=rf"autotune_step: `{argument}` must be a whole number "
+                                       rf"of at least 1, got {value}"):
+    autotune.autotune_step(cpu_mesh(2), "tp", lambda x: x, jnp.ones(2), **{argument: value})
+
+
+def test_a_failed_xla_reference_run_is_an_error_naming_the_problem():
+  """XLA's run is the reference every candidate is checked against: where it
+  fails (here in its warm-up) nothing can be checked or chosen, and every
+  process raises alike, naming what was measured and why XLA failed, before
+  any other candidate runs."""
+  ran = []
+
+  def xla():
+    raise RuntimeError("planted: XLA's program ran out of memory")
+
+  with pytest.raises(RuntimeError, match=r"jax_comm_gemm autotune: all_gather_matmul rows=8: "
+                                         r"XLA's run, the reference .* failed: xla \(planted: "
+                                         r"XLA's program ran out of memory\)"):
+    autotune.time_candidates({"xla": (xla, 1), "ring": (lambda: ran.append("ring"), 1)},
+                             rounds=2, wait=lambda out: None, reference="xla",
+                             about="all_gather_matmul rows=8")
+  assert ran == []
+  # XLA's program that does not build is the same error.
+  with pytest.raises(RuntimeError, match=r"the step: XLA's run, the reference .* failed: "
+                                         r"xla \(cannot compile\)"):
+    autotune.time_candidates({"xla": "cannot compile", "ring": (lambda: "r", 1)}, rounds=2,
+                             wait=lambda out: None, reference="xla", about="the step")
+
+
+def test_autotune_step_whose_all_xla_step_fails_raises_naming_it():
+  """The all-XLA step is the reference the other plans' results are checked
+  against: where it fails (here to trace) and another plan runs, that plan is
+  not kept unchecked; the error names the step's XLA plan and its failure."""
+  xla_plan = stand_in_plan(autotune="off")
+  routes = {"ring": stand_in_plan(), "xla": xla_plan}
+
+  def step(x):
+    if REGISTRY.plan() is xla_plan:
+      raise ValueError("planted: the XLA step cannot be traced")
+    return x + 1
+
+  with pytest.raises(RuntimeError, match=r"the step under the all-XLA plan: XLA's run, the "
+                                         r"reference .* failed: xla \(planted: the XLA step "
+                                         r"cannot be traced\)"):
+    autotune._measure(7, 1, routes, step, (jnp.ones(2),), 1, 1, timeout=1.0)

@@ -177,6 +177,7 @@ def test_lowering_for_gpu_alone_makes_no_communicator(fake):
   assert (len(fake.connected), len(fake.bound)) == before
 
 
+@pytest.mark.filterwarnings("ignore:.*layout self-test failed:RuntimeWarning")  # on purpose
 def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
   """A verdict that passed for NN says nothing about TN: reuse is refused
   there, and the reason says which case was not verified."""

@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +34,11 @@ import pytest
 
 from conftest import CPU_TEST_FLAGS, cpu_mesh
 from fake_native import install_fake_native
+import jax_comm_gemm as jcg
 from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.backends import Capability, CublasMpBackend
 from jax_comm_gemm.diagnostics import hlo, report
+from jax_comm_gemm.runtime.registry import current_plan
 import jax_comm_gemm.backends.tuning as tuning
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +51,7 @@ import byte_gpt  # noqa: E402
 import train_byte_gpt  # noqa: E402
 
 SMALL = ("--d-model", "64", "--heads", "2", "--layers", "2", "--hidden", "128",
-         "--seq-len", "64", "--batch", "8", "--eval-batches", "2")
+         "--seq-len", "64", "--batch", "8", "--eval-batches", "2", "--sample-bytes", "0")
 
 
 def run_example(tmp_path, *flags, name="summary", devices=8):
@@ -59,8 +62,8 @@ def run_example(tmp_path, *flags, name="summary", devices=8):
                                                        os.environ.get("PYTHONPATH")])))
   env.pop("JAX_COMM_GEMM_BACKEND", None)
   proc = subprocess.run([sys.executable, str(EXAMPLE), *SMALL, "--json-out", str(out),
-                         *flags], env=env, capture_output=True, text=True, timeout=300,
-                        cwd=tmp_path)
+                         "--out-dir", str(tmp_path / name), *flags], env=env,
+                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout, proc.stderr, json.loads(out.read_text())
 
@@ -70,8 +73,10 @@ def check_report(stdout, summary, layers, remat=False):
   for i in range(layers):
     assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
                      r"fallback +fc2 xla fallback", stdout), stdout
-  assert f"qkv, fc1 (column-parallel): xla fallback ({reason}" in stdout
-  assert f"out-proj, fc2 (row-parallel): xla fallback ({reason}" in stdout
+  # Each path, then the reason they share once.
+  assert ("qkv, fc1 (column-parallel): xla fallback\n  out-proj, fc2 (row-parallel): xla "
+          f"fallback\n  why: {reason}") in stdout, stdout
+  assert stdout.count(reason) == 1, stdout
   assert summary["paths"]["row_parallel"]["path"] == "xla fallback"
   assert "MISMATCH" not in stdout and "all-gathers in the blocks" in stdout
   # XLA fallback, per block: QKV's and fc1's forward gathers, out-proj's and
@@ -94,7 +99,7 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   # costs every run here a longer compile and save (the other runs have two).
   flags = ("--layers", "1", "--steps", "12", "--checkpoint-every", "6", "--eval-every", "6",
            "--log-every", "3", "--fp8", "delayed", "--checkpoint-dir", str(checkpoints))
-  stdout, _, first = run_example(tmp_path, *flags, name="first")
+  stdout, _, first = run_example(tmp_path, *flags, "--sample-bytes", "24", name="first")
   train, val = first["history"]["train"], first["history"]["validation"]
   assert [s for s, _ in train] == list(range(1, 13))
   assert train[-1][1] < 0.9 * train[0][1], train
@@ -108,13 +113,26 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   assert "FP8 (delayed scaling)" in stdout and "MISMATCH" not in stdout
   assert first["counts"]["standalone_all_gathers"] == first["expected"][
       "standalone_all_gathers"] == 4
-  assert first["checkpoint_steps"] == [6, 12]
+  assert first["checkpoint_steps"] == first["checkpoints_kept"] == [6, 12]
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["12", "6"]
+  assert (f"checkpoints: 2 saved this run (steps [6, 12]); {checkpoints} holds the last 2 "
+          "(steps [6, 12]") in stdout
+  # What the run shows at its end: the loss plot and a sample of text, where it says.
+  out = tmp_path / "first"
+  plot, sample = out / "loss.png", out / "sample.txt"
+  assert first["outputs"] == {"plot": str(plot), "sample": str(sample)}
+  assert f"loss plot: {plot}" in stdout and f"both in {sample}" in stdout
+  assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+  prompt, continuation = sample.read_bytes().split(b"\n--- the model's continuation ---\n")
+  assert len(prompt) == 32 and len(continuation) == 24 + 1, sample.read_bytes()
+  assert "sample (24 bytes after a 32-byte prompt" in stdout
 
   # As if the run had stopped after step 6: resume, and repeat steps 7..12.
   shutil.rmtree(checkpoints / "12")
   stdout, _, resumed = run_example(tmp_path, *flags, "--resume", name="resumed")
   assert "resumed from step 6" in stdout
+  assert "checkpoints: 1 saved this run (steps [12]);" in stdout   # the directory holds 2
+  assert resumed["checkpoints_kept"] == [6, 12]
   assert resumed["start_step"] == 6
   assert [s for s, _ in resumed["history"]["train"]] == list(range(7, 13))
   np.testing.assert_allclose([l for _, l in resumed["history"]["train"]],
@@ -128,9 +146,32 @@ def test_train_checkpoint_and_resume(tmp_path, capsys):
   # A fresh run in the same directory replaces the earlier checkpoints.
   capsys.readouterr()
   train_byte_gpt.main([*SMALL, "--layers", "1", "--steps", "1", "--checkpoint-dir",
-                       str(checkpoints)])
+                       str(checkpoints), "--out-dir", str(tmp_path / "fresh")])
   assert "removing 2 checkpoint(s) of an earlier run" in capsys.readouterr().out
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit()) == ["1"]
+
+
+@pytest.mark.parametrize("flags", [("--dtype", "bfloat16", "--kv-heads", "1"),
+                                   ("--fp8", "delayed", "--kv-heads", "2")],
+                         ids=["bf16_mqa_replicated", "fp8_gqa_split"])
+def test_llama_trains_with_checkpoints(tmp_path, flags):
+  """--arch llama (SequenceParallelLlamaBlock: grouped-query attention with its
+  key/value heads replicated or split over tp, SwiGLU, rotary embeddings):
+  the loss falls, checkpoints are saved, and the report names the block and
+  counts the GPT block's all-gathers (gate and up are one gather)."""
+  checkpoints = tmp_path / "checkpoints"
+  stdout, _, summary = run_example(tmp_path, "--arch", "llama", "--layers", "1", "--steps",
+                                   "12", "--checkpoint-every", "6", "--eval-every", "6",
+                                   "--checkpoint-dir", str(checkpoints), *flags)
+  train, val = summary["history"]["train"], summary["history"]["validation"]
+  assert train[-1][1] < 0.9 * train[0][1], train
+  assert val[-1][1] < 0.9 * val[0][1], val
+  assert summary["sizes"]["kv_heads"] == int(flags[-1])
+  assert "SequenceParallelLlamaBlock" in stdout and "MISMATCH" not in stdout
+  assert re.search(r"block0: +qkv \S.* gate_up \S.* down ", stdout), stdout
+  assert summary["counts"]["standalone_all_gathers"] == summary["expected"][
+      "standalone_all_gathers"] == 4
+  assert summary["checkpoint_steps"] == [6, 12]
 
 
 def test_bfloat16_keep_remat_and_the_ab(tmp_path):
@@ -177,8 +218,8 @@ def test_one_device_trains_on_xla_and_says_why(tmp_path):
   for i in range(2):
     assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
                      r"fallback +fc2 xla fallback", stdout), stdout
-  assert f"qkv, fc1 (column-parallel): xla fallback ({reason})" in stdout
-  assert f"out-proj, fc2 (row-parallel): xla fallback ({reason})" in stdout
+  assert ("qkv, fc1 (column-parallel): xla fallback\n  out-proj, fc2 (row-parallel): xla "
+          f"fallback\n  why: {reason}") in stdout, stdout
   assert "MISMATCH" not in stdout
   assert re.search(r"all-gathers in the blocks +counted +0 +expected +0 +ok", stdout), stdout
   assert re.search(r"fused AllGather\+GEMM calls +counted +0 +expected +0 +ok", stdout), stdout
@@ -207,14 +248,65 @@ def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, cap
   monkeypatch.setattr(tuning, "time_candidates", lambda runs, rounds, **_: (
       {n: (1e-3 if n == "ring" else 2e-3) for n in runs}))
   summary = train_byte_gpt.main([*SMALL, "--layers", "1", "--tp", "2", "--steps", "2",
-                                 "--ab-steps", "0", "--no-checkpoint"])
+                                 "--ab-steps", "0", "--no-checkpoint", "--out-dir",
+                                 str(tmp_path)])
   stdout = capsys.readouterr().out
   assert re.search(r"autotune in [\d.]+ s: plan 'ring'", stdout), stdout
   assert summary["autotune"]["plan"] == "ring"
   assert [s for s, _ in summary["history"]["validation"]] == [0, 1, 2]
-  # The layer table names no one path under auto: each op runs as chosen (listed).
-  assert "blocks 0-0: each op as autotune chose for its shape" in stdout, stdout
-  assert not re.search(r"block0: +qkv", stdout), stdout
+  # The layer table: the ring, as the tuned step's routes chose for every op
+  # (listed, the step's measurement said once), and the ring's counts.
+  assert re.search(r"block0: +qkv ring +out-proj ring +fc1 ring +fc2 ring", stdout), stdout
+  assert "why: every op chose ring ([1])" in stdout
+  assert len(re.findall(r"(all_gather_matmul|matmul_reduce_scatter) rows=.* ring +\[1\]",
+                        stdout)) == 8, stdout
+  assert stdout.count("(all ring kept)") == 2, stdout  # autotune's line, and the table's [1]
+  assert summary["expected"]["standalone_all_gathers"] == summary["counts"][
+      "standalone_all_gathers"] == 2 and "MISMATCH" not in stdout
+
+
+@pytest.mark.parametrize("kept", ["xla", "ring"])
+def test_the_layer_table_names_the_path_the_step_compiled_with(monkeypatch, capsys, kept):
+  """Ranks sharing a GPU (cuBLASMp refused its workspace) where autotune_step
+  kept one implementation for every op: the step makes no fused call, and the
+  table names that implementation for every layer and op, from the tuned
+  step's routes (not "fused" from the config's backend="auto"), with each
+  reason once (not the refusal on every line), and that path's counts."""
+  monkeypatch.delenv("JAX_COMM_GEMM_BACKEND", raising=False)
+  monkeypatch.setenv("JAX_COMM_GEMM_AUTOTUNE_CACHE", "")
+  refusal = "cuBLASMp was refused its workspace (stand-in)"
+  install_fake_native(monkeypatch, workspace_error=refusal)
+  mesh = train_byte_gpt.make_mesh(2, "cpu")
+  jcg.connect(mesh, "tp")
+  model = byte_gpt.ByteGPT(byte_gpt.ModelConfig(32, 2, 1, 64, 16), mesh)
+  trainer, params, opt_state = byte_gpt.Trainer.create(
+      model, byte_gpt.optimizer(1e-3, 2), mesh, seed=0)
+  tokens = byte_gpt.to_device(mesh, np.zeros((4, 17), np.uint8))
+  args = (params, opt_state, *tokens)
+  step = trainer.step_function()
+  why = f"step measured: all {kept} 1.000 ms ({kept} kept)"
+  routes = current_plan().with_decisions(
+      {p: (kept, why) for p in jcg.problems_of(step, *args)})
+  tuned = jcg.TunedStep(step, routes, kept, why)
+  flags = types.SimpleNamespace(backend="auto", keep_gathered_input=False, remat=False)
+  summary = run_report.layer_report(run_report.program_text(tuned, *args), model.config,
+                                    mesh, jnp.float32, flags, 1, print, routes=tuned.routes,
+                                    step=step, step_args=args)
+  table = capsys.readouterr().out
+  paths = table.split("collectives of the compiled")[0]
+  path = {"xla": "xla fallback", "ring": "ring"}[kept]
+  assert re.search(rf"block0: +qkv {path} +out-proj {path} +fc1 {path} +fc2 {path}\n", table)
+  assert (f"qkv, fc1 (column-parallel): {path}\n  out-proj, fc2 (row-parallel): {path}\n"
+          f"  why: every op chose {kept} ([1])") in table, table
+  assert [op["path"] for op in summary["ops"]] == [kept] * 8, summary["ops"]
+  assert {op["role"] for op in summary["ops"]} == {
+      f"{kind}-parallel {which}" for kind in ("column", "row") for which in ("forward",
+                                                                            "backward")}
+  assert table.count(why) == 1 and refusal not in table and "fused" not in paths, table
+  assert summary["counts"]["fused_all_gather_matmuls"] == 0
+  assert summary["counts"]["standalone_all_gathers"] == summary["expected"][
+      "standalone_all_gathers"] == {"xla": 4, "ring": 2}[kept]
+  assert "MISMATCH" not in table
 
 
 def test_each_loss_is_read_after_the_next_step_is_dispatched(monkeypatch, tmp_path, capsys):
@@ -271,7 +363,8 @@ def test_each_loss_is_read_after_the_next_step_is_dispatched(monkeypatch, tmp_pa
   monkeypatch.setattr(run_report, "tokens_per_second", recorded_tokens_per_second)
   summary = train_byte_gpt.main([*SMALL, "--layers", "1", "--steps", "6", "--eval-every", "3",
                                  "--eval-batches", "1", "--checkpoint-every", "5",
-                                 "--ab-steps", "0", "--checkpoint-dir", str(tmp_path)])
+                                 "--ab-steps", "0", "--checkpoint-dir", str(tmp_path),
+                                 "--out-dir", str(tmp_path)])
   capsys.readouterr()
   order = [e[:2] for e in events]
   d, r = (lambda n: ("dispatch", n)), (lambda n: ("read", n))
@@ -295,10 +388,12 @@ def test_every_option_has_help_and_shows_its_default(capsys):
   with pytest.raises(SystemExit):
     parser.parse_args(["--help"])
   text = " ".join(capsys.readouterr().out.split())
-  for shown in ("--backend {auto,xla,cublasmp} 'auto': cuBLASMp where it runs",
+  for shown in ("--backend {auto,xla,ring,cublasmp} 'auto': cuBLASMp where it runs",
                 "(default: auto)", "(default: 128 on CPU, 4096 on GPU)",
                 "(default: 1)", "(default: False)", "(default: 250)",
-                "(default: 20 on GPU, 0 on CPU, where both run XLA)"):
+                "(default: 20 on GPU, 0 on CPU, where both run XLA)",
+                "(default: 512 (llama 384) on CPU, 16384 (llama 14336) on GPU)",
+                "(default: 2 on CPU, 8 on GPU)"):
     assert shown in text, shown
 
 
@@ -309,6 +404,9 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     (("--batch", "6"), r"error: --batch \(6\) must be a multiple of dp=4"),
     (("--warmup", "0"), r"error: --warmup \(0\) must be 1 step or more"),
     (("--resume",), r"error: --resume: no checkpoint in .*empty"),
+    (("--arch", "llama", "--kv-heads", "3", "--heads", "4"),
+     r"error: --kv-heads \(3\) must divide --heads \(4\)"),
+    (("--kv-heads", "1"), r"error: --kv-heads is for --arch llama"),
 ])
 def test_errors(tmp_path, flags, match):
   with pytest.raises(SystemExit, match=match):

@@ -86,6 +86,7 @@ def test_fused_fp8_lowers_to_the_fp8_custom_calls_and_reuses(monkeypatch, keep, 
        "tensor<64x16xf32>, tensor<64x48xf8E5M2>")], signatures
 
 
+@pytest.mark.filterwarnings("ignore:.*layout self-test failed:RuntimeWarning")  # on purpose
 def test_a_failing_verdict_gathers_again(monkeypatch):
   """Where the self-test did not verify the gathered E5M2 operand, fc2's
   weight gradient all-gathers dy again, and the report says why."""

@@ -20,9 +20,10 @@ from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe, cast, fp8_all_gather_matmu
 from jax_comm_gemm.layers import transformer as tb
 from test_flax_linen import x64
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
-from test_fp8_cast import _bytes
+from tolerance import assert_fp8_codes_close, assert_fp8_programs_close, eps
 
 TILE = cast.TILE
+E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 EPS = 1e-6
 
 
@@ -41,7 +42,9 @@ def _operands(x, scale, bias, dtype=jnp.bfloat16):
 
 def test_kernel_writes_xla_bytes():
   """Row statistics as [r, 1] operands: the kernel's rows, columns and amax
-  are XLA's, bit for bit."""
+  are XLA's. Two programs of a LayerNorm each sum in its own order: a bf16
+  output may round one step otherwise (the amax), and its FP8 code flip
+  (tests/tolerance.py)."""
   x, scale, bias, _, _ = _inputs(1, 2 * TILE, 3 * TILE, TILE)
   ops = tuple(a.reshape(-1, a.shape[-1]) if a.ndim > 1 else a for a in _operands(x, scale, bias))
   s = jnp.float32(3.0)
@@ -49,12 +52,12 @@ def test_kernel_writes_xla_bytes():
   got = cast.cast_transpose(ops, s, jnp.float8_e4m3fn, implementation="pallas", **args)
   want = cast.cast_transpose(ops, s, jnp.float8_e4m3fn, implementation="xla", **args)
   for name, a, b in zip(("rows", "columns"), got[:2], want[:2]):
-    np.testing.assert_array_equal(_bytes(a), _bytes(b), err_msg=name)
-  assert float(got[2]) == float(want[2])
+    assert_fp8_codes_close(a, b, what=name)
+  assert float(got[2]) == pytest.approx(float(want[2]), rel=eps(jnp.bfloat16))
   # And they are the LayerNorm's: the bf16 output scaled, cast.
   ln = tb.layer_norm(x, {"scale": scale, "bias": bias}, EPS, jnp.bfloat16)
-  np.testing.assert_array_equal(_bytes(got[0]), _bytes(
-      jnp.clip(ln.astype(jnp.float32) * s, -448, 448).astype(jnp.float8_e4m3fn)))
+  assert_fp8_codes_close(got[0], jnp.clip(ln.astype(jnp.float32) * s, -448, 448).astype(E4),
+                         what="the LayerNorm's codes")
 
 
 def _run(mesh, recipe, x, scale, bias, w, ct, fused=True, check_vma=True):
@@ -110,14 +113,17 @@ def test_column_op_with_layer_norm_matches_float64(monkeypatch, scaling, kernel)
 
 def test_layer_norm_inside_the_op_equals_before_it():
   """With XLA's casts, the LayerNorm inside the op computes what the op
-  computes on the LayerNorm's output, gradients included, bit for bit."""
+  computes on the LayerNorm's output, gradients included: two programs of the
+  same FP8 arithmetic, whose LayerNorms sum in their own orders, so a code may
+  flip (tests/tolerance.py), E4M3 forward, E5M2 in the gradients."""
   mesh = cpu_mesh(2)
   args = _inputs(3, 4 * TILE, 2 * TILE, 2 * TILE)
   recipe = Fp8Recipe("delayed")
   fused, before = (_run(mesh, recipe, *args, fused=f) for f in (True, False))
-  for name, a, b in zip(("y", "dx", "dscale", "dbias", "dw"), fused, before):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                  err_msg=name)
+  n, k, m = args[0].shape + args[3].shape[1:]
+  for name, a, b, fmt, red in zip(("y", "dx", "dscale", "dbias", "dw"), fused, before,
+                                  (E4, E5, E5, E5, E5), (k, m + k, n, n, n)):
+    assert_fp8_programs_close(a, b, fmt=fmt, k=red, what=name)
 
 
 def _kernel_names(jaxpr):
@@ -155,10 +161,11 @@ def test_block_normalizes_inside_the_casts(monkeypatch):
       prologue.activated(normalization(*a), layer_norm).astype(a[-1]),))
   monkeypatch.setattr(prologue, "layer_norm", None)
   before = jax.jit(jax.grad(loss))(params, x, h)
+  # Two programs of the same FP8 arithmetic: a code may flip (tests/tolerance.py);
+  # the reductions: the block's GEMMs (over TILE and 2 TILE), attention's and
+  # the weight gradients' (over the TILE tokens), forward and backward.
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fused), jax.tree.leaves(before)):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=0, atol=2e-2 * float(np.max(np.abs(b))) + 1e-30,
-                               err_msg=jax.tree_util.keystr(path))
+    assert_fp8_programs_close(a, b, fmt=E5, k=16 * TILE, what=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("operands, use_prologue, match", [

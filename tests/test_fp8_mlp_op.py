@@ -21,6 +21,7 @@ from jax_comm_gemm.layers import transformer as tb
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
 from test_fp8_activation import _gelu64, block_tanh_sites
 from test_fp8_cast import _bytes, assert_codes_match_but_tanh_tail
+from tolerance import assert_fp8_programs_close
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 TILE = cast.TILE
@@ -96,9 +97,12 @@ def test_fp8_mlp_matches_float64(monkeypatch, scaling, kernel):
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 def test_fp8_mlp_equals_its_two_ops(bias):
   """With XLA's casts, the one custom_vjp computes what the two ops compute:
-  bit for bit without fc1's bias; with it within FP8's tolerance (one op adds
-  it in float32 inside fc2's cast, the two ops in bf16 before it) and the
-  histories' amaxes within 1%."""
+  without fc1's bias the same FP8 arithmetic in two programs, whose GELU may
+  round otherwise, so a code may flip (tests/tolerance.py: E4M3 forward, E5M2
+  in the gradients and their amaxes); with it within FP8's tolerance (other
+  arithmetic: one op adds it in float32 inside fc2's cast, the two ops in bf16
+  before it) and the histories' amaxes within 1% (bf16's rounding of the sum,
+  2**-8, with room)."""
   from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter
   mesh = cpu_mesh(2)
   x, w1, b1, w2, ct = _inputs(22, 4 * TILE, 2 * TILE, 4 * TILE)
@@ -116,12 +120,14 @@ def test_fp8_mlp_equals_its_two_ops(bias):
   got, want = (_run(mesh, recipe, hs, x, w1, b1, w2, ct, mlp=f) for f in (one, two))
   names = ("y", "dx", "dw1", "db1", "dw2")
   if not bias:
-    for name, a, b in zip(names, got[:5], want[:5]):
-      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                    err_msg=name)
+    n, k = x.shape
+    f = w1.shape[1]
+    for name, a, b, fmt, red in zip(names, got[:5], want[:5], (E4, E5, E5, E5, E5),
+                                    (k + f, f + k, n, n, n)):
+      assert_fp8_programs_close(a, b, fmt=fmt, k=red, what=name)
     for h_got, h_want in zip(got[5], want[5]):
-      for a, b in zip(h_got, h_want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+      for field, a, b in zip(AmaxHistory._fields, h_got, h_want):
+        assert_fp8_programs_close(a, b, fmt=E5, k=k + f, what=f"amax {field}")
     return
   tols = (TOL_FORWARD, TOL_DX, TOL_DW[("tensor", "ag")], TOL_DX, TOL_DW[("tensor", "ag")])
   for name, a, b, tol in zip(names, got[:5], want[:5], tols):
@@ -220,9 +226,11 @@ def test_block_backward_runs_the_activations_derivative_inside_the_cast(monkeypa
 
 def test_block_gradients_match_the_two_ops(monkeypatch):
   """The block under delayed FP8 (one op for the MLP) against the same block
-  built from the two ops, on the kernels: the loss within 0.1% and the
-  gradients within FP8's tolerance (the one op adds fc1's bias in float32
-  inside fc2's cast, the two ops in bf16 before it)."""
+  built from the two ops, on the kernels: other arithmetic (the one op adds
+  fc1's bias in float32 inside fc2's cast, the two ops in bf16 before it), so
+  the loss within the forward's FP8 tolerance and the gradients within the
+  weight gradient's (tests/test_fp8.py; the metric: the largest error over
+  the largest value)."""
   from jax_comm_gemm.layers import dense
   monkeypatch.setattr(cast, "_kernel_runs", lambda x: True)
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -255,17 +263,14 @@ def test_block_gradients_match_the_two_ops(monkeypatch):
                               activation=activation)
   monkeypatch.setattr(dense, "mlp_parallel", two_ops)
   two = grads()
-  assert float(fused[0]) == pytest.approx(float(two[0]), rel=1e-3)
+  assert float(fused[0]) == pytest.approx(float(two[0]), rel=TOL_FORWARD)
   for path, a in jax.tree_util.tree_leaves_with_path(fused[1]):
     b = two[1]
     for p in path:
       b = b[p.key]
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    name = jax.tree_util.keystr(path)
-    if name.endswith("['fc1']['bias']"):
-      np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * np.max(np.abs(b)), err_msg=name)
-    else:  # the same bytes in every GEMM, up to a tanh's last bits in dgelu's cast
-      np.testing.assert_allclose(a, b, rtol=0, atol=5e-2 * np.max(np.abs(b)), err_msg=name)
+    name, tol = jax.tree_util.keystr(path), TOL_DW[("tensor", "ag")]
+    assert _err(a, np.asarray(b, np.float64)) <= tol, f"{name}: {_err(a, b):.4f} > {tol:.4f}"
 
 
 @pytest.mark.parametrize("change, match", [

@@ -160,14 +160,15 @@ def test_autotune_measures_in_every_process_and_all_take_process_0s_choices(
   monkeypatch.setattr(REGISTRY, "next_attempt", lambda key: 1)
   monkeypatch.setattr(tuning, "comm_id", lambda mesh, axis: 7)
   monkeypatch.setattr(tuning, "signature", lambda: "sig")
-  monkeypatch.setattr(tuning, "_runnables", lambda mesh, axis, p, seconds: p)
+  monkeypatch.setattr(tuning, "_runnables", lambda mesh, axis, p, seconds, plan: p)
   # Process 2 is the slow one for the fused candidate of the first problem.
   times = {slow_fused: [{"xla": 1.0, "pipelined_ce": 0.8}, {"xla": 1.0, "pipelined_ce": 0.8},
                         {"xla": 1.0, "pipelined_ce": 1.3}],
            fused_wins: [{"xla": 1.0, "pipelined_ce": 0.7}] * 3}
 
-  def fake_time(p, *, rounds, warmup_rounds, agree, verify):
+  def fake_time(p, *, rounds, warmup_rounds, agree, verify, reference, about):
     assert agree({}) == {}  # the failures are agreed on too
+    assert reference == "xla" and about == p.text()  # the error would name the problem
     # Each problem's candidates are checked against XLA's result.
     y = jax.numpy.ones((4, 4))
     assert verify("xla", y) is None and verify("ring", y) is None

@@ -19,7 +19,7 @@ from jax_comm_gemm.backends import routes
 from jax_comm_gemm.backends.routes import AG, RS, Problem
 from jax_comm_gemm.config import CommGemmConfig
 from jax_comm_gemm.diagnostics import hlo, report
-from jax_comm_gemm.runtime import settings
+from jax_comm_gemm.runtime import REGISTRY, settings
 from jax_comm_gemm.runtime.constants import TARGETS
 
 H200 = types.SimpleNamespace(platform="gpu", compute_capability="9.0", device_kind="NVIDIA H200")
@@ -146,12 +146,15 @@ def test_auto_asks_it_about_the_problem_as_the_kernel_sees_it(gpus):
   """A problem's rows, k and m (the rank's output columns) reach supports()
   in their places."""
   gpus()
-  assert routes.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2)).ok
-  verdict = routes.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2176, "bfloat16", False, 2))
+  assert routes.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2048, "bfloat16", False, 2),
+                         REGISTRY.plan()).ok
+  verdict = routes.runnable(pallas.NAME, Problem(AG, 2048, 4096, 2176, "bfloat16", False, 2),
+                            REGISTRY.plan())
   assert "columns 2176 by 256" in verdict.reason
   assert "rows 2112" in routes.runnable(
-      pallas.NAME, Problem(AG, 2112, 4096, 2048, "bfloat16", False, 2)).reason
-  assert routes.runnable("ring", Problem(AG, 2112, 4096, 2048, "float32", True, 2, True)).ok
+      pallas.NAME, Problem(AG, 2112, 4096, 2048, "bfloat16", False, 2), REGISTRY.plan()).reason
+  assert routes.runnable("ring", Problem(AG, 2112, 4096, 2048, "float32", True, 2, True),
+                         REGISTRY.plan()).ok
 
 
 def test_the_report_names_the_kernel_where_a_layer_can_run_it(gpus):

@@ -75,21 +75,21 @@ def test_a_mix_of_plain_and_symmetric_contexts_is_refused(monkeypatch):
 @pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_auto_and_autotune_take_cublasmps_default_as_a_candidate(plain):
   jcg.connect(mesh2(), "tp")
-  runs = [name for name in routes.candidates(BIG) if routes.runnable(name, BIG).ok]
+  runs = [name for name in routes.candidates(BIG) if routes.runnable(name, BIG, REGISTRY.plan()).ok]
   assert runs == ["xla", "ring", "cublasmp_default", "pipelined_ce"]
-  assert "on a plain workspace" in routes.runnable("cublasmp_split_p2p", BIG).reason
-  assert "Pallas kernel needs NCCL symmetric memory" in routes.runnable("pallas_mgpu", BIG).reason
+  assert "on a plain workspace" in routes.runnable("cublasmp_split_p2p", BIG, REGISTRY.plan()).reason
+  assert "Pallas kernel needs NCCL symmetric memory" in routes.runnable("pallas_mgpu", BIG, REGISTRY.plan()).reason
   plan = REGISTRY.plan().with_decisions({BIG: ("cublasmp_default", "measured")})
   assert routes.choose(BIG, "cublasmp_split_p2p", plan)[0] == "cublasmp_default"
-  name, why = routes.choose(BIG, "cublasmp_split_p2p")  # the rule of thumb's fused default
+  name, why = routes.choose(BIG, "cublasmp_split_p2p", REGISTRY.plan())  # the rule of thumb's
   assert name == "xla" and "on a plain workspace" in why
   fp8 = routes.Problem(routes.AG, 8192, 8192, 8192, "bfloat16", True, 2, fp8=Fp8Recipe().key)
-  assert routes.runnable("cublasmp_default", fp8).ok
+  assert routes.runnable("cublasmp_default", fp8, REGISTRY.plan()).ok
   rs = routes.Problem(routes.RS, 8192, 8192, 8192, "bfloat16", False, 2)
   plans = tuning.step_plans([BIG, rs], {BIG: ("cublasmp_default", "m"), rs: ("xla", "m")})
   assert sorted(plans) == ["cublasmp_default", "pipelined_ce", "ring", "tuned", "xla"]
   # Timed as a group without symmetric memory: calls cost the network's time.
-  assert tuning.iterations(BIG, 1.0, capability.symmetric_memory(routes.workspace(2))) \
+  assert tuning.iterations(BIG, 1.0, capability.symmetric_memory(routes.workspace(2, REGISTRY.plan()))) \
       < tuning.iterations(BIG, 1.0, True)
 
 

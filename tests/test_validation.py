@@ -28,6 +28,7 @@ from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.settings import Settings
 from jax_comm_gemm import (CommGemmConfig, XlaBackend, all_gather_matmul, dense,
                            matmul_reduce_scatter, resolve_backend, sharded, validation)
+from jax_comm_gemm.config import check_config
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.layers import transformer
 
@@ -307,11 +308,11 @@ def test_valid_arguments_trace():
 @pytest.mark.parametrize("config", ["xla", None, 1, {"backend": "xla"}])
 def test_check_config_names_config(config):
   with pytest.raises(TypeError, match=r"where: `config` must be a jax_comm_gemm\.CommGemmConfig"):
-    validation.check_config("where", config)
+    check_config("where", config)
 
 
 def test_check_config_accepts_a_config():
-  validation.check_config("where", CommGemmConfig(backend="xla"))
+  check_config("where", CommGemmConfig(backend="xla"))
 
 
 @pytest.mark.parametrize("value", [0, 1, None, "no", np.int64(1), np.array([True])])

@@ -10,6 +10,7 @@ algorithms is an error at ``connect`` and at trace time that names the reason.
 """
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -95,17 +96,17 @@ def test_one_refusing_context_of_the_axis_refuses_the_axis(monkeypatch):
 @pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
 def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatch):
   jcg.connect(mesh2(), "tp")
-  runs = [name for name in routes.candidates(BIG) if routes.runnable(name, BIG).ok]
+  runs = [name for name in routes.candidates(BIG) if routes.runnable(name, BIG, REGISTRY.plan()).ok]
   assert runs == ["xla", "ring", "pipelined_ce"]  # what autotune measures
-  assert REFUSAL in routes.runnable("cublasmp_split_p2p", BIG).reason
-  assert "Pallas kernel needs NCCL symmetric memory" in routes.runnable("pallas_mgpu", BIG).reason
+  assert REFUSAL in routes.runnable("cublasmp_split_p2p", BIG, REGISTRY.plan()).reason
+  assert "Pallas kernel needs NCCL symmetric memory" in routes.runnable("pallas_mgpu", BIG, REGISTRY.plan()).reason
   # The rule of thumb's fused default, and a choice cached from elsewhere.
-  name, why = routes.choose(BIG, "cublasmp_split_p2p")
+  name, why = routes.choose(BIG, "cublasmp_split_p2p", REGISTRY.plan())
   assert name == "xla" and REFUSAL in why
   plan = REGISTRY.plan().with_decisions({BIG: ("cublasmp_default", "measured elsewhere")})
   name, why = routes.choose(BIG, "cublasmp_split_p2p", plan)
   assert name == "xla" and why.startswith("measured elsewhere") and REFUSAL in why
-  assert routes.choose(BIG, "pipelined_ce")[0] == "pipelined_ce"  # the own algorithms run
+  assert routes.choose(BIG, "pipelined_ce", REGISTRY.plan())[0] == "pipelined_ce"  # the own algorithms run
   for forced in ("cublasmp_split_p2p", "pallas_mgpu"):
     name, why = routes.choose(BIG, "pipelined_ce", _forced(forced))
     assert name == "xla" and why.startswith(f"forced by JAX_COMM_GEMM_AUTOTUNE={forced}")
@@ -197,6 +198,7 @@ def _equations(jaxpr):
           yield from _equations(inner)
 
 
+@pytest.mark.filterwarnings("ignore:.*layout self-test failed:RuntimeWarning")  # on purpose
 @pytest.mark.parametrize("backend", ["cublasmp", "auto"])
 @pytest.mark.parametrize("verified", [True, False], ids=["verdict_passes", "verdict_fails"])
 def test_pipelined_ce_runs_and_reuses_where_its_verdict_passed(monkeypatch, backend, verified):
@@ -227,3 +229,17 @@ def test_pipelined_ce_runs_and_reuses_where_its_verdict_passed(monkeypatch, back
   assert [c.params["return_gathered"] for c in dgrad] == [verified]
   gathers = [e for e in equations if e.primitive.name == "all_gather"]
   assert len(gathers) == (1 if verified else 2)
+
+
+def test_a_failed_layout_self_test_says_so_once(monkeypatch):
+  """Cases whose self-test fails turn reuse off there (the layers stay correct)
+  and connect says so in one warning naming the failures; where every case
+  passes it says nothing."""
+  install_fake_native(monkeypatch, passing=lambda key: key.dtype != "float32")
+  with pytest.warns(RuntimeWarning, match=r"the layout self-test failed.*fake self-test") as seen:
+    jcg.connect(mesh2(), "tp")
+  assert sum("self-test failed" in str(w.message) for w in seen) == 1
+  install_fake_native(monkeypatch)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    jcg.connect(mesh2(), "tp")

@@ -37,22 +37,31 @@ find_library(JCG_NCCL_LIB NAMES libnccl.so.2 nccl
 find_library(JCG_CUBLASMP_LIB NAMES libcublasmp.so.0 cublasmp
   HINTS ${JCG_LIBRARY_HINTS} $ENV{CUBLASMP_HOME} PATH_SUFFIXES lib)
 
+# What is missing, as "<file> (<variable>)" for the error message.
 set(JCG_MISSING_HEADERS "")
 set(JCG_GPU_INCLUDE_DIRS "")
-foreach(_var JCG_CUDART_INCLUDE JCG_CUDA_CRT_INCLUDE JCG_CCCL_INCLUDE JCG_CUBLAS_INCLUDE
-             JCG_NCCL_INCLUDE JCG_CUBLASMP_INCLUDE)
+foreach(_pair JCG_CUDART_INCLUDE:cuda_runtime_api.h JCG_CUDA_CRT_INCLUDE:crt/host_defines.h
+              JCG_CCCL_INCLUDE:nv/target JCG_CUBLAS_INCLUDE:cublas_v2.h
+              JCG_NCCL_INCLUDE:nccl.h JCG_CUBLASMP_INCLUDE:cublasmp.h)
+  string(REPLACE ":" ";" _pair "${_pair}")
+  list(GET _pair 0 _var)
+  list(GET _pair 1 _file)
   if(${_var})
     list(APPEND JCG_GPU_INCLUDE_DIRS "${${_var}}")
   else()
-    list(APPEND JCG_MISSING_HEADERS ${_var})
+    list(APPEND JCG_MISSING_HEADERS "${_file} (${_var})")
   endif()
 endforeach()
 list(REMOVE_DUPLICATES JCG_GPU_INCLUDE_DIRS)
 
 set(JCG_MISSING_LIBRARIES "")
-foreach(_var JCG_CUDART_LIB JCG_CUBLASLT_LIB JCG_NCCL_LIB JCG_CUBLASMP_LIB)
+foreach(_pair JCG_CUDART_LIB:libcudart JCG_CUBLASLT_LIB:libcublasLt JCG_NCCL_LIB:libnccl
+              JCG_CUBLASMP_LIB:libcublasmp)
+  string(REPLACE ":" ";" _pair "${_pair}")
+  list(GET _pair 0 _var)
+  list(GET _pair 1 _file)
   if(NOT ${_var})
-    list(APPEND JCG_MISSING_LIBRARIES ${_var})
+    list(APPEND JCG_MISSING_LIBRARIES "${_file} (${_var})")
   endif()
 endforeach()
 

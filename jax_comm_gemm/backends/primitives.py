@@ -23,10 +23,12 @@ from jax.interpreters import batching, mlir
 from jax_comm_gemm import vma
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.xla import XlaBackend, ring_matmul_reduce_scatter
+from jax_comm_gemm.config import DEFAULT_ALL_GATHER_ALGORITHM, DEFAULT_REDUCE_SCATTER
 from jax_comm_gemm.fp8.gemm import fp8_gemm_tn
 from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.capability import VerdictKey
 from jax_comm_gemm.runtime.constants import ALGORITHMS, GATHERED_LAYOUTS, TARGETS
+from jax_comm_gemm.runtime.plan import Plan
 from jax_comm_gemm.runtime.registry import current_plan
 
 
@@ -195,15 +197,20 @@ _fp8_rs_p = _primitive("fp8_matmul_reduce_scatter", _fp8_rs_abstract_eval, _fp8_
 @dataclasses.dataclass(frozen=True)
 class CublasMpBackend(Backend):
   """The fused ops on the communicators that ``connect`` set up. Its fields are
-  the fused ops' options with the project's defaults, which ``CommGemmConfig``
-  takes from here: ``all_gather_algorithm`` and ``reduce_scatter`` (config.py).
+  the fused ops' options with the project's defaults, ``CommGemmConfig``'s:
+  ``all_gather_algorithm`` and ``reduce_scatter`` (config.py);
+  and `plan`, whose self-test verdicts and gathered layout the ops bind with
+  (``routes.bound`` sets it where a route is decided, so a backward traced
+  later binds as its forward's route said; None: the plan in force where an
+  op is called).
 
   >>> CublasMpBackend().all_gather_algorithm
   'split_p2p'
   """
 
-  all_gather_algorithm: str = "split_p2p"
-  reduce_scatter: str = "xla"
+  all_gather_algorithm: str = DEFAULT_ALL_GATHER_ALGORITHM
+  reduce_scatter: str = DEFAULT_REDUCE_SCATTER
+  plan: Plan | None = dataclasses.field(default=None, repr=False)
 
   name = "cublasmp"
   fp8_fused_ops = True
@@ -222,7 +229,7 @@ class CublasMpBackend(Backend):
                            f"verdict: {verdict.reason}")
     outs = all_gather_matmul(
         x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
-        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout())
+        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=self._plan().layout)
     return tuple(outs) if return_gathered else outs[0]
 
   def matmul_reduce_scatter(self, x, w, axis_name, *, transpose_w, precision=None):
@@ -247,7 +254,7 @@ class CublasMpBackend(Backend):
                                                     True).ok
     outs = fp8_all_gather_matmul(
         x8, w8, x_inv, w_inv, axis_name, out_dtype=out_dtype, return_gathered=reuse,
-        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=_layout(),
+        algorithm=ALGORITHMS[self.all_gather_algorithm], layout=self._plan().layout,
         fast_accum=fast_accum)
     return outs[0], (outs[1] if reuse else None)
 
@@ -260,11 +267,11 @@ class CublasMpBackend(Backend):
         algorithm=ALGORITHMS[self.reduce_scatter], fast_accum=fast_accum)
 
   def gathered_reuse(self, axis_size, dtype, transpose_w):
-    plan = current_plan()
+    plan = self._plan()
     return plan.verdict(VerdictKey(int(axis_size), self.all_gather_algorithm,
                                    jnp.dtype(dtype).name, bool(transpose_w), plan.layout))
 
-
-def _layout() -> str:
-  """Where the gathered operand is, in the plan in force."""
-  return current_plan().layout
+  def _plan(self) -> Plan:
+    """The plan the ops bind with: its own, or for a backend called directly
+    (not through a route), the plan in force."""
+    return current_plan() if self.plan is None else self.plan

@@ -24,13 +24,14 @@ from jax_comm_gemm import validation
 from jax_comm_gemm.backends.base import Backend
 from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
-from jax_comm_gemm.config import FP8_BACKENDS
+from jax_comm_gemm.config import DEFAULT_CONFIG, FP8_BACKENDS, CommGemmConfig
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
 from jax_comm_gemm.fp8.steps import why_not_fused
 from jax_comm_gemm.runtime import settings
 from jax_comm_gemm.runtime.capability import (Capability, WorkspaceKey, algorithm_refusal,
                                               cublasmp_refusal, symmetric_memory)
 from jax_comm_gemm.runtime.constants import OWN_ALGORITHMS
+from jax_comm_gemm.runtime.plan import Plan
 from jax_comm_gemm.runtime.registry import current_plan
 
 AG, RS = "all_gather_matmul", "matmul_reduce_scatter"
@@ -85,10 +86,10 @@ def candidates(p: Problem) -> tuple[str, ...]:
   return (FP8_CANDIDATES if p.fp8 else CANDIDATES)[p.op]
 
 
-def workspace(axis_size: int, plan=None) -> Capability:
+def workspace(axis_size: int, plan) -> Capability:
   """Whether cuBLASMp got its workspace on groups of `axis_size` (connect's
-  probe, in `plan`, default: the plan in force)."""
-  return (current_plan() if plan is None else plan).verdict(WorkspaceKey(int(axis_size)))
+  probe, in `plan`)."""
+  return plan.verdict(WorkspaceKey(int(axis_size)))
 
 
 def _refusal(name: str, axis_size: int, plan) -> str | None:
@@ -103,12 +104,12 @@ def _refusal(name: str, axis_size: int, plan) -> str | None:
   return f"jax's Pallas kernel needs NCCL symmetric memory too: {verdict.reason}"
 
 
-def runnable(name: str, p: Problem, plan=None) -> Capability:
+def runnable(name: str, p: Problem, plan) -> Capability:
   """Whether implementation `name` can run `p` as itself. The Pallas kernel
   has limits (where it cannot, its backend runs XLA's ops), and so do the
   fused FP8 ops (where they cannot, FP8 runs on XLA's collectives); neither
   it nor cuBLASMp's algorithms run where cuBLASMp was refused its workspace."""
-  refused = _refusal(name, p.axis_size, current_plan() if plan is None else plan)
+  refused = _refusal(name, p.axis_size, plan)
   if refused:
     return Capability(False, refused)
   if p.fp8 and name not in PLAIN_BACKENDS:
@@ -121,10 +122,9 @@ def runnable(name: str, p: Problem, plan=None) -> Capability:
   return Capability(True, f"{name} runs every problem")
 
 
-def choose(p: Problem, default: str, plan=None) -> tuple[str, str]:
-  """(implementation, why) for `p` under `plan` (default: the plan in
-  force); `default` is the configured fused one."""
-  plan = current_plan() if plan is None else plan
+def choose(p: Problem, default: str, plan) -> tuple[str, str]:
+  """(implementation, why) for `p` under `plan`; `default` is the configured
+  fused one."""
   mode = plan.settings.autotune
   if mode in candidates(p):
     verdict = runnable(mode, p, plan)
@@ -179,23 +179,36 @@ def fp8_collectives_of(name: str, template: CublasMpBackend):
 class AutoBackend(Backend):
   """Runs each op with :func:`choose`'s implementation; `fused` carries the
   configured algorithms, used where the fused op is chosen by rule of thumb.
+  `plan`: the plan it chooses under (:func:`bound` sets it where the route
+  is decided; None: the plan in force where an op is called).
 
   >>> AutoBackend(CublasMpBackend(all_gather_algorithm="pipelined_ce")).fused.all_gather_algorithm
   'pipelined_ce'
   """
 
   fused: CublasMpBackend = CublasMpBackend()
+  plan: Plan | None = dataclasses.field(default=None, repr=False)
 
   name = "auto"
+
+  def default(self, op: str) -> str:
+    """The implementation the rule of thumb fuses op `op` (AG or RS) with: the
+    configured algorithm."""
+    configured = (self.fused.all_gather_algorithm if op == AG else self.fused.reduce_scatter)
+    return (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
+            else f"cublasmp_{configured}")
+
+  def _plan(self) -> Plan:
+    """The plan it chooses under: its own, or for a backend called directly
+    (not through a route), the plan in force."""
+    return current_plan() if self.plan is None else self.plan
 
   def chosen(self, op: str, x, w, transpose_w, axis_name, gathered=False) -> Backend:
     """The backend that runs op `op` (AG or RS) on these operands (arrays or
     their shapes), `gathered`: an AllGather+GEMM that hands out its operand."""
-    configured = (self.fused.all_gather_algorithm if op == AG else self.fused.reduce_scatter)
-    default = (configured if configured in PLAIN_BACKENDS or configured in OWN_ALGORITHMS
-               else f"cublasmp_{configured}")
-    name, _ = choose(problem(op, x, w, transpose_w, axis_name, gathered), default)
-    return implementation(name, self.fused)
+    plan = self._plan()
+    name, _ = choose(problem(op, x, w, transpose_w, axis_name, gathered), self.default(op), plan)
+    return implementation(name, bound(self.fused, plan))
 
   def all_gather_matmul(self, x, w, axis_name, *, transpose_w, return_gathered,
                         precision=None):
@@ -211,14 +224,52 @@ class AutoBackend(Backend):
     # XLA and the ring hand out the gathered operand as an ordinary array;
     # every fused algorithm that may be chosen must have passed the self-test
     # (those that cannot run here are never chosen).
-    plan = current_plan()
+    plan = self._plan()
     for name in CANDIDATES[AG]:
       if name not in PLAIN_BACKENDS and _refusal(name, axis_size, plan) is None:
-        verdict = implementation(name, self.fused).gathered_reuse(axis_size, dtype,
-                                                                  transpose_w)
+        verdict = implementation(name, bound(self.fused, plan)).gathered_reuse(
+            axis_size, dtype, transpose_w)
         if not verdict.ok:
           return verdict
     return Capability(True, "every implementation auto may choose hands it out")
+
+
+def fused_backend(config) -> CublasMpBackend:
+  """The fused ops with `config`'s algorithms.
+
+  >>> import jax_comm_gemm as jcg
+  >>> fused_backend(jcg.CommGemmConfig(all_gather_algorithm="pipelined_ce")).all_gather_algorithm
+  'pipelined_ce'
+  """
+  return CublasMpBackend(config.all_gather_algorithm, config.reduce_scatter)
+
+
+def init_config(config: CommGemmConfig, initializing: bool) -> CommGemmConfig:
+  """`config`, on XLA's collectives while a module is `initializing`: an init's
+  forward only makes the parameters' shapes (its output is dropped), so it
+  chooses no route (nor warns that one is not measured) and compiles no fused
+  call into the init program.
+
+  >>> import jax_comm_gemm as jcg
+  >>> init_config(jcg.CommGemmConfig(), initializing=True).backend
+  'xla'
+  """
+  if initializing and config.backend != "xla":
+    # Only the backend and the FP8 recipe: the fused ops' options mean nothing on XLA.
+    return CommGemmConfig(backend="xla", reuse_gathered=config.reuse_gathered, fp8=config.fp8)
+  return config
+
+
+def bound(backend: Backend, plan: Plan) -> Backend:
+  """`backend`, choosing and binding under `plan` where it reads a plan (the
+  fused ops' verdicts and layout, auto's choices) and has none of its own: a
+  route carries it, so an op traced later (the backward of a ``jax.vjp``, under
+  another plan or none) binds as the route was decided."""
+  if isinstance(backend, CublasMpBackend) and backend.plan is None:
+    return dataclasses.replace(backend, plan=plan)
+  if isinstance(backend, AutoBackend) and backend.plan is None:
+    return dataclasses.replace(backend, fused=bound(backend.fused, plan), plan=plan)
+  return backend
 
 
 # --- the backend a layer takes, the route of one op, the FP8 route ------------------------
@@ -237,11 +288,11 @@ class Choice:
   reason: str
 
 
-def choose_backend(config, axis_name: str, mesh=None, precision=None) -> Choice:
+def choose_backend(config, axis_name: str, mesh=None, precision=None, plan=None) -> Choice:
   """The backend for `config` (a ``CommGemmConfig``) on `axis_name` of `mesh`
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
-  reason, under the routing plan in force. Says once if the config's fused-op
-  options do nothing there. The fused ops compute in float32: for a
+  reason, under `plan` (default: the routing plan in force), bound to it. Says
+  once if the config's fused-op options do nothing there. The fused ops compute in float32: for a
   `precision` other than the default "auto" takes XLA, "cublasmp" refuses it.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
@@ -249,17 +300,18 @@ def choose_backend(config, axis_name: str, mesh=None, precision=None) -> Choice:
   >>> choose_backend(jcg.CommGemmConfig(backend="xla"), "tp", mesh).reason
   "backend='xla' was requested"
   """
-  choice = _choose(config, axis_name, mesh, current_plan(), precision)
+  plan = current_plan() if plan is None else plan
+  choice = _choose(config, axis_name, mesh, plan, precision)
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
-    # The options only the fused ops read: CublasMpBackend's fields, whose
-    # defaults CommGemmConfig takes too.
-    unused = [f"{f.name}={getattr(config, f.name)!r}" for f in dataclasses.fields(CublasMpBackend)
-              if getattr(config, f.name) != f.default]
+    # The options only the fused ops read (FUSED_OPTIONS), set to other than
+    # the config's defaults.
+    unused = [f"{name}={getattr(config, name)!r}" for name in FUSED_OPTIONS
+              if getattr(config, name) != getattr(DEFAULT_CONFIG, name)]
     if unused:
       warnings.warn(f"jax_comm_gemm: CommGemmConfig({', '.join(unused)}) has no effect: "
                     f"the layers run on XLA's collectives ({choice.reason})",
                     RuntimeWarning, stacklevel=3)
-  return choice
+  return Choice(bound(choice.backend, plan), choice.reason)
 
 
 def _choose(config, axis_name, mesh, plan, precision) -> Choice:
@@ -295,7 +347,7 @@ def _choose(config, axis_name, mesh, plan, precision) -> Choice:
     if requested == "cublasmp":
       validation.check_precision_used(asked, precision, _FLOAT32)
     return Choice(XlaBackend(), f"precision={precision!r}: {_FLOAT32}; XLA's GEMMs take it")
-  fused = config.fused
+  fused = fused_backend(config)
   found = workspace(mesh.shape[axis_name], plan)
   if requested == "cublasmp":
     why = cublasmp_refusal(fused, found, asked)
@@ -308,9 +360,12 @@ def _choose(config, axis_name, mesh, plan, precision) -> Choice:
 
 
 _FLOAT32 = "the fused ops compute in float32 (CUBLAS_COMPUTE_32F)"
+# The config's options that only the fused ops read.
+FUSED_OPTIONS = ("all_gather_algorithm", "reduce_scatter")
 
 
-def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None) -> Backend:
+def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None,
+                    plan=None) -> Backend:
   """The backend of :func:`choose_backend`, without the reason.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
@@ -318,7 +373,7 @@ def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None) ->
   >>> resolve_backend(jcg.CommGemmConfig(backend="ring"), "tp", mesh).name
   'ring'
   """
-  return choose_backend(config, axis_name, mesh, precision).backend
+  return choose_backend(config, axis_name, mesh, precision, plan).backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,7 +403,8 @@ class OpRoute:
   """How one bf16 collective matmul runs, decided once where it is called:
   the backend of its forward op and of its backward's other op (concrete:
   ``backend="auto"``'s choices already made), and where each AllGather+GEMM's
-  gathered operand comes from. The custom_vjps read it; none re-derives it.
+  gathered operand comes from. The custom_vjps read it; none re-derives it,
+  and the backends carry the plan that decided it (their layout and verdicts).
   """
   forward: Backend
   backward: Backend
@@ -356,13 +412,13 @@ class OpRoute:
   gathered_backward: GatheredRoute  # the AllGather+GEMM of the backward (RS)
 
 
-def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision=None,
-             hands_out: bool = False) -> OpRoute:
+def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision,
+             hands_out: bool, plan: Plan) -> OpRoute:
   """The :class:`OpRoute` of op `op` (``AG`` or ``RS``) on local `x`
-  and `w` under the plan in force; `hands_out`: an AllGather+GEMM whose
-  gathered operand is used (returned, or kept for the weight gradient).
-  Call inside ``jax.shard_map`` (it reads the axis size)."""
-  backend = resolve_backend(config, axis_name, precision=precision)
+  and `w` under `plan`, its backends bound to it (:func:`bound`); `hands_out`:
+  an AllGather+GEMM whose gathered operand is used (returned, or kept for the
+  weight gradient). Call inside ``jax.shard_map`` (it reads the axis size)."""
+  backend = resolve_backend(config, axis_name, precision=precision, plan=plan)
   size = lax.axis_size(axis_name)
   m = w.shape[0] if transpose_w else w.shape[1]
   rows = x.shape[0] * size if op == AG else x.shape[0] // size
@@ -386,6 +442,14 @@ def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision
                  no_reuse, gathered)
 
 
+def heads_inside(config, dot_general) -> bool:
+  """Whether the op takes attention's layout itself (`split_heads`,
+  `merge_heads`): an FP8 recipe of one scale per tensor, whose casts read the
+  arrays where they lie; elsewhere XLA's copies change the layout, as they do
+  where a `dot_general` is injected."""
+  return dot_general is None and config.fp8 is not None and config.fp8.per_tensor
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Route:
   """Whether the collective matmuls run in FP8 (``fp8``), and why; `backend`
@@ -396,67 +460,68 @@ class Fp8Route:
   backend: str = ""
 
 
-def fp8_route(config) -> Fp8Route:
+def fp8_route(config, plan: Plan) -> Fp8Route:
   """Whether `config`'s ops run in FP8 (where it holds a recipe), and why; a
   ``JAX_COMM_GEMM_BACKEND`` that FP8 cannot run on is an error here.
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
-  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe())).reason
+  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()), jcg.REGISTRY.plan()).reason
   "FP8 (tensor scaling) on XLA's collectives: FP8 bytes on the wire, the gathered grad_output reused"
   """
   if config.fp8 is None:
     return Fp8Route(False, "no FP8 recipe")
-  forced = current_plan().settings.backend
+  forced = plan.settings.backend
   if forced not in ("", *FP8_BACKENDS):
     raise RuntimeError(f"{settings.BACKEND}={forced} cannot run CommGemmConfig.fp8: FP8 "
                        f"runs on XLA's collectives, the ring or the fused ops (docs/fp8.md); "
                        f"unset it or set it to one of {FP8_BACKENDS}")
   reuse = ("the gathered grad_output gathered again (reuse_gathered=False)"
            if config.reuse_gathered is False else "the gathered grad_output reused")
-  backend = _fp8_backend(config)
+  backend = _fp8_backend(config, plan)
   where = {"ring": "on the ring (per-shard FP8 GEMMs overlapped with ppermutes)",
            "xla": "on XLA's collectives",
            "cublasmp": (f"on the fused FP8 ops ({config.all_gather_algorithm}; "
                         f"reduce-scatter {config.reduce_scatter})")}.get(
-      backend, "per shape on XLA's collectives, the ring or the fused ops, as autotune "
-               "measured")
+      backend, "per shape, the fastest of XLA's collectives, the ring and the fused ops "
+               "where autotune measured the shape, else XLA's collectives")
   return Fp8Route(True, f"FP8 ({config.fp8.scaling} scaling) {where}: FP8 bytes on the "
                         f"wire, {reuse}", backend)
 
 
-def _fp8_backend(config) -> str:
+def _fp8_backend(config, plan: Plan) -> str:
   """The backend FP8 runs on: ``JAX_COMM_GEMM_BACKEND`` if it forces one, else
   the config's (one of ``FP8_BACKENDS``)."""
-  forced = current_plan().settings.backend
+  forced = plan.settings.backend
   return forced if forced in FP8_BACKENDS and forced != "auto" else config.backend
 
 
 def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
-                    gathered: bool = False) -> tuple[Any, str]:
-  """(collectives, why) for FP8 op `op` on `x` and `w`: "xla", "ring", or the
-  fused FP8 ops (a CublasMpBackend of the config's algorithms), as the backend
-  names it or, for "auto", as :func:`choose` picks for the problem.
+                    gathered: bool, plan: Plan) -> tuple[Any, str]:
+  """(collectives, why) for FP8 op `op` on `x` and `w` under `plan`: "xla",
+  "ring", or the fused FP8 ops (a CublasMpBackend of the config's algorithms,
+  bound to `plan`), as the backend names it or, for "auto", as :func:`choose`
+  picks for the problem.
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
   >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), AG, None,
-  ...                 None, False, "tp")
+  ...                 None, False, "tp", False, jcg.REGISTRY.plan())
   ('ring', "backend='ring'")
   """
-  backend = _fp8_backend(config)
+  backend = _fp8_backend(config, plan)
   if backend in ("xla", "ring"):
     return backend, f"backend={backend!r}"
-  fused = config.fused
+  fused = bound(fused_backend(config), plan)
   if backend == "cublasmp":
-    why = cublasmp_refusal(fused, workspace(lax.axis_size(axis_name)),
+    why = cublasmp_refusal(fused, workspace(lax.axis_size(axis_name), plan),
                            "backend='cublasmp' (FP8)")
     if why:
       raise RuntimeError(why)
     return fused, "backend='cublasmp'"
   p = problem(op, x, w, transpose_w, axis_name, gathered=gathered, fp8=config.fp8.key)
-  name, why = choose(p, "xla")
-  runs = runnable(name, p)
+  name, why = choose(p, "xla", plan)
+  runs = runnable(name, p, plan)
   if not runs.ok:  # forced by the environment where it cannot run
     return "xla", f"{why}; {name} cannot run it ({runs.reason}): XLA's collectives"
   return fp8_collectives_of(name, fused), why

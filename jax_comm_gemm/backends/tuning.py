@@ -21,11 +21,13 @@ import logging
 import math
 import os
 import statistics
+import tempfile
 import time
 from types import MappingProxyType
 from typing import Any, Callable
 
 import jax
+from filelock import FileLock
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -108,7 +110,8 @@ def build(compile_, call, iterations: int):
 def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
                     timer=time.perf_counter, wait=jax.block_until_ready,
                     agree=lambda failed: failed,
-                    verify=lambda name, out: None) -> dict[str, float]:
+                    verify=lambda name, out: None, reference: str | None = None,
+                    about: str = "") -> dict[str, float]:
   """Median seconds per call of each candidate of `runs`, over `rounds`
   interleaved rounds (a b c, then c b a) after `warmup_rounds` alike untimed.
   A value of `runs` is ``(call, iterations)`` (a batch enqueues `iterations`
@@ -116,7 +119,9 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
   error that building it raised), or None (it cannot run here). `verify(name,
   out)` says what is wrong with a warm-up result, or None. `agree` turns this
   process's failures of a step into every process's (:class:`UnionOfFailures`),
-  after building, each warm-up and each batch. A failed candidate gets ``inf``.
+  after building, each warm-up and each batch. A failed candidate gets ``inf``;
+  where `reference` (the candidate `verify` checks the others against) fails,
+  every process raises a RuntimeError naming `about` (what is measured) and why.
 
   >>> times = time_candidates({"a": (lambda: 1, 2)}, rounds=3, wait=lambda out: None)
   >>> sorted(times)
@@ -162,6 +167,11 @@ def time_candidates(runs: dict, *, rounds: int, warmup_rounds: int = 0,
     if name not in failed:
       log.debug("autotune: warming up %s", name)
       attempt(name, lambda name=name, call=run[0]: warm_up(name, call))
+    if name == reference and name in failed:  # agreed: every process raises here
+      raise RuntimeError(
+          f"jax_comm_gemm autotune: {about}: XLA's run, the reference every candidate is "
+          f"checked against, failed, so nothing can be checked or chosen; failed: "
+          + ", ".join(f"{n} ({why})" for n, why in failed.items()))
   for index in range(warmup_rounds + rounds):
     order = list(runs.items()) if index % 2 == 0 else list(runs.items())[::-1]
     for name, run in order:
@@ -302,9 +312,11 @@ def iterations(p: Problem, seconds: float, symmetric_memory: bool = True) -> int
   return max(1, min(200, int(seconds / 10 / estimate)))
 
 
-def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
-  """A compiled program per candidate of `p` on random data, as time_candidates
-  takes them: ``(call, iterations)``, the error building it raised, or None."""
+def _runnables(mesh, axis_name: str, p: Problem, seconds: float, plan: Plan | None = None) -> dict:
+  """A compiled program per candidate of `p` on random data, under `plan`
+  (default: the plan in force), as time_candidates takes them: ``(call,
+  iterations)``, the error building it raised, or None."""
+  plan = current_plan() if plan is None else plan
   size = p.axis_size
   if p.op == AG:
     x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
@@ -322,16 +334,17 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
   w = _random(mesh, w_shape, w_spec, p.dtype, 2, scale=p.k ** -0.5)
   # Every candidate has an entry, in the same order in every process.
   runs = {}
+  fused = CublasMpBackend(plan=plan)
   for name in candidates(p):
-    if not runnable(name, p).ok:
+    if not runnable(name, p, plan).ok:
       runs[name] = None
       continue
-    backend = implementation(name, CublasMpBackend())
+    backend = implementation(name, fused)
 
     def local(x, w, backend=backend, name=name):
       if p.fp8:  # the FP8 op, its fused steps on `name`'s collectives
         recipe = Fp8Recipe.from_key(p.fp8)
-        collectives = fp8_collectives_of(name, CublasMpBackend())
+        collectives = fp8_collectives_of(name, fused)
         if p.op == AG:
           return fp8_all_gather_matmul(x, w, axis_name, recipe=recipe,
                                        transpose_w=p.transpose_w, return_gathered=p.gathered,
@@ -346,7 +359,7 @@ def _runnables(mesh, axis_name: str, p: Problem, seconds: float) -> dict:
     runs[name] = build(lambda local=local: jax.jit(jax.shard_map(local, mesh=mesh, **specs))
                        .lower(x, w).compile(),
                        lambda program: program(x, w),
-                       iterations(p, seconds, symmetric_memory(workspace(size))))
+                       iterations(p, seconds, symmetric_memory(workspace(size, plan))))
   return runs
 
 
@@ -374,10 +387,13 @@ def load_cache(path: str) -> dict:
 
 def save_cache(path: str, cache: dict) -> None:
   """Writes the whole cache atomically (a reader never sees half a file)."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  temporary = f"{path}.{os.getpid()}.tmp"
+  folder = os.path.dirname(path) or "."
+  os.makedirs(folder, exist_ok=True)
+  handle, temporary = tempfile.mkstemp(dir=folder, prefix=os.path.basename(path) + ".",
+                                       suffix=".tmp")
   try:
-    with open(temporary, "w") as f:
+    os.fchmod(handle, 0o644)  # as open() would make it, not mkstemp's owner-only
+    with os.fdopen(handle, "w") as f:
       json.dump(cache, f, indent=1, sort_keys=True)
     os.replace(temporary, path)
   except BaseException:  # a failed write leaves nothing behind
@@ -467,29 +483,39 @@ def measure(mesh, axis_name: str, problems, plan, *,
     log.info("autotune: measuring %s (%d of %d)", p.text(), index + 1, len(work["measure"]))
     parts = ("autotune", index)
     mine, failed = timed(ident, attempt, parts, _runnables(mesh, axis_name, p,
-                                                           seconds_per_problem), 10, timeout)
+                                                           seconds_per_problem, plan),
+                         10, timeout, about=p.text())
     choices[p] = agreed_choice(ident, attempt, parts, mine, timeout, failed, decide)
   measured = {Problem(**q).text(): list(choices[Problem(**q)]) for q, _ in work["measure"]}
   remember(path, section, measured)
   return choices
 
 
+# How long a writer waits for another job's write of the disk cache (a write takes milliseconds).
+CACHE_LOCK_TIMEOUT_S = 60.0
+
+
 def remember(path: str, section: str, entries: dict) -> None:
   """Adds `entries` to `section` of the disk cache at `path` (process 0 only;
-  nothing where `path` is "" or there is nothing to add)."""
+  nothing where `path` is "" or there is nothing to add). The read, update and
+  write hold a lock file beside the cache (``filelock``): two jobs on one
+  machine that write at once both keep their entries."""
   if jax.process_index() == 0 and path and entries:
-    cache = load_cache(path)
-    cache.setdefault(section, {}).update(entries)
-    save_cache(path, cache)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with FileLock(f"{path}.lock", timeout=CACHE_LOCK_TIMEOUT_S):
+      cache = load_cache(path)
+      cache.setdefault(section, {}).update(entries)
+      save_cache(path, cache)
 
 
-def timed(ident, attempt, parts: tuple, runs: dict, rounds: int,
-          timeout: float) -> tuple[dict[str, float], dict[str, str]]:
+def timed(ident, attempt, parts: tuple, runs: dict, rounds: int, timeout: float,
+          about: str) -> tuple[dict[str, float], dict[str, str]]:
   """(this process's time per candidate of `runs`, the failures every process
-  agreed on), under key `parts` (each tuner's exchanges have their own)."""
+  agreed on), under key `parts` (each tuner's exchanges have their own); XLA's
+  run is the reference, whose failure is an error naming `about`."""
   agree = UnionOfFailures(ident, attempt, *parts, "failed", timeout=timeout)
   mine = time_candidates(runs, rounds=rounds, warmup_rounds=WARMUP_ROUNDS, agree=agree,
-                         verify=against_xla())
+                         verify=against_xla(), reference="xla", about=about)
   return mine, agree.failed
 
 
@@ -512,6 +538,8 @@ def agreed_choice(ident, attempt, parts: tuple, mine: dict[str, float], timeout:
 # plans repeat within about 1-2% (docs/design.md#whole-step-tuning-autotune_step).
 KEEP_MARGIN = 0.01
 TUNED, XLA = "tuned", "xla"
+# The plan of a step that nothing was measured for: it runs under the plan in force.
+UNMEASURED = "unmeasured"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -520,11 +548,12 @@ class TunedStep:
   ``lower``) runs `step` jitted under ``routes``, the plan that holds them;
   the process's own plan and its compiled programs are not touched. ``plan``
   says which plan was kept (``"tuned"``: the per-op choices, ``"xla"``, or the
-  one implementation every op runs) and ``why``: the measurement, or why
-  nothing was measured.
+  one implementation every op runs; ``"unmeasured"``: nothing was measured,
+  the plan in force routes it) and ``why``: the measurement, or why nothing
+  was measured.
 
   >>> import jax.numpy as jnp
-  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "tuned", "nothing to choose")
+  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "unmeasured", "nothing to choose")
   >>> float(tuned(jnp.float32(3)))
   6.0
   """
@@ -556,6 +585,7 @@ def step_plans(problems, chosen: dict, implementations=None, plan=None) -> dict[
   `plan` (default: the plan in force), XLA always; per-op choices of one
   implementation are timed once, under its name."""
   names = _plan_names(implementations)
+  plan = current_plan() if plan is None else plan
   plans = {name: {p: (name, "step-level comparison") for p in problems}
            for name in IMPLEMENTATIONS
            if name in names and all(name in CANDIDATES[p.op] and runnable(name, p, plan).ok
@@ -601,20 +631,25 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
   >>> import jax, jax.numpy as jnp, numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
   >>> tuned = autotune_step(mesh, "tp", lambda x: x + 1, jnp.zeros(2))
-  >>> tuned.why
-  "nothing to choose: axis 'tp' has size 1: nothing to communicate"
+  >>> tuned.plan, tuned.why
+  ('unmeasured', "nothing to choose: axis 'tp' has size 1: nothing to communicate")
   >>> tuned(jnp.zeros(2)).tolist()
   [1.0, 1.0]
   """
-  _plan_names(implementations)  # bad input fails here, before any device work
+  # Bad input fails here, before any device work.
+  _plan_names(implementations)
+  for name, value in (("iterations", iterations), ("rounds", rounds)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"autotune_step: `{name}` must be a whole number of at least 1, "
+                       f"got {value!r}")
   base = current_plan()
   why_not = tunable(mesh, axis_name, base)
   if why_not is not None:
-    return TunedStep(step, base, TUNED, f"nothing to choose: {why_not}")
+    return TunedStep(step, base, UNMEASURED, f"nothing to choose: {why_not}")
   size = int(mesh.shape[axis_name])
   problems = [p for p in problems_of(step, *args) if p.axis_size == size]
   if not problems:
-    return TunedStep(step, base, TUNED, "the step meets no op that auto chooses for")
+    return TunedStep(step, base, UNMEASURED, "the step meets no op that auto chooses for")
   chosen = measure(mesh, axis_name, problems, base,
                    seconds_per_problem=seconds_per_problem)
   plans = step_plans(problems, chosen, implementations, base)
@@ -641,17 +676,15 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
 def _measure(ident, attempt, routes: dict[str, Plan], step, args, iterations, rounds,
              timeout) -> tuple[str, str]:
   """Compiles the step under each plan, times them all, and returns process
-  0's decision; where every plan failed, every process raises alike."""
+  0's decision; where the all-XLA step failed, every process raises alike."""
   runs = {}
   jitted = step if hasattr(step, "lower") else jax.jit(step)
   # XLA's step first: the others' results are checked against its (against_xla).
   for name, plan in sorted(routes.items(), key=lambda item: item[0] != XLA):
     runs[name] = build(lambda plan=plan: _compiled(jitted, plan, args),
                        lambda compiled: compiled(*args), iterations)
-  mine, failed = timed(ident, attempt, ("step",), runs, rounds, timeout)
-  if all(name in failed for name in mine):
-    raise RuntimeError("jax_comm_gemm.autotune_step: every plan of the step failed: " + ", ".join(
-        f"{name} ({why})" for name, why in failed.items()))
+  mine, failed = timed(ident, attempt, ("step",), runs, rounds, timeout,
+                       about="the step under the all-XLA plan")
   return agreed_choice(ident, attempt, ("step",), mine, timeout, failed, decide_step)
 
 

@@ -38,8 +38,8 @@ def weight_gradient(inputs, grads, transpose_w: bool, precision=None):
   """The gradient of w in ``y = inputs @ w`` (w [k, m]) or ``inputs @ w.T``
   (w [m, k], `transpose_w`), from the layer's inputs [n, k] and the gradient
   of its output [n, m], all n token rows present: ``inputs.T @ grads``, or
-  ``grads.T @ inputs``. The one home of this rule: every backward pass and
-  the fused weight gradient's XLA lowering call it.
+  ``grads.T @ inputs``. The one home of this rule: every backward pass
+  calls it.
 
   >>> import jax.numpy as jnp
   >>> weight_gradient(jnp.ones((4, 2)), jnp.ones((4, 3)), transpose_w=False).shape

@@ -1,6 +1,8 @@
 """Counting collectives in compiled HLO: how the routing shows in the program.
 A synchronous collective and an async start count alike, and each operand of a
-combined instruction counts as one. The fused ops are custom calls to the FFI
+combined instruction counts as one; a collective-permute or an all-to-all
+counts once (the operands of a tuple all-to-all are its chunks, those of a
+collective-permute past the first are buffers and offsets). The fused ops are custom calls to the FFI
 targets of ``runtime.constants``; Mosaic GPU custom calls (jax's Pallas kernel
 among them) count apart, as do collectives over groups of one device, which
 XLA's CPU compiler keeps and its GPU compiler removes (``single_device``)."""
@@ -18,7 +20,10 @@ MOSAIC_GPU_TARGET = "mosaic_gpu"
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?\S+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", re.M)
 # The collectives counted, with their async starts ("-done" carries no operands).
 _COLLECTIVES = ("all-gather", "all-gather-start", "reduce-scatter", "reduce-scatter-start",
-                "all-reduce", "all-reduce-start")
+                "all-reduce", "all-reduce-start", "all-to-all", "ragged-all-to-all",
+                "collective-broadcast")
+# Point-to-point (the ring's ppermutes): no replica groups, never "single device".
+_PERMUTES = ("collective-permute", "collective-permute-start")
 # replica_groups as a list ({{0,1},{2,3}}) or in iota form ([4,2]<=[8], groups of 2).
 _GROUP_LIST = re.compile(r"replica_groups=\{\{([^}]*)\}")
 _GROUP_IOTA = re.compile(r"replica_groups=\[(?:\d+,)*?(\d+)\]<=")
@@ -39,6 +44,9 @@ class CollectiveCounts:
   fused_matmul_reduce_scatter: int
   mosaic_gpu_kernels: int = 0  # Pallas Mosaic GPU kernels, the AllGather+GEMM's among them
   single_device: int = 0  # collectives over groups of one device: in none of the above
+  collective_permute: int = 0  # lax.ppermute: the ring's steps
+  all_to_all: int = 0  # all-to-all and ragged all-to-all instructions
+  collective_broadcast: int = 0
 
 
 def _opcodes(hlo_text: str) -> list[tuple[str, str]]:
@@ -80,7 +88,10 @@ def count_collectives(hlo_text: str, scope: str | None = None) -> CollectiveCoun
       fused_matmul_reduce_scatter=(calls(TARGETS["matmul_reduce_scatter"])
                                    + calls(TARGETS["fp8_matmul_reduce_scatter"])),
       mosaic_gpu_kernels=calls(MOSAIC_GPU_TARGET, prefix=True),
-      single_device=sum(_operand_count(line, op) for op, line in single))
+      single_device=sum(_operand_count(line, op) for op, line in single),
+      collective_permute=sum(op in _PERMUTES for op, _ in ops),
+      all_to_all=sum(op in ("all-to-all", "ragged-all-to-all") for op, _ in ops),
+      collective_broadcast=n("collective-broadcast"))
 
 
 def compiled_collectives(fn, *args, scope: str | None = None) -> CollectiveCounts:

@@ -17,8 +17,9 @@ from flax.linen import initializers
 from flax.typing import Dtype, Initializer, PrecisionLike
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
-from jax_comm_gemm.layers import dense, transformer
+from jax_comm_gemm.backends.routes import init_config
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
+from jax_comm_gemm.layers import dense, llama, transformer
 from jax_comm_gemm.validation import Names
 
 default_kernel_init = initializers.lecun_normal()
@@ -109,7 +110,7 @@ def check_options(owner: str, options: dict, *, features: dict[str, int]) -> tup
   for field, value in features.items():
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
       raise ValueError(f"{owner}.{field} must be a positive int, got {value!r}")
-  validation.check_config(owner, options["config"])
+  check_config(owner, options["config"])
   validation.check_flag(owner, "use_bias", options["use_bias"])
   options["precision"] = validation.check_precision(owner, options["precision"])
   for name in ("keep_gathered_input", "causal"):
@@ -171,20 +172,17 @@ def path_reason(kind: str, injected: str | None, preferred_element_type=None) ->
 
 
 def config_of(module) -> CommGemmConfig:
-  """The linen `module`'s config, on XLA's collectives while flax initializes it:
-  an init's forward only makes the parameters' shapes (its output is dropped), so
-  it chooses no route (nor warns that one is not measured) and compiles no fused
-  call into the init program."""
-  config = module.config
-  if module.is_initializing() and config.backend != "xla":
-    # Only the backend and the FP8 recipe: the fused ops' options mean nothing on XLA.
-    return CommGemmConfig(backend="xla", reuse_gathered=config.reuse_gathered, fp8=config.fp8)
-  return config
+  """The linen `module`'s config as ``routes.init_config`` routes it (on XLA's
+  collectives while flax initializes the module)."""
+  return init_config(module.config, module.is_initializing())
 
 
 def run(kind: str, where: dense.Placement, names: Names, *operands, **options):
-  """Runs layer `kind` ("column", "row" or "block") where `where` says: on local
-  shards inside the caller's ``jax.shard_map``, or on global arrays."""
+  """Runs layer `kind` ("column", "row", "block" or "llama") where `where`
+  says: on local shards inside the caller's ``jax.shard_map``, or on global arrays."""
+  if kind == "llama":
+    run_block = llama.block_local if where.local else llama.block_global
+    return run_block(names, *operands, where=where, **options)
   if kind == "column" and where.local:
     return dense.column_local(names, *operands, where=where, **options)
   if kind == "column":

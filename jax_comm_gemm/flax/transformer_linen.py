@@ -69,6 +69,31 @@ def _as_pairs(tree) -> tuple:
   return tree
 
 
+def block_placement(module, owner: str, inputs):
+  """Where a block `module` (linen; num_heads and hidden_features among its
+  fields) runs, its options and sizes checked, each error naming its field."""
+  options = options_of(module) | {
+      name: getattr(module, name)
+      for name in ("activation", "causal", "scale_init", "keep_gathered_input")}
+  data = check_options(owner, options, features={"num_heads": module.num_heads,
+                                                 "hidden_features": module.hidden_features})
+  where = place(owner, module.mesh, module.axis_name, data)
+  check_split(f"{owner}.num_heads", module.num_heads, module.axis_name, where.size)
+  check_split(f"{owner}.hidden_features", module.hidden_features, module.axis_name, where.size)
+  if jnp.ndim(inputs) != 3:
+    raise ValueError(f"{owner}: `inputs` must be 3-D [seq, batch, features], got "
+                     f"shape {jnp.shape(inputs)}")
+  return where
+
+
+def fp8_histories(module, histories):
+  """A block's "delayed" FP8 amax histories as a variable of `module` in Flax's
+  overwrite-with-gradient collection (None stays None)."""
+  if histories is None:
+    return None
+  return module.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history", lambda: histories).value
+
+
 class SequenceParallelTransformerBlock(LinenOptions):
   """A pre-LayerNorm transformer block, sequence- and tensor-parallel over
   ``axis_name``: ``h = x + OutProj(Attention(QKV(LN(x))))``, then
@@ -103,17 +128,7 @@ class SequenceParallelTransformerBlock(LinenOptions):
   @nn.compact
   def __call__(self, inputs: Array) -> Array:
     owner = type(self).__name__
-    options = options_of(self) | {
-        name: getattr(self, name)
-        for name in ("activation", "causal", "scale_init", "keep_gathered_input")}
-    data = check_options(owner, options, features={"num_heads": self.num_heads,
-                                                   "hidden_features": self.hidden_features})
-    where = place(owner, self.mesh, self.axis_name, data)
-    check_split(f"{owner}.num_heads", self.num_heads, self.axis_name, where.size)
-    check_split(f"{owner}.hidden_features", self.hidden_features, self.axis_name, where.size)
-    if jnp.ndim(inputs) != 3:
-      raise ValueError(f"{owner}: `inputs` must be 3-D [seq, batch, features], got "
-                       f"shape {jnp.shape(inputs)}")
+    where = block_placement(self, owner, inputs)
     layout = transformer.param_layout(jnp.shape(inputs)[-1], self.hidden_features,
                                       self.axis_name, self.use_bias)
     dense = (("kernel", self.kernel_init), ("bias", self.bias_init))
@@ -128,9 +143,6 @@ class SequenceParallelTransformerBlock(LinenOptions):
         keep_gathered_input=self.keep_gathered_input,
         attention_implementation=self.attention_implementation,
         config=common.config_of(self))
-    histories = transformer.init_fp8_histories(block_options)
-    if histories is not None:  # "delayed" FP8: Flax's overwrite-with-gradient collection
-      histories = self.variable(OVERWRITE_WITH_GRADIENT, "fp8_amax_history",
-                                lambda: histories).value
+    histories = fp8_histories(self, transformer.init_fp8_histories(block_options))
     return common.run("block", where, Names(owner, x="inputs"), inputs, params,
                         options=block_options, fp8_histories=histories)

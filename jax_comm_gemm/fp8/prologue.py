@@ -1,7 +1,7 @@
 """The elementwise functions that an FP8 cast applies inside its own pass over
 memory (:func:`jax_comm_gemm.fp8.cast.cast_transpose`'s `prologue`), so that
-their output is never written in bf16: a LayerNorm's normalization from its
-row statistics, the MLP's activation, the activation after fc1's bias, and
+their output is never written in bf16: a LayerNorm's or an RMSNorm's
+normalization from its row statistics, the MLP's activation, the activation after fc1's bias, and
 the gradient through either (its backward).
 
 A prologue takes one or more operands: tensors of x's shape ``[r, c]``,
@@ -68,6 +68,13 @@ def layer_norm(x, mean, rstd, scale, bias):
   (:func:`jax_comm_gemm.layers.transformer.layer_norm`, inside the cast of the
   GEMM input it feeds)."""
   return (x - mean) * (rstd * scale) + bias
+
+
+def rms_norm(x, rstd, scale):
+  """An RMSNorm's normalization from its row statistic, ``x * (rstd * scale)``:
+  rstd ``[r, 1]``, scale ``[c]`` (:func:`jax_comm_gemm.layers.llama.rms_norm`,
+  inside the cast of the GEMM input it feeds, as :func:`layer_norm` is)."""
+  return x * (rstd * scale)
 
 
 @functools.cache

@@ -26,11 +26,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.backends.routes import fp8_route
+from jax_comm_gemm.backends.routes import heads_inside
 from jax_comm_gemm.collective_matmul import (all_gather_matmul_unchecked, fp8_mlp_unchecked,
                                              matmul_reduce_scatter_unchecked, scoped_activation)
 from jax_comm_gemm.fp8.prologue import flat_operands, scoped
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.fp8 import heads as attention_layout
 from jax_comm_gemm.runtime.registry import current_plan
@@ -249,7 +249,7 @@ def mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *,
   validation.check_bias(Names(op, bias="fc2_bias"), fc2_bias, np.shape(x)[-1], x)
   return mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, axis_name=axis_name,
                       activation=activation, fp8_histories=(histories["fc1"], histories["fc2"]),
-                      **options)
+                      plan=current_plan(), **options)
 
 
 # --- the public layers on global arrays (jcg.sharded.*) -----------------------------------
@@ -330,7 +330,7 @@ def sharded_mlp(x, fc1_kernel, fc2_kernel, fc1_bias=None, fc2_bias=None, *, mesh
 
 def checked_options(op: str, keep_gathered_input, precision, config, dot_general) -> dict:
   """The layer options, checked: each error names its argument."""
-  validation.check_config(op, config)
+  check_config(op, config)
   if dot_general is not None:
     validation.check_callable(op, "dot_general", dot_general)
   return dict(keep_gathered_input=validation.check_flag(op, "keep_gathered_input",
@@ -344,13 +344,15 @@ def checked_options(op: str, keep_gathered_input, precision, config, dot_general
 def column_local(names: Names, x, kernel, bias, *, where: Placement, **options):
   """A column-parallel call inside the caller's shard_map: checks, then runs."""
   check_column(names, x, kernel, bias)
-  return column_parallel(x, kernel, bias, axis_name=where.axis_name, **options)
+  return column_parallel(x, kernel, bias, axis_name=where.axis_name, plan=current_plan(),
+                         **options)
 
 
 def row_local(names: Names, h, kernel, bias, *, where: Placement, **options):
   """A row-parallel call inside the caller's shard_map: checks, then runs."""
   check_row(names, h, kernel, bias, where.axis_name, where.size)
-  return row_parallel(h, kernel, bias, axis_name=where.axis_name, **options)
+  return row_parallel(h, kernel, bias, axis_name=where.axis_name, plan=current_plan(),
+                      **options)
 
 
 def column_global(names: Names, x, kernel, bias, *, where: Placement, keep_gathered_input,
@@ -393,7 +395,8 @@ def _constrain(x, mesh, spec):
 
 def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                     precision=None, config=DEFAULT_CONFIG, dot_general=None,
-                    dot_kwargs=(), fp8_history=None, prologue=None, split_heads=None):
+                    dot_kwargs=(), fp8_history=None, prologue=None, split_heads=None,
+                    plan=None):
   """:func:`column_parallel_dense` for callers that checked the arguments;
   `dot_kwargs`: (name, value) pairs for an injected `dot_general`. Of
   ``prologue(*x)`` where one is given, x the tuple of its operands
@@ -401,7 +404,8 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
   `split_heads` ``(parts, head_dim)``: the result as attention's arrays
   (:func:`jax_comm_gemm.fp8.heads.split_heads`, x ``[n/P, batch, K]``); under
   an FP8 recipe of one scale per tensor the op's backward casts their
-  gradients where they lie (docs/fp8.md, "Attention's layout")."""
+  gradients where they lie (docs/fp8.md, "Attention's layout"). `plan`: the
+  routing plan the layer's entry read (None: the op reads the plan in force)."""
   if dot_general is not None:
     x = scoped(x, prologue)
     gathered = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
@@ -416,7 +420,7 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                                     precision=precision, config=config,
                                     fp8_history=fp8_history, prologue=prologue,
                                     split_heads=(split_heads + (int(np.prod(lead[1:])),)
-                                                 if inside else None), bias=bias)
+                                                 if inside else None), bias=bias, plan=plan)
     if inside:  # q, k and v already in attention's layout, the bias added
       return y
     y = y.reshape((lead[0] * jax.lax.axis_size(axis_name),) + lead[1:]
@@ -424,26 +428,21 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
   return y if split_heads is None else attention_layout.split_heads(y, *split_heads)
 
 
-def heads_inside(config, dot_general) -> bool:
-  """Whether the op takes attention's layout itself (`split_heads`,
-  `merge_heads`): an FP8 recipe of one scale per tensor, whose casts read the
-  arrays where they lie; elsewhere XLA's copies change the layout."""
-  return dot_general is None and fp8_route(config).fp8 and config.fp8.per_tensor
-
-
 def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_CONFIG,
                  dot_general=None, dot_kwargs=(), fp8_history=None, activation=None,
-                 merge_heads=False):
+                 merge_heads=False, plan=None):
   """:func:`row_parallel_dense` for callers that checked the arguments, of
   ``activation(h)`` where one is given (elementwise: an FP8 recipe applies it
   inside h's cast). `merge_heads`: h is attention's output ``[batch, n,
   heads, head_dim]`` (:func:`jax_comm_gemm.fp8.heads.merge_heads`; the result
-  ``[n/P, batch, K]``), read where it lies under a per-tensor FP8 recipe."""
+  ``[n/P, batch, K]``), read where it lies under a per-tensor FP8 recipe;
+  `plan` as in :func:`column_parallel`."""
   if merge_heads and heads_inside(config, dot_general):
     (batch, seq, n, head_dim), size = np.shape(h), jax.lax.axis_size(axis_name)
     y = matmul_reduce_scatter_unchecked(h.reshape(batch * seq, n * head_dim), kernel, axis_name,
                                         transpose_w=False, precision=precision, config=config,
-                                        fp8_history=fp8_history, merge_heads=(head_dim, batch))
+                                        fp8_history=fp8_history, merge_heads=(head_dim, batch),
+                                        plan=plan)
     y = y.reshape(seq // size, batch, -1)
     return y if bias is None else y + bias
   if merge_heads:
@@ -458,7 +457,7 @@ def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_C
     y = matmul_reduce_scatter_unchecked(h.reshape(-1, np.shape(h)[-1]), kernel, axis_name,
                                         transpose_w=False, precision=precision,
                                         config=config, fp8_history=fp8_history,
-                                        activation=activation)
+                                        activation=activation, plan=plan)
     y = y.reshape((lead[0] // jax.lax.axis_size(axis_name),) + lead[1:]
                   + (np.shape(kernel)[-1],))
   return y if bias is None else y + bias
@@ -466,24 +465,26 @@ def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_C
 
 def mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, axis_name, activation,
                  keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG,
-                 dot_general=None, fp8_histories=(None, None), prologue=None):
+                 dot_general=None, fp8_histories=(None, None), prologue=None, plan=None):
   """:func:`mlp` for callers that checked the arguments (`prologue` as in
   :func:`column_parallel`): under an FP8 recipe one op for both layers (the
   gradient through the activation, and fc1's bias's, made inside fc1's
-  gradient cast); else column_parallel, then row_parallel with the activation."""
-  if dot_general is not None or not fp8_route(config).fp8:
+  gradient cast); else column_parallel, then row_parallel with the activation.
+  `plan` as in :func:`column_parallel`."""
+  if dot_general is not None or config.fp8 is None:
     h = column_parallel(x, fc1_kernel, fc1_bias, axis_name=axis_name,
                         keep_gathered_input=keep_gathered_input, precision=precision,
                         config=config, dot_general=dot_general, fp8_history=fp8_histories[0],
-                        prologue=prologue)
+                        prologue=prologue, plan=plan)
     return row_parallel(h, fc2_kernel, fc2_bias, axis_name=axis_name, precision=precision,
                         config=config, dot_general=dot_general, fp8_history=fp8_histories[1],
-                        activation=activation)
+                        activation=activation, plan=plan)
   xs, lead = flat_operands("mlp", x, prologue)
   y = fp8_mlp_unchecked(xs if prologue else xs[0], fc1_kernel, fc1_bias, fc2_kernel,
                         axis_name, activation=activation,
                         keep_gathered_input=keep_gathered_input, precision=precision,
-                        config=config, fp8_histories=fp8_histories, prologue=prologue)
+                        config=config, fp8_histories=fp8_histories, prologue=prologue,
+                        plan=plan)
   y = y.reshape(lead + (np.shape(fc2_kernel)[-1],))
   return y if fc2_bias is None else y + fc2_bias
 
@@ -495,8 +496,9 @@ def _injected(dot_general, x, kernel, precision, dot_kwargs):
 
 
 # --- the jitted shard_maps of the global layers -------------------------------------------
-# The routing plan in force is a static argument too: a trace under an older plan
-# (before connect or autotune) is never reused under a newer one. An FP8 amax
+# The routing plan in force is a static argument too, read once at the entry and
+# passed down to every route: a trace under an older plan (before connect or
+# autotune) is never reused under a newer one. An FP8 amax
 # history (a "delayed" recipe's) is one array for every shard: P().
 
 _STATIC = ("mesh", "axis_name", "data_axes", "precision", "config", "plan")
@@ -515,7 +517,7 @@ def _column(x, kernel, bias, history, *, mesh, axis_name, data_axes, keep_gather
   def body(x, kernel, bias, history):
     return column_parallel(x, kernel, bias, axis_name=axis_name,
                            keep_gathered_input=keep_gathered_input, precision=precision,
-                           config=config, fp8_history=history)
+                           config=config, fp8_history=history, plan=plan)
 
   specs = (tokens, P(None, axis_name), None if bias is None else P(axis_name),
            None if history is None else P())
@@ -529,7 +531,7 @@ def _row(h, kernel, bias, history, *, mesh, axis_name, data_axes, precision, con
 
   def body(h, kernel, bias, history):
     return row_parallel(h, kernel, bias, axis_name=axis_name, precision=precision,
-                        config=config, fp8_history=history)
+                        config=config, fp8_history=history, plan=plan)
 
   specs = (features, P(axis_name, None), None if bias is None else P(None),
            None if history is None else P())
@@ -546,7 +548,7 @@ def _mlp(x, fc1_kernel, fc2_kernel, fc1_bias, fc2_bias, histories, *, mesh, axis
     return mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, axis_name=axis_name,
                         activation=activation, keep_gathered_input=keep_gathered_input,
                         precision=precision, config=config,
-                        fp8_histories=(histories["fc1"], histories["fc2"]))
+                        fp8_histories=(histories["fc1"], histories["fc2"]), plan=plan)
 
   specs = (tokens, P(None, axis_name), P(axis_name, None),
            None if fc1_bias is None else P(axis_name), None if fc2_bias is None else P(None),

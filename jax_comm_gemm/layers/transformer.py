@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import AmaxHistory, prologue
 from jax_comm_gemm.fp8.heads import merge_heads, split_heads
 from jax_comm_gemm.layers import dense
@@ -85,7 +85,7 @@ class BlockOptions:
   def __post_init__(self):
     op = type(self).__name__
     validation.check_callable(op, "activation", self.activation)
-    validation.check_config(op, self.config)
+    check_config(op, self.config)
     object.__setattr__(self, "precision", validation.check_precision(op, self.precision))
     for flag in ("causal", "keep_gathered_input"):
       object.__setattr__(self, flag, validation.check_flag(op, flag, getattr(self, flag)))
@@ -176,15 +176,17 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
   check_block(names.op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=True)
   return block(x, params, axis_name=where.axis_name, options=options,
-               fp8_histories=_checked_histories(names.op, options, fp8_histories))
+               fp8_histories=checked_histories(names.op, options, fp8_histories),
+               plan=current_plan())
 
 
-def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None):
-  """:func:`transformer_block` for callers that checked the arguments."""
+def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None, plan=None):
+  """:func:`transformer_block` for callers that checked the arguments, under
+  `plan`, the routing plan the entry read (None: each op reads the plan in force)."""
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
   x = x.astype(dtype)
-  sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype)
+  sublayer = partial(_sublayer, axis_name=axis_name, options=o, dtype=dtype, plan=plan)
   h = fp8_histories or dict.fromkeys(FP8_LAYERS)
   with jax.named_scope(SCOPE):
     with jax.named_scope("attention"):
@@ -198,7 +200,7 @@ def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=Non
 
 
 def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, options, dtype,
-              histories):
+              histories, plan):
   """``x + second(inner(first(LayerNorm(x))))``: a column-parallel then a
   row-parallel dense around `inner` (attention, of q, k and v in its own
   layout, :func:`attention_heads`); without one, the MLP
@@ -207,27 +209,27 @@ def _sublayer(x, norm, first, second, *, inner=None, head_dim=None, axis_name, o
   # The LayerNorm's output is the first dense's input: the dense applies it
   # (under an FP8 recipe inside its cast, never written in bf16).
   h = normalization(x, norm, o.epsilon, dtype)
-  (k1, b1), (k2, b2) = _dense_params(first, dtype, o.config), _dense_params(second, dtype,
-                                                                            o.config)
+  (k1, b1), (k2, b2) = (dense_params(p, dtype, o.config) for p in (first, second))
   if inner is None:
     return x + dense.mlp_parallel(h, k1, b1, k2, b2, axis_name=axis_name,
                                   activation=o.activation,
                                   keep_gathered_input=o.keep_gathered_input,
                                   precision=o.precision, config=o.config,
-                                  fp8_histories=histories, prologue=prologue.layer_norm)
+                                  fp8_histories=histories, prologue=prologue.layer_norm,
+                                  plan=plan)
   # Attention's arrays [batch, seq, heads, head_dim] leave the first dense and
   # enter the second as they are: an FP8 cast reads them there (docs/fp8.md).
   q, k, v = dense.column_parallel(h, k1, b1, axis_name=axis_name,
                                   keep_gathered_input=o.keep_gathered_input,
                                   precision=o.precision, config=o.config,
                                   fp8_history=histories[0], prologue=prologue.layer_norm,
-                                  split_heads=(3, head_dim))
+                                  split_heads=(3, head_dim), plan=plan)
   return x + dense.row_parallel(inner(q, k, v), k2, b2, axis_name=axis_name,
                                 precision=o.precision, config=o.config,
-                                fp8_history=histories[1], merge_heads=True)
+                                fp8_history=histories[1], merge_heads=True, plan=plan)
 
 
-def _checked_histories(op, options, fp8_histories):
+def checked_histories(op, options, fp8_histories):
   """`fp8_histories`, checked: {layer: AmaxHistory} for FP8_LAYERS where the
   config's recipe is "delayed", else None."""
   return validation.check_fp8_histories(op, options.config, fp8_histories, FP8_LAYERS,
@@ -277,7 +279,7 @@ def attention_heads(q, k, v, causal: bool, implementation):
                                       implementation=implementation)
 
 
-def _dense_params(p, dtype, config):
+def dense_params(p, dtype, config):
   """(kernel, bias or None) in the computation dtype, like flax's promote_dtype;
   under an FP8 recipe the kernel as stored: the FP8 op makes its FP8 copies
   from it in one read and returns its gradient in its dtype, where a copy in
@@ -317,10 +319,8 @@ def block_global(names: Names, x, params, *, where: Placement, options: BlockOpt
   op, data = names.op, where.data_axes
   check_block(op, names.x, x, params, options.num_heads, where.axis_name, where.size,
               local=False)
-  shards = int(np.prod([where.mesh.shape[a] for a in data]))
-  validation.check_divisible(op, names.x, "sequences (second dimension, the batch)",
-                             np.shape(x)[1], "*".join(data) or "()", shards)
-  histories = _checked_histories(op, options, fp8_histories)
+  check_batch(op, names.x, x, where)
+  histories = checked_histories(op, options, fp8_histories)
   return _sharded(x, params, histories, mesh=where.mesh, axis_name=where.axis_name,
                   data_axes=data, options=options, plan=current_plan())
 
@@ -332,7 +332,8 @@ def _sharded(x, params, histories, *, mesh, axis_name, data_axes, options, plan)
   tokens = P(axis_name, data_axes or None, None)
 
   def body(x, params, histories):
-    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories)
+    return block(x, params, axis_name=axis_name, options=options, fp8_histories=histories,
+                 plan=plan)
 
   specs = (tokens, partition_specs(params, axis_name), None if histories is None else P())
   return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(x, params, histories)
@@ -351,19 +352,7 @@ def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
   ...
   ValueError: f: the features (8) must divide into num_heads=3 heads of equal size
   """
-  shape = np.shape(x)
-  if len(shape) != 3:
-    raise ValueError(
-        f"{op}: `{x_name}` must be 3-D [seq, batch, features] (the sequence first: "
-        f"it is sharded over {axis_name!r}), got shape {shape}")
-  if not local:
-    validation.check_divisible(
-        op, x_name, "positions (first dimension, the sequence)", shape[0], axis_name, size,
-        ". The layout is [seq, batch, features]: for [batch, seq, features] "
-        "activations pass jnp.swapaxes(x, 0, 1)")
-  validation.check_not_empty(op, x_name, x)
-  validation.check_dtype(op, x_name, x)
-  d = shape[-1]
+  d = check_activations(op, x_name, x, axis_name, size, local=local)
   if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads <= 0:
     raise ValueError(f"{op}: num_heads must be a positive int, got {num_heads!r}")
   if d % num_heads:
@@ -379,7 +368,40 @@ def check_block(op: str, x_name: str, x, params, num_heads: int, axis_name: str,
                      "(ln_1, attention/{qkv,out}, ln_2, mlp/{fc1,fc2})") from None
   validation.check_divisible(op, "mlp/fc1/kernel", "output features", hidden, axis_name,
                              size)
-  want = jax.tree.map(lambda s: tuple(n // size if name == axis_name and local else n
+  check_param_shapes(op, params, layout, size, d, local=local)
+
+
+def check_activations(op: str, x_name: str, x, axis_name: str, size: int, *,
+                      local: bool) -> int:
+  """A block's `x`: 3-D ``[seq, batch, d]``, globally its sequence split over
+  the axis; returns d."""
+  shape = np.shape(x)
+  if len(shape) != 3:
+    raise ValueError(
+        f"{op}: `{x_name}` must be 3-D [seq, batch, features] (the sequence first: "
+        f"it is sharded over {axis_name!r}), got shape {shape}")
+  if not local:
+    validation.check_divisible(
+        op, x_name, "positions (first dimension, the sequence)", shape[0], axis_name, size,
+        ". The layout is [seq, batch, features]: for [batch, seq, features] "
+        "activations pass jnp.swapaxes(x, 0, 1)")
+  validation.check_not_empty(op, x_name, x)
+  validation.check_dtype(op, x_name, x)
+  return shape[-1]
+
+
+def check_batch(op: str, x_name: str, x, where: Placement) -> None:
+  """A global block's batch (`x`'s second dimension) splits over the data axes."""
+  data = where.data_axes
+  shards = int(np.prod([where.mesh.shape[a] for a in data]))
+  validation.check_divisible(op, x_name, "sequences (second dimension, the batch)",
+                             np.shape(x)[1], "*".join(data) or "()", shards)
+
+
+def check_param_shapes(op: str, params, layout, size: int, d: int, *, local: bool) -> None:
+  """`params` has `layout`'s entries (a dict of :class:`ParamSpec`), each of
+  its global shape, or locally of its shape cut by `size` along the axis."""
+  want = jax.tree.map(lambda s: tuple(n // size if name is not None and local else n
                                       for n, name in zip(s.shape, s.names)), layout)
   got = jax.tree.map(lambda a: tuple(np.shape(a)), params)
   if (jax.tree.structure(got, is_leaf=_is_shape)

@@ -8,6 +8,7 @@ custom_vjps only read the cached verdicts."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -203,7 +204,8 @@ def self_test(mesh, axis_name: str, comm_id: int, layout: str, version: int,
   one per case, so that a refused case does not condemn the others. cuBLASMp's
   algorithms do not run where `workspace` refuses them (each such case's
   verdict says why); on a plain workspace cuBLASMp's default is tested as on
-  any other."""
+  any other. Says once (a RuntimeWarning) which cases failed: those layers stay
+  correct and gather their operand again, and the failure is worth a report."""
   verdicts = {}
   cases = _cases(int(mesh.shape[axis_name]), layout)
   for algorithm in SELF_TESTED_ALGORITHMS:
@@ -217,6 +219,12 @@ def self_test(mesh, axis_name: str, comm_id: int, layout: str, version: int,
       for case in group:
         found.update(_probe(mesh, axis_name, comm_id, layout, version, [case]))
     verdicts.update(found)
+  failed = sorted({v.reason for v in verdicts.values() if not v.ok and v is not workspace})
+  if failed:
+    warnings.warn("jax_comm_gemm: the layout self-test failed, so reuse of the gathered "
+                  "operand is off there (the layers stay correct and gather it again); "
+                  f"please report it with jcg.cublasmp_version()={version}: "
+                  + "; ".join(failed), RuntimeWarning, stacklevel=2)
   return verdicts
 
 

@@ -30,15 +30,19 @@ def _nvidia_dirs() -> list[str]:
     return []
 
 
-def _preload(cuda_major: int) -> None:
+def _preload(cuda_major: int) -> list[str]:
   """Loads each library from the first wheel that has it; others are left to
-  the extension's own NEEDED entries and rpath."""
+  the extension's own NEEDED entries and rpath. Returns the ones no wheel has."""
+  absent = []
   for relative in _LIBRARIES.get(cuda_major, ()):
     for base in _nvidia_dirs():
       path = os.path.join(base, relative)
       if os.path.exists(path):
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         break
+    else:
+      absent.append(os.path.basename(relative))
+  return absent
 
 
 def built() -> bool:
@@ -49,14 +53,22 @@ def built() -> bool:
 def load() -> tuple[ModuleType | None, str]:
   """The extension module and "", or None and why it is unavailable."""
   if not built():
-    return None, ("the C++ extension is not built: CUDA, NCCL or cuBLASMp headers were "
-                  "missing when jax-comm-gemm was installed (see README, Installation)")
+    return None, ("the C++ extension is not built (a CPU-only install, jcg.cuda=none, or "
+                  "a source tree not installed): pip install \".[cuda13]\" builds it "
+                  "(README, Installation)")
+  absent: list[str] = []
   try:
     build_config = importlib.import_module("jax_comm_gemm._build_config")
-    _preload(build_config.CUDA_MAJOR)
+    absent = _preload(build_config.CUDA_MAJOR)
     return importlib.import_module(EXTENSION), ""
   except (ImportError, OSError) as e:
-    return None, f"the C++ extension did not load: {e}"
+    hint = ""
+    if absent:
+      cuda = build_config.CUDA_MAJOR
+      hint = (f" (it was built for CUDA {cuda}, and no NVIDIA wheel here has "
+              f"{', '.join(absent)}: install the cuda{cuda} extra, or rebuild with "
+              f"-C jcg.cuda=<the CUDA installed>)")
+    return None, f"the C++ extension did not load: {e}{hint}"
 
 
 def load_constants() -> ModuleType | None:

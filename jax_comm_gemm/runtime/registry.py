@@ -51,7 +51,9 @@ class Registry:
   """See the module docstring. Thread-safe; a single instance, ``REGISTRY``."""
 
   def __init__(self):
-    self._lock = threading.Lock()
+    # Reentrant: an update reads the plan in force (which may load the
+    # extension) while it holds the lock.
+    self._lock = threading.RLock()
     self.connect_lock = threading.Lock()  # one connect at a time: each is collective
     self._native: ModuleType | None = None
     self._status: Capability | None = None
@@ -138,13 +140,19 @@ class Registry:
     with self._lock:
       self._published = plan
 
+  def _update(self, change) -> None:
+    """Publishes ``change(plan in force)``, reading and writing under one lock:
+    two threads' updates both land (neither builds on a plan the other replaced)."""
+    with self._lock:
+      self._published = change(self.plan())
+
   def adopt(self, settings: Settings) -> None:
     """Publishes the plan in force with `settings` and what this process
     knows of cuBLASMp now (connect, once the settings are agreed)."""
     status = self.library_status()
     layout = default_layout(self.cublasmp_version())
-    self.publish(dataclasses.replace(self.plan(), settings=settings, cublasmp=status,
-                                     layout=layout))
+    self._update(lambda plan: dataclasses.replace(plan, settings=settings, cublasmp=status,
+                                                  layout=layout))
 
   # --- what connect() set up ----------------------------------------------------
 
@@ -167,7 +175,7 @@ class Registry:
     """Publishes a plan with the connected axis and its verdicts."""
     with self._lock:
       self._groups.update(groups)
-    self.publish(self.plan().with_axis(mesh, axis_name, comm_id, verdicts))
+    self._update(lambda plan: plan.with_axis(mesh, axis_name, comm_id, verdicts))
 
   def watch(self, grace_s: float) -> None:
     """Starts the sentinel over this process's contexts (once)."""
@@ -189,7 +197,7 @@ class Registry:
 
   def record_decisions(self, decisions) -> None:
     """Publishes a plan with `decisions` ({problem: (implementation, why)})."""
-    self.publish(self.plan().with_decisions(decisions))
+    self._update(lambda plan: plan.with_decisions(decisions))
 
   # --- the contexts -------------------------------------------------------------------
 
@@ -219,7 +227,7 @@ class Registry:
       had_groups = bool(self._groups)
       self._groups.clear()
     if had_groups:
-      self.publish(dataclasses.replace(self.plan(), axes=(), verdicts=()))
+      self._update(lambda plan: dataclasses.replace(plan, axes=(), verdicts=()))
 
 
 REGISTRY = Registry()

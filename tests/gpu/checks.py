@@ -70,7 +70,7 @@ def refusal_here(mesh, *names: str) -> str | None:
   if not SHARED_GPU:
     return None
   from jax_comm_gemm.backends.routes import workspace  # noqa: PLC0415
-  verdict = workspace(mesh.shape["tp"])
+  verdict = workspace(mesh.shape["tp"], REGISTRY.plan())
   refused = []
   for name in names:
     if name == pallas.NAME:
@@ -405,7 +405,7 @@ def fp8_counts_as_chosen(config, mesh, shape, dt, keep) -> report.ExpectedCounts
   fc2 = Problem(RS, n, f // size, d, name, False, size, False, config.fp8.key)
   standalone = fused = 0
   for p, rs_layer in ((fc1, False), (fc2, True)):
-    chosen = choose(p, "xla")[0]
+    chosen = choose(p, "xla", REGISTRY.plan())[0]
     algorithm = chosen.removeprefix("cublasmp_")
     layer = (dataclasses.replace(config, backend=chosen) if chosen in ("xla", "ring") else
              dataclasses.replace(config, backend="cublasmp", all_gather_algorithm=algorithm,
@@ -609,7 +609,7 @@ def check_autotune_fp8(mesh):
   for p, (name, why) in choices.items():
     assert name in FP8_CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
     for candidate in FP8_CANDIDATES[p.op]:
-      if runnable(candidate, p).ok:
+      if runnable(candidate, p, REGISTRY.plan()).ok:
         assert re.search(rf"\b{candidate} [0-9.]+ ms", why), (p, candidate, why)
   return {"choices": {p.text(): list(c) for p, c in choices.items()},
           "mlp_fp8_auto": check_fp8(mesh, "tensor")}
@@ -944,7 +944,7 @@ def check_autotune(mesh):
     # at the first two), none that cannot.
     for candidate in CANDIDATES[p.op]:
       timed = re.search(rf"\b{candidate} [0-9.]+ ms", why) is not None
-      assert timed == runnable(candidate, p).ok, (p, candidate, why)
+      assert timed == runnable(candidate, p, REGISTRY.plan()).ok, (p, candidate, why)
   errs = check_mlp(mesh, "bf16", backend="auto")
   return {"choices": {p.text(): list(c) for p, c in sorted(choices.items(),
                                                            key=lambda i: i[0].text())},
