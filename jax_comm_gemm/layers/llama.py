@@ -2,7 +2,9 @@
 grouped-query attention with rotary embeddings, a gated MLP (SwiGLU or
 GeGLU), biases optional. The local core, inside ``jax.shard_map``, and its
 global-array wrapper; activations ``[seq, batch, d]`` with the sequence sharded
-over the tensor-parallel axis between blocks::
+over the tensor-parallel axis between blocks. Longer than 300 lines: one
+model's options, layout, block and checks, each public function with a
+runnable example::
 
   x -> RMSNorm -> q, k, v (ONE column-parallel op) -> rotary(q, k) -> attention
     -> out (row-parallel) -> + x = h
@@ -28,8 +30,7 @@ and key/value heads form one column-parallel kernel ``[d, (H/P + 2*G_local)*D]``
 per step). Split key/value heads pair with this shard's query heads as in
 the unsharded model; replicated ones are all computed on every shard, each
 shard attending with the ones its query heads use (query head h uses key/value
-head ``h // (H/G)``). Longer than 300 lines: one model's options, layout, block
-and checks, each public function with a runnable example."""
+head ``h // (H/G)``)."""
 
 from __future__ import annotations
 
