@@ -215,7 +215,7 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
   column_label, row_label = f"qkv, {fc1} (column-parallel)", f"out-proj, {fc2} (row-parallel)"
   routes = current_plan() if routes is None else routes
   with plan_lib.use(routes):  # the decisions the step was compiled with
-    fp8 = fp8_route(config)
+    fp8 = fp8_route(config, routes)
     per_op = mesh.shape["tp"] > 1 and (
         fp8.backend == "auto" if fp8.fp8 else
         isinstance(choose_backend(config, "tp", mesh).backend, jcg.backends.AutoBackend))

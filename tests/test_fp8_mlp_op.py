@@ -254,13 +254,13 @@ def test_block_gradients_match_the_two_ops(monkeypatch):
   fused = grads()
 
   def two_ops(x, k1, b1, k2, b2, *, axis_name, activation, keep_gathered_input, precision,
-           config, fp8_histories, prologue):
+              config, fp8_histories, prologue, plan=None):
     h = dense.column_parallel(x, k1, b1, axis_name=axis_name, precision=precision,
                               config=config, fp8_history=fp8_histories[0],
-                              prologue=prologue)
+                              prologue=prologue, plan=plan)
     return dense.row_parallel(h, k2, b2, axis_name=axis_name, precision=precision,
                               config=config, fp8_history=fp8_histories[1],
-                              activation=activation)
+                              activation=activation, plan=plan)
   monkeypatch.setattr(dense, "mlp_parallel", two_ops)
   two = grads()
   assert float(fused[0]) == pytest.approx(float(two[0]), rel=TOL_FORWARD)
