@@ -50,6 +50,7 @@ def refused(monkeypatch):
   return native
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a refused case is no failed self-test
 def test_connect_learns_the_refusal_once_and_the_self_test_runs_what_can_run(refused):
   status = jcg.connect(mesh2(), "tp")
   assert status.ok and REFUSAL in status.reason  # the own algorithms still run
