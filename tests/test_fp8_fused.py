@@ -1,4 +1,5 @@
-"""The extension's fused FP8 ops (``collectives=CublasMpBackend(...)``, or
+"""The extension's fused FP8 ops (``collectives=`` a ``CublasMpBackend`` bound to
+the plan, or
 ``CommGemmConfig(backend="cublasmp", fp8=...)``), on CPU with a stand-in for
 the extension: lowered for the GPU they are the FP8 custom calls, with FP8
 operands and the gathered FP8 operand reused where the self-test's verdict
@@ -34,6 +35,11 @@ def _connected(monkeypatch, mesh, passing=lambda key: True):
   assert jcg.connect(mesh, "tp").ok
 
 
+def _fused(*algorithms):
+  """The fused ops of `algorithms`, bound to the plan in force (connect's)."""
+  return routes.bound(CublasMpBackend(*algorithms), REGISTRY.plan())
+
+
 def _gpu_text(mesh, recipe, collectives, keep=False, seed=0):
   return fp8_mlp.step(mesh, recipe, collectives, keep).trace(*fp8_mlp.inputs(seed)).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -53,7 +59,7 @@ def test_fused_fp8_computes_what_xla_computes(monkeypatch, all_gather, reduce_sc
   delayed scaling included (the scales are the ops' operands)."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
-  fused = CublasMpBackend(all_gather, reduce_scatter)
+  fused = _fused(all_gather, reduce_scatter)
   args = fp8_mlp.inputs(seed=len(all_gather) + keep)
   got = fp8_mlp.step(mesh, Fp8Recipe(), fused, keep)(*args)
   want = fp8_mlp.step(mesh, Fp8Recipe(), "xla", keep)(*args)
@@ -70,7 +76,7 @@ def test_fused_fp8_lowers_to_the_fp8_custom_calls_and_reuses(monkeypatch, keep, 
   with keep_gathered_input)."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
-  text = _gpu_text(mesh, Fp8Recipe(), CublasMpBackend("split_p2p", "split_p2p"), keep)
+  text = _gpu_text(mesh, Fp8Recipe(), _fused("split_p2p", "split_p2p"), keep)
   assert (_calls(text, AG), _calls(text, RS)) == (2, 2)
   assert len(re.findall(r"stablehlo\.all_gather", text)) == standalone
   # fc1's forward gathers E4M3 x, fc2's dgrad E5M2 dy, each against an E4M3
@@ -92,7 +98,7 @@ def test_a_failing_verdict_gathers_again(monkeypatch):
   weight gradient all-gathers dy again, and the report says why."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh, passing=lambda key: key.dtype != "float8_e5m2")
-  text = _gpu_text(mesh, Fp8Recipe(), CublasMpBackend("split_p2p", "split_p2p"), keep=True)
+  text = _gpu_text(mesh, Fp8Recipe(), _fused("split_p2p", "split_p2p"), keep=True)
   assert len(re.findall(r"stablehlo\.all_gather", text)) == 1
   config = jcg.CommGemmConfig(backend="cublasmp", fp8=Fp8Recipe())
   fc2 = report.layer_path(config, mesh, "tp", jnp.bfloat16, reduce_scatter_layer=True)

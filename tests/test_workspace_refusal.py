@@ -117,7 +117,8 @@ def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatc
 def test_autotune_step_times_no_plan_of_what_cannot_run_here(refused):
   jcg.connect(mesh2(), "tp")
   rs = routes.Problem(routes.RS, 8192, 8192, 8192, "bfloat16", False, 2)
-  plans = tuning.step_plans([BIG, rs], {BIG: ("pipelined_ce", "m"), rs: ("xla", "m")})
+  plans = tuning.step_plans([BIG, rs], {BIG: ("pipelined_ce", "m"), rs: ("xla", "m")},
+                             plan=REGISTRY.plan())
   assert sorted(plans) == ["pipelined_ce", "ring", "tuned", "xla"]
 
 

@@ -22,7 +22,7 @@ from jax import lax
 import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm import validation
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.primitives import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend, unbound
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
 from jax_comm_gemm.config import DEFAULT_CONFIG, FP8_BACKENDS, CommGemmConfig
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
@@ -180,7 +180,8 @@ class AutoBackend(Backend):
   """Runs each op with :func:`choose`'s implementation; `fused` carries the
   configured algorithms, used where the fused op is chosen by rule of thumb.
   `plan`: the plan it chooses under (:func:`bound` sets it where the route
-  is decided; None: the plan in force where an op is called).
+  is decided; its methods never read the plan in force, and one called with
+  no plan bound is an error that says how to bind one).
 
   >>> AutoBackend(CublasMpBackend(all_gather_algorithm="pipelined_ce")).fused.all_gather_algorithm
   'pipelined_ce'
@@ -199,9 +200,10 @@ class AutoBackend(Backend):
             else f"cublasmp_{configured}")
 
   def _plan(self) -> Plan:
-    """The plan it chooses under: its own, or for a backend called directly
-    (not through a route), the plan in force."""
-    return current_plan() if self.plan is None else self.plan
+    """The plan it chooses under: the one bound where the route was decided."""
+    if self.plan is None:
+      raise RuntimeError(unbound(self))
+    return self.plan
 
   def chosen(self, op: str, x, w, transpose_w, axis_name, gathered=False) -> Backend:
     """The backend that runs op `op` (AG or RS) on these operands (arrays or
@@ -260,6 +262,21 @@ def init_config(config: CommGemmConfig, initializing: bool) -> CommGemmConfig:
   return config
 
 
+def given(plan, where: str) -> Plan:
+  """`plan`, the routing plan a caller below an entry was passed; None (a
+  caller that forgot it) is an error, never a read of the plan in force.
+
+  >>> given(None, "op_route")
+  Traceback (most recent call last):
+  ...
+  TypeError: op_route: `plan` is the routing plan the entry read (a layer's, an op's, jax_comm_gemm.REGISTRY.plan()) and passes down; got None
+  """
+  if not isinstance(plan, Plan):
+    raise TypeError(f"{where}: `plan` is the routing plan the entry read (a layer's, an "
+                    f"op's, jax_comm_gemm.REGISTRY.plan()) and passes down; got {plan!r}")
+  return plan
+
+
 def bound(backend: Backend, plan: Plan) -> Backend:
   """`backend`, choosing and binding under `plan` where it reads a plan (the
   fused ops' verdicts and layout, auto's choices) and has none of its own: a
@@ -291,7 +308,8 @@ class Choice:
 def choose_backend(config, axis_name: str, mesh=None, precision=None, plan=None) -> Choice:
   """The backend for `config` (a ``CommGemmConfig``) on `axis_name` of `mesh`
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
-  reason, under `plan` (default: the routing plan in force), bound to it. Says
+  reason, under `plan`, bound to it. A user's entry: with no `plan` it reads
+  the routing plan in force, once (the library's own callers pass theirs). Says
   once if the config's fused-op options do nothing there. The fused ops compute in float32: for a
   `precision` other than the default "auto" takes XLA, "cublasmp" refuses it.
 
@@ -300,7 +318,7 @@ def choose_backend(config, axis_name: str, mesh=None, precision=None, plan=None)
   >>> choose_backend(jcg.CommGemmConfig(backend="xla"), "tp", mesh).reason
   "backend='xla' was requested"
   """
-  plan = current_plan() if plan is None else plan
+  plan = current_plan() if plan is None else plan  # a user's entry (the library passes it)
   choice = _choose(config, axis_name, mesh, plan, precision)
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
     # The options only the fused ops read (FUSED_OPTIONS), set to other than
@@ -366,7 +384,8 @@ FUSED_OPTIONS = ("all_gather_algorithm", "reduce_scatter")
 
 def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None,
                     plan=None) -> Backend:
-  """The backend of :func:`choose_backend`, without the reason.
+  """The backend of :func:`choose_backend`, without the reason, bound to `plan`
+  (default: the plan in force): its ops bind under it wherever they are called.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -418,7 +437,8 @@ def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision
   and `w` under `plan`, its backends bound to it (:func:`bound`); `hands_out`:
   an AllGather+GEMM whose gathered operand is used (returned, or kept for the
   weight gradient). Call inside ``jax.shard_map`` (it reads the axis size)."""
-  backend = resolve_backend(config, axis_name, precision=precision, plan=plan)
+  backend = resolve_backend(config, axis_name, precision=precision,
+                            plan=given(plan, "op_route"))
   size = lax.axis_size(axis_name)
   m = w.shape[0] if transpose_w else w.shape[1]
   rows = x.shape[0] * size if op == AG else x.shape[0] // size

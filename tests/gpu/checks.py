@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
-from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem, choose,
-                                         implementation, runnable)
+from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem, bound,
+                                         choose, implementation, runnable)
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
                                quantize_tensor)
@@ -207,7 +207,7 @@ def check_all_gather_matmul(mesh, dtype: str, transpose_w: bool):
     if refusal_here(mesh, name):
       out[name] = f"skipped: {refusal_here(mesh, name)}"
       continue
-    backend = implementation(name, backends.CublasMpBackend())
+    backend = implementation(name, bound(backends.CublasMpBackend(), REGISTRY.plan()))
 
     def run(x, w, backend=backend):
       return backend.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
@@ -448,7 +448,8 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
     assert errs[name] < FP8_TOLERANCE[name], f"{name}: {errs[name]} ({errs})"
   # The gathered operand: the whole x quantized at once (tensor), or row by row.
   fused = backend == "cublasmp"
-  collectives = (backends.CublasMpBackend(all_gather_algorithm, reduce_scatter) if fused
+  collectives = (bound(backends.CublasMpBackend(all_gather_algorithm, reduce_scatter),
+                       REGISTRY.plan()) if fused
                  else "ring" if backend == "ring" else "xla")
   gather = smap(mesh, lambda x, w: fp8_all_gather_matmul(
       x, w, "tp", recipe=recipe, return_gathered=True, collectives=collectives)[1][None],
@@ -562,7 +563,7 @@ def check_fp8_fused_gemm(mesh):
       if refusal_here(mesh, algorithm):
         results[f"ag/{algorithm}"] = f"skipped: {refusal_here(mesh, algorithm)}"
         continue
-      reuse = backends.CublasMpBackend(algorithm).gathered_reuse(
+      reuse = bound(backends.CublasMpBackend(algorithm), REGISTRY.plan()).gathered_reuse(
           size, jnp.dtype(dtype).name, True).ok
       def all_gather(x, w, a, b, alg=algorithm, hand_out=reuse):
         outs = primitives.fp8_all_gather_matmul(
