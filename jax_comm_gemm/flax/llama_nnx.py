@@ -21,7 +21,7 @@ from jax_comm_gemm.flax import common
 from jax_comm_gemm.flax.common import (default_bias_init, default_kernel_init,
                                        default_scale_init)
 from jax_comm_gemm.flax.llama_linen import as_matrix
-from jax_comm_gemm.flax.nnx import _known_mesh, arguments, init_options, make_param
+from jax_comm_gemm.flax.nnx_build import arguments, init_options, known_mesh, make_param
 from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.layers import llama
@@ -121,7 +121,7 @@ class SequenceParallelLlamaBlock(nnx.Module):
     if o["head_dim"] is None and in_features % num_heads:
       raise ValueError(f"{owner}.in_features={in_features} must divide into "
                        f"num_heads={num_heads} heads of equal size (or pass head_dim)")
-    known = _known_mesh(o["mesh"])
+    known = known_mesh(o["mesh"])
     size = 1 if known is None else known.shape[o["axis_name"]]
     layout = llama.param_layout(in_features, hidden_features, self.options, o["axis_name"],
                                 size, o["use_bias"])

@@ -17,8 +17,8 @@ from flax.typing import Array, Dtype, Initializer, PrecisionLike
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.flax.common import (DEFAULTS, default_bias_init, default_kernel_init,
                                        default_scale_init)
-from jax_comm_gemm.flax.nnx import (ColumnParallelDense, RowParallelDense,
-                                    SequenceParallelMLP, arguments, init_options, make_param)
+from jax_comm_gemm.flax.nnx import ColumnParallelDense, RowParallelDense, SequenceParallelMLP
+from jax_comm_gemm.flax.nnx_build import arguments, init_options, make_param
 from jax_comm_gemm.flax import common
 from jax_comm_gemm.layers import transformer
 from jax_comm_gemm.layers.dense import place
