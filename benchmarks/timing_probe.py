@@ -59,7 +59,7 @@ def main() -> int:
       build = bench.build_matmul_reduce_scatter
     tuner = {name: run for name, run in tuning._runnables(mesh, bench.AXIS, problem,
                                                           args.seconds,
-                                                          jcg.REGISTRY.plan()).items() if name in NAMES}
+                                                          jcg.runtime.REGISTRY.plan()).items() if name in NAMES}
     fns, fn_args = build(ctx, (n, k, m), list(NAMES) + ["floor"])
     for name, (call, _) in tuner.items():
       jax.block_until_ready(call())

@@ -27,7 +27,7 @@ ENTRIES = frozenset({
     ("jax_comm_gemm/layers/llama.py", "block_local"),
     ("jax_comm_gemm/layers/llama.py", "block_global"),
     # The user's questions and tuners: which backend a config takes
-    # (jcg.resolve_backend), the tuners, the report.
+    # (jcg.backends.resolve_backend), the tuners, the report.
     ("jax_comm_gemm/backends/routes.py", "choose_backend"),
     ("jax_comm_gemm/backends/tuning.py", "problems_of"),
     ("jax_comm_gemm/backends/tuning.py", "autotune"),

@@ -425,7 +425,7 @@ def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: 
   jaxpr = str(jax.make_jaxpr(program)(x, w))
   assert jaxpr.count(target) == fused_calls
   if fused_calls:  # the chosen algorithm, by its number
-    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
+    assert f"algorithm={jcg.config.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
   np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
                              atol=1e-5)
 

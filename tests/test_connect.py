@@ -184,7 +184,7 @@ def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
   monkeypatch.setattr(capability, "_probe", fake_probe(passing=lambda key: not key.transpose_w))
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   jcg.connect(mesh, "tp")
-  backend = bound(jcg.CublasMpBackend(), REGISTRY.plan())
+  backend = bound(jcg.backends.CublasMpBackend(), REGISTRY.plan())
   assert gathered_route(backend, None, 2, jnp.bfloat16, False).reuse
   route = gathered_route(backend, None, 2, jnp.bfloat16, True)
   assert not route.reuse and route.reason == "fake self-test"
@@ -361,7 +361,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     tuned = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
     plan, why = tuned.plan, tuned.why
     assert plan == faster and why.startswith("step measured"), why
-    problems = jcg.problems_of(step, x, w1, w2)
+    problems = jcg.backends.problems_of(step, x, w1, w2)
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
     taken = {tuned.routes.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
@@ -396,7 +396,7 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
   assert first.plan == again.plan == "pipelined_ce" and not compiled
   assert again.why == first.why + " (cached)"
   assert {again.routes.decision(p)[0]
-          for p in jcg.problems_of(step, x, w1, w2)} == {"pipelined_ce"}
+          for p in jcg.backends.problems_of(step, x, w1, w2)} == {"pipelined_ce"}
   # Fewer plans: another key, measured anew.
   other = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5,
                             implementations=("ring",))

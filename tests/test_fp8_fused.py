@@ -159,7 +159,8 @@ class _LooksFused:
   fp8_matmul_reduce_scatter = fp8_all_gather_matmul
 
 
-@pytest.mark.parametrize("collectives", [_LooksFused(), jcg.XlaBackend(), jcg.AutoBackend()],
+@pytest.mark.parametrize("collectives", [_LooksFused(), jcg.backends.XlaBackend(),
+                                         jcg.backends.AutoBackend()],
                          ids=lambda c: type(c).__name__)
 def test_the_fused_fp8_ops_are_found_through_the_backend_interface(collectives):
   """`collectives` runs the fused FP8 ops where the Backend declares them
@@ -170,7 +171,7 @@ def test_the_fused_fp8_ops_are_found_through_the_backend_interface(collectives):
                     mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
   with pytest.raises(ValueError, match=r"`collectives` must be one of"):
     jax.eval_shape(f, x, w1)
-  assert CublasMpBackend.fp8_fused_ops and not jcg.Backend.fp8_fused_ops
+  assert CublasMpBackend.fp8_fused_ops and not jcg.backends.Backend.fp8_fused_ops
 
 
 @pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
@@ -191,7 +192,7 @@ def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
   assert _calls(lowered(config), AG) == 0  # not measured: XLA's collectives
   f = jax.shard_map(lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
                     mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
-  mine = [p for p in jcg.problems_of(f, x, w1) if p.fp8 and p.op == routes.AG]
+  mine = [p for p in jcg.backends.problems_of(f, x, w1) if p.fp8 and p.op == routes.AG]
   assert mine
   plan = REGISTRY.plan()
   REGISTRY.publish(plan.with_decisions({p: ("pipelined_ce", "measured") for p in mine}))

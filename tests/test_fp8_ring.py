@@ -94,8 +94,9 @@ def test_auto_runs_each_fp8_problem_as_decided():
   REGISTRY.publish(stand_in_plan())
   assert _collectives_traced(config, mesh) == "xla"
   x, a, b = fp8_mlp.inputs()
-  mine = jcg.problems_of(lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp",
-                                                          config=config), x, a, b)
+  mine = jcg.backends.problems_of(
+      lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp", config=config),
+      x, a, b)
   assert {p.op for p in mine} == {routes.AG, routes.RS}
   assert all(p.fp8 == Fp8Recipe().key and p.fp8 in p.text() for p in mine)
   REGISTRY.publish(stand_in_plan().with_decisions({p: ("ring", "measured") for p in mine}))

@@ -90,8 +90,8 @@ def test_a_layer_reads_the_plan_at_its_entry_and_its_vjp_runs_anywhere(guarded, 
   traced after the scope, reads nothing and binds p's layout and verdicts."""
   mesh = cpu_mesh(2)
   given = {"cublasmp": "cublasmp",
-           "CublasMpBackend()": jcg.CublasMpBackend(reduce_scatter="split_p2p"),
-           "AutoBackend()": jcg.AutoBackend(jcg.CublasMpBackend(reduce_scatter="split_p2p"))}
+           "CublasMpBackend()": jcg.backends.CublasMpBackend(reduce_scatter="split_p2p"),
+           "AutoBackend()": jcg.backends.AutoBackend(jcg.backends.CublasMpBackend(reduce_scatter="split_p2p"))}
   config = jcg.CommGemmConfig(backend=given[backend], reduce_scatter="split_p2p")
   rng = np.random.default_rng(5)
   x, k1, k2, ct = (rng.standard_normal(s).astype(np.float32)
@@ -134,11 +134,11 @@ def _local_all_gather_matmul(mesh, backend, return_gathered):
 def test_a_backend_binds_where_it_is_resolved_and_an_unbound_one_says_how(guarded):
   """A user's backend object, called directly with no plan bound, is an
   error that says how to bind one (never a read of the plan in force);
-  resolved at an entry (``jcg.resolve_backend``), it carries that plan to
+  resolved at an entry (``jcg.backends.resolve_backend``), it carries that plan to
   wherever its ops are traced."""
   mesh = cpu_mesh(2)
   x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
-  user = jcg.AutoBackend(jcg.CublasMpBackend())
+  user = jcg.backends.AutoBackend(jcg.backends.CublasMpBackend())
   p = _plan(mesh, autotune="cublasmp_split_p2p")
   with plan_lib.use(p):
     for backend in (user, user.fused):
@@ -151,7 +151,7 @@ def test_a_backend_binds_where_it_is_resolved_and_an_unbound_one_says_how(guarde
           lambda x, w: fp8_all_gather_matmul(x, w, "tp", recipe=Fp8Recipe(),
                                              collectives=user.fused),
           mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp")), x, w)
-    resolved = jcg.resolve_backend(jcg.CommGemmConfig(backend=user), "tp", mesh)
+    resolved = jcg.backends.resolve_backend(jcg.CommGemmConfig(backend=user), "tp", mesh)
   assert guarded == [("jax_comm_gemm/backends/routes.py", "choose_backend")]
   assert resolved.plan is p and resolved.fused.plan is p
   # Outside the scope: the plan in force has no verdict, so a bind that read

@@ -284,5 +284,5 @@ def unbound(backend) -> str:
           "plan's gathered layout and self-test verdicts, and never read the plan in "
           "force): pass it as CommGemmConfig(backend=...) to a layer or op, which binds "
           "the plan in force at its entry, or bind one yourself: "
-          "jax_comm_gemm.resolve_backend(CommGemmConfig(backend=backend), axis_name, mesh), "
-          "or jax_comm_gemm.backends.routes.bound(backend, jax_comm_gemm.REGISTRY.plan())")
+          "jax_comm_gemm.backends.resolve_backend(CommGemmConfig(backend=backend), axis_name, mesh), "
+          "or jax_comm_gemm.backends.routes.bound(backend, jax_comm_gemm.runtime.REGISTRY.plan())")

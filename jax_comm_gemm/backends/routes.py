@@ -136,15 +136,15 @@ def choose(p: Problem, default: str, plan) -> tuple[str, str]:
   decided = plan.decision(p) if mode == "on" else None
   if decided is not None:  # a cached choice may name what cannot run here
     return _or_xla(*decided, p, plan)
-  why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
+  why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.backends.autotune)"
   # Only where measuring could choose otherwise: autotune measures here (it
   # needs the extension) and more than one candidate runs.
   if (mode == "on" and plan.problems is None and p.axis_size > 1 and plan.cublasmp.ok
       and sum(runnable(c, p, plan).ok for c in candidates(p)) > 1):
     warnings.warn(f"jax_comm_gemm: {p.text()} is not measured: the rule of thumb routes it, "
                   "and a program traced now keeps that route when autotune measures it "
-                  "later; autotune before tracing (jax_comm_gemm.autotune(mesh, axis, "
-                  "jax_comm_gemm.problems_of(step, *args))), or run the step that "
+                  "later; autotune before tracing (jax_comm_gemm.backends.autotune(mesh, axis, "
+                  "jax_comm_gemm.backends.problems_of(step, *args))), or run the step that "
                   "autotune_step returns", RuntimeWarning, stacklevel=2)
   if p.fp8:
     return "xla", f"{why}; FP8 runs on XLA's collectives unless another measured faster"
@@ -269,11 +269,11 @@ def given(plan, where: str) -> Plan:
   >>> given(None, "op_route")
   Traceback (most recent call last):
   ...
-  TypeError: op_route: `plan` is the routing plan the entry read (a layer's, an op's, jax_comm_gemm.REGISTRY.plan()) and passes down; got None
+  TypeError: op_route: `plan` is the routing plan the entry read (a layer's, an op's, jax_comm_gemm.runtime.REGISTRY.plan()) and passes down; got None
   """
   if not isinstance(plan, Plan):
     raise TypeError(f"{where}: `plan` is the routing plan the entry read (a layer's, an "
-                    f"op's, jax_comm_gemm.REGISTRY.plan()) and passes down; got {plan!r}")
+                    f"op's, jax_comm_gemm.runtime.REGISTRY.plan()) and passes down; got {plan!r}")
   return plan
 
 
@@ -486,7 +486,7 @@ def fp8_route(config, plan: Plan) -> Fp8Route:
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
-  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()), jcg.REGISTRY.plan()).reason
+  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()), jcg.runtime.REGISTRY.plan()).reason
   "FP8 (tensor scaling) on XLA's collectives: FP8 bytes on the wire, the gathered grad_output reused"
   """
   if config.fp8 is None:
@@ -526,7 +526,7 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
   >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), AG, None,
-  ...                 None, False, "tp", False, jcg.REGISTRY.plan())
+  ...                 None, False, "tp", False, jcg.runtime.REGISTRY.plan())
   ('ring', "backend='ring'")
   """
   backend = _fp8_backend(config, plan)

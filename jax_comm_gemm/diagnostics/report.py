@@ -175,7 +175,7 @@ def op_paths(config: CommGemmConfig, plan, step, *args) -> list[OpPath]:
   is chosen per problem (a backend other than "auto", or cuBLASMp unavailable).
 
   >>> import jax.numpy as jnp, jax_comm_gemm as jcg
-  >>> op_paths(jcg.CommGemmConfig(), jcg.REGISTRY.plan(), lambda x: x + 1, jnp.zeros(2))
+  >>> op_paths(jcg.CommGemmConfig(), jcg.runtime.REGISTRY.plan(), lambda x: x + 1, jnp.zeros(2))
   []
   """
   with plan_lib.use(plan):
