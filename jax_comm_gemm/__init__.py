@@ -22,6 +22,7 @@ registry) and ``diagnostics/``. The top-level ``linen``, ``nnx``, ``sharded``,
 ``dense`` and ``hlo`` modules are public names for what the folders define."""
 
 import re as _re
+import types as _types
 
 import jax as _jax
 
@@ -80,7 +81,7 @@ def cublasmp_status() -> runtime.Capability:
 
 # Names the top level exported before the surface was curated, and the module
 # each now lives in. They resolve, with a DeprecationWarning, for one release.
-MOVED = {
+MOVED = _types.MappingProxyType({
     "ALGORITHMS": "jax_comm_gemm.config",
     "AutoBackend": "jax_comm_gemm.backends",
     "Backend": "jax_comm_gemm.backends",
@@ -92,7 +93,7 @@ MOVED = {
     "autotune": "jax_comm_gemm.backends",
     "problems_of": "jax_comm_gemm.backends",
     "resolve_backend": "jax_comm_gemm.backends",
-}
+})
 
 # Submodules imported on first use (they import flax), so that ``jcg.nnx`` works
 # after a plain ``import jax_comm_gemm as jcg``.
