@@ -103,6 +103,13 @@ def flat(kernel):
   return jnp.reshape(kernel, (np.shape(kernel)[0], -1))
 
 
+def product_inside(config: CommGemmConfig) -> bool:
+  """Whether the gated product and its gradient run inside the FP8 casts (the
+  MLP as one FP8 op): under every FP8 recipe. The benchmark's
+  ``*_glu_outside`` variant turns it off to time the product in XLA's passes."""
+  return config.fp8 is not None
+
+
 def gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias, *, axis_name,
                        activation, keep_gathered_input=False, precision=None,
                        config=DEFAULT_CONFIG, fp8_histories=(None, None), prologue=None,
@@ -117,7 +124,7 @@ def gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias, 
   and block scaling: inside XLA's fusion of the cast). Without one XLA fuses
   the product into its producer and consumer."""
   bias = None if gate_up_bias is None else jnp.reshape(gate_up_bias, (-1,))
-  if config.fp8 is not None:
+  if product_inside(config):
     return dense.mlp_parallel(x, flat(gate_up_kernel), bias, down_kernel, down_bias,
                               axis_name=axis_name,
                               activation=fp8_prologue.gated(activation),
