@@ -17,7 +17,8 @@ from conftest import cpu_mesh
 from jax.sharding import PartitionSpec as P
 
 from jax_comm_gemm import CommGemmConfig
-from jax_comm_gemm.fp8 import AmaxHistory, Fp8Recipe, cast, fp8_mlp, prologue
+from jax_comm_gemm.fp8 import (AmaxHistory, Fp8Recipe, cast, fp8_matmul_reduce_scatter,
+                               fp8_mlp, prologue)
 from jax_comm_gemm.layers import dense, gated_mlp, llama
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
 from test_fp8_layer_norm import _kernel_names
@@ -250,11 +251,36 @@ def test_llama_block_takes_the_one_op(monkeypatch, scaling):
   assert not _one_op(_block_jaxpr(CommGemmConfig(), False))
 
 
-def test_an_odd_gate_and_up_width_is_named():
-  mesh = cpu_mesh(1)
+@pytest.mark.parametrize("op, match", [
+    (lambda x: fp8_mlp(x, jnp.ones((TILE, 3)), None, jnp.ones((1, TILE)), "tp",
+                       activation=SWIGLU), "`w1` must be \\[k, 2F/P\\]"),
+    (lambda x: fp8_matmul_reduce_scatter(x, jnp.ones((TILE, TILE)), "tp", activation=SWIGLU),
+     "a gated `activation` \\(swiglu\\).*use fp8_mlp")], ids=["odd_width", "row_op"])
+def test_bad_input_is_named(op, match):
+  with pytest.raises(ValueError, match=match):
+    jax.shard_map(op, mesh=cpu_mesh(1), in_specs=P("tp"), out_specs=P("tp"),
+                  check_vma=False)(jnp.ones((TILE, TILE), jnp.bfloat16))
 
-  def f(x):
-    return fp8_mlp(x, jnp.ones((TILE, 3)), None, jnp.ones((1, TILE)), "tp", activation=SWIGLU)
-  with pytest.raises(ValueError, match="`w1` must be \\[k, 2F/P\\]"):
-    jax.shard_map(f, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"), check_vma=False)(
-        jnp.ones((TILE, TILE), jnp.bfloat16))
+
+@pytest.mark.parametrize("keep", [False, True], ids=["regather", "keep"])
+def test_gathers_as_the_gelu_mlp(keep):
+  """The one op gathers as the GELU MLP's (tests/test_fp8_hlo.py, fused gathers
+  opaque): two fused gathers of FP8 bytes (gate and up's forward, down's
+  dgrad) and one standalone all-gather (gate and up's re-gather for their
+  weight gradient), none with keep_gathered_input."""
+  from test_fp8_hlo import _LHS, SCOPE, opaque_gather
+  mesh = cpu_mesh(2)
+  n, k, f = 4 * TILE, TILE, 2 * TILE
+  x = jnp.ones((n, k), jnp.bfloat16)
+  counts = {}
+  for name, act, w1 in (("gated", SWIGLU, jnp.ones((k, 2 * f))),
+                        ("gelu", jax.nn.gelu, jnp.ones((k, f)))):
+    g = jax.shard_map(lambda x, w1, w2, act=act: fp8_mlp(
+        x, w1, None, w2, "tp", activation=act, keep_gathered_input=keep, gather=opaque_gather),
+        mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp")), out_specs=P("tp"))
+    step = jax.jit(jax.grad(lambda *a: jnp.sum(g(*a).astype(jnp.float32)), argnums=(0, 1, 2)))
+    ops = [(m.group(2), SCOPE in line)
+           for line in step.lower(x, w1, jnp.ones((f, k))).compile().as_text().splitlines()
+           if (m := _LHS.search(line)) and m.group(2).startswith("all-gather")]
+    counts[name] = (sum(scoped for _, scoped in ops), sum(not scoped for _, scoped in ops))
+  assert counts["gated"] == counts["gelu"] == (2, 0 if keep else 1), counts
