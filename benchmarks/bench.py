@@ -661,7 +661,7 @@ class Runner:
       if self.main:
         state["warm"] = harness.gpu_state_async()
 
-    host = HostTimes(self.ctx.jcg.REGISTRY.call_counters)
+    host = HostTimes(self.ctx.jcg.runtime.REGISTRY.call_counters)
 
     def tick(phase, variant=None):
       self.progress(phase, variant)
@@ -868,16 +868,17 @@ def line_for(rec: dict) -> str:
 
 def autotune_auto_variants(jax, jcg, mesh, fns, args, names) -> dict:
   """What a user of backend="auto" does before training: list the problems the
-  programs meet (jcg.problems_of), autotune them (collective; choices cached on
+  programs meet (jcg.backends.problems_of), autotune them (collective; choices cached on
   disk), then trace the programs, which take the choices. Returns {problem:
   [choice, why]} of every problem of these programs, those measured for an
   earlier shape too."""
   auto = [n for n in names if n.startswith("auto")]
   if not auto or not hasattr(jcg, "autotune"):
     return {}
-  problems = list(dict.fromkeys(p for n in auto for p in jcg.problems_of(fns[n], *args[n])))
-  jcg.autotune(mesh, AXIS, problems, seconds_per_problem=0.6)
-  plan = jcg.REGISTRY.plan()
+  problems = list(dict.fromkeys(p for n in auto
+                                for p in jcg.backends.problems_of(fns[n], *args[n])))
+  jcg.backends.autotune(mesh, AXIS, problems, seconds_per_problem=0.6)
+  plan = jcg.runtime.REGISTRY.plan()
   return {p.text(): list(plan.decision(p) or ("?", "not decided")) for p in problems}
 
 

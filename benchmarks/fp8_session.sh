@@ -6,7 +6,8 @@
 # Usage: benchmarks/fp8_session.sh [build] [checks] [step] [step-f32] [example]
 # Knobs: CHECK_WORDS (one_gpu.py's selection), VARIANTS (fp8_step.py --only),
 # PROFILE (the variant to profile; empty: none), FP8 (the example's --fp8),
-# STEPS (the example's steps), EXAMPLE_PROFILE (1: profile the example's steps too).
+# STEPS (the example's steps), EXAMPLE_PROFILE (1: profile the example's steps too),
+# ARCH (gpt or llama: the block fp8_step.py and the example run; default gpt).
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build checks step step-f32 example}
@@ -14,6 +15,7 @@ has() { [[ " $steps " == *" $1 "* ]]; }
 quiet() { grep -v -E "^[IWE][0-9]{4} "; }  # absl's log lines
 summary=()
 variants=${VARIANTS:-project_fp8_tensor project_fp8_delayed plain_xla_fp8}
+arch=(--arch "${ARCH:-gpt}")
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.draw --format=csv,noheader
@@ -34,7 +36,7 @@ if has step; then
   profile=()
   [ -n "${PROFILE-project_fp8_delayed}" ] && profile=(--profile /tmp/fp8_prof
       --profile-variants "${PROFILE-project_fp8_delayed}")
-  timeout 300 python3 benchmarks/fp8_step.py "$OUT/fp8_step.json" --only $variants \
+  timeout 300 python3 benchmarks/fp8_step.py "$OUT/fp8_step.json" "${arch[@]}" --only $variants \
     "${profile[@]}" 2>&1 | quiet > "$OUT/fp8_step.log"
   summary+=("$(grep -A12 '^| variant' "$OUT/fp8_step.log")")
   for dir in /tmp/fp8_prof/*/; do
@@ -46,19 +48,20 @@ if has step; then
   done
 fi
 if has step-f32; then
-  timeout 240 python3 benchmarks/fp8_step.py "$OUT/fp8_step_f32.json" --master-f32 \
+  timeout 240 python3 benchmarks/fp8_step.py "$OUT/fp8_step_f32.json" "${arch[@]}" --master-f32 \
     --only $variants 2>&1 | quiet > "$OUT/fp8_step_f32.log"
   summary+=("$(grep -A12 '^| variant' "$OUT/fp8_step_f32.log")")
 fi
 if has example; then
   for fp8 in "" "${FP8:-delayed}"; do
-    name=example_${STEPS:-200}_${fp8:-bf16}
+    name=example_${ARCH:-gpt}_${STEPS:-200}_${fp8:-bf16}
     # EXAMPLE_PROFILE=1: 3 more steps traced, their kernels classified by what produced them
     trace=()
     [ -n "${EXAMPLE_PROFILE:-}" ] && trace=(--profile "/tmp/$name")
-    timeout 200 python3 examples/train_byte_gpt.py --steps "${STEPS:-200}" --ab-steps 0 \
-      --no-checkpoint --log-every 10 --eval-every 1000 ${fp8:+--fp8 "$fp8"} "${trace[@]}" \
-      --json-out "$OUT/$name.json" 2>&1 | quiet > "$OUT/$name.log"
+    # --out-dir: the run's loss plot (loss.png) and text sample (sample.txt)
+    timeout 200 python3 examples/train_byte_gpt.py "${arch[@]}" --steps "${STEPS:-200}" \
+      --ab-steps 0 --no-checkpoint --out-dir "$OUT/$name" --log-every 10 --eval-every 1000 \
+      ${fp8:+--fp8 "$fp8"} "${trace[@]}" --json-out "$OUT/$name.json" 2>&1 | quiet > "$OUT/$name.log"
     summary+=("$name: $(grep 'tokens/s' "$OUT/$name.log" | tail -1)")
     if [ -n "${EXAMPLE_PROFILE:-}" ]; then
       python3 benchmarks/producers.py "/tmp/$name" "/tmp/$name/step.hlo.txt" \

@@ -58,7 +58,8 @@ def main() -> int:
       problem = auto.Problem(auto.RS, n, k // size, m, "bfloat16", False, size)
       build = bench.build_matmul_reduce_scatter
     tuner = {name: run for name, run in tuning._runnables(mesh, bench.AXIS, problem,
-                                                          args.seconds).items() if name in NAMES}
+                                                          args.seconds,
+                                                          jcg.runtime.REGISTRY.plan()).items() if name in NAMES}
     fns, fn_args = build(ctx, (n, k, m), list(NAMES) + ["floor"])
     for name, (call, _) in tuner.items():
       jax.block_until_ready(call())

@@ -128,7 +128,7 @@ def leave() -> None:
   then "UNAVAILABLE" once the leader's service is gone (seen with jax 0.11.2
   on GPUs)."""
   multihost_utils.sync_global_devices("jax_comm_gemm leave")
-  jcg.REGISTRY.shutdown()
+  jcg.runtime.REGISTRY.shutdown()
   jax.extend.backend.clear_backends()
   gc.collect()
   jax.distributed.shutdown()

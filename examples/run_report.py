@@ -346,20 +346,20 @@ def ab_test(trainer, params, opt_state, steps, config, make_batch, tokens_per_st
         "peak_bytes_in_use": max(s.get("peak_bytes_in_use", 0) for s in stats),
         "xla_planned_bytes": planned,
         "cublasmp_workspace_bytes": max((c.get("workspace_bytes", 0)
-                                         for c in jcg.REGISTRY.contexts()), default=0)}
+                                         for c in jcg.runtime.REGISTRY.contexts()), default=0)}
   counted = {backend: None for backend in backends}  # the fused calls of its timed steps
   for r in range(rounds):
     # ABBA: whichever runs first in a round would carry any drift alone (with
     # the same choices as xla, auto has measured 3% behind it when always first).
     for backend in (backends if r % 2 == 0 else backends[::-1]):
       timed = [next(batches) for _ in range(steps)]
-      before = jcg.REGISTRY.call_counters()
+      before = jcg.runtime.REGISTRY.call_counters()
       start = time.perf_counter()
       for b in timed:
         params, opt_state, loss = programs[backend](params, opt_state, *b)
       jax.block_until_ready((params, loss))
       results[backend]["seconds"] += time.perf_counter() - start
-      span = jcg.REGISTRY.call_counters() - before
+      span = jcg.runtime.REGISTRY.call_counters() - before
       counted[backend] = span if counted[backend] is None else counted[backend] + span
   for backend in backends:
     r = results[backend]

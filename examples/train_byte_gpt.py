@@ -247,7 +247,7 @@ def skip_reasons(args, status, tp: int, platform: str) -> tuple[str | None, str 
     tune = ab = "tp=1: a group of one has nothing to communicate"
   elif args.fp8:
     tune = ab = ("--fp8: this job does not tune FP8 (each FP8 problem runs on XLA's "
-                 "collectives until jax_comm_gemm.autotune measures it against the ring)")
+                 "collectives until jax_comm_gemm.backends.autotune measures it against the ring)")
   else:
     tune = (f"--backend {args.backend} chooses no implementation" if args.backend != "auto"
             else None if status.ok else f"cuBLASMp cannot run here: {status.reason}")
@@ -337,7 +337,7 @@ def train(args) -> dict:
     config = jcg.CommGemmConfig(backend=args.backend, reduce_scatter=args.reduce_scatter,
                                 fp8=Fp8Recipe(scaling=args.fp8, gemm_form=args.fp8_gemm)
                                 if args.fp8 else None)
-    jcg.resolve_backend(config, "tp", mesh)
+    jcg.backends.resolve_backend(config, "tp", mesh)
   except (RuntimeError, ValueError) as e:
     raise SystemExit(f"error: {e}") from None
   say(f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].device_kind}, "
@@ -381,10 +381,10 @@ def train(args) -> dict:
     step_fn = trainer.train_step(params, opt_state, tokens, targets)
     say(f"compiled the training step in {time.perf_counter() - t0:.1f} s")
   evaluate = trainer.eval_step()
-  if isinstance(step_fn, jcg.TunedStep):  # validate on the routes autotune chose: its
+  if isinstance(step_fn, jcg.backends.TunedStep):  # validate on the routes autotune chose: its
     # choices are not published to the process plan, so a bare jit would route
     # the eval step's ops (the training step's problems) by the rule of thumb
-    evaluate = jcg.TunedStep(evaluate, step_fn.routes, step_fn.plan, step_fn.why)
+    evaluate = jcg.backends.TunedStep(evaluate, step_fn.routes, step_fn.plan, step_fn.why)
   val_batches = [batch("validation", i) for i in range(args.eval_batches)]
 
   def val_loss(params):
@@ -498,8 +498,8 @@ def show_results(args, s, history, trainer, step_fn, params, mesh, corpus, say,
     say(f"loss plot: {outputs['plot']}")
   if args.sample_bytes:
     next_logits = trainer.next_byte_logits()
-    if isinstance(step_fn, jcg.TunedStep):  # on the routes autotune chose (as evaluate)
-      next_logits = jcg.TunedStep(next_logits, step_fn.routes, step_fn.plan, step_fn.why)
+    if isinstance(step_fn, jcg.backends.TunedStep):  # on the routes autotune chose (as evaluate)
+      next_logits = jcg.backends.TunedStep(next_logits, step_fn.routes, step_fn.plan, step_fn.why)
     prompt = bytes(corpus.batch("validation", 0, batch=1, length=s["seq_len"] // 2,
                                 seed=args.seed)[0])
     text = byte_gpt.sample(next_logits, params, mesh, prompt, args.sample_bytes,

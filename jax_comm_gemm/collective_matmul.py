@@ -20,7 +20,8 @@ from jax.custom_derivatives import SymbolicZero
 
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.backends import Backend, all_gather_tokens
-from jax_comm_gemm.backends.routes import AG, RS, OpRoute, fp8_collectives, fp8_route, op_route
+from jax_comm_gemm.backends.routes import AG, RS, OpRoute, fp8_collectives, fp8_route, given
+from jax_comm_gemm.backends.routes import op_route
 from jax_comm_gemm.backends.xla import weight_gradient
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig, check_config
 from jax_comm_gemm.fp8 import fp8_all_gather_matmul, fp8_matmul_reduce_scatter, fp8_mlp
@@ -79,7 +80,7 @@ def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool = False,
   return all_gather_matmul_unchecked(
       x, w, axis_name, transpose_w=transpose_w, return_gathered=return_gathered,
       keep_gathered_input=keep_gathered_input, precision=precision, config=config,
-      fp8_history=fp8_history, plan=current_plan())
+      fp8_history=fp8_history, plan=current_plan())  # an entry: read once, passed down
 
 
 def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
@@ -111,14 +112,14 @@ def matmul_reduce_scatter(x, w, axis_name: str, *, transpose_w: bool = False,
 
 def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered,
                                 keep_gathered_input, precision, config, fp8_history=None,
-                                prologue=None, split_heads=None, bias=None, plan=None):
+                                prologue=None, split_heads=None, bias=None, plan):
   """:func:`all_gather_matmul` for callers that validated the arguments, of
   ``prologue(*x)`` where one is given (an elementwise function of the tuple x,
   :mod:`jax_comm_gemm.fp8.prologue`: the FP8 op applies it inside x's cast),
   plus `bias` (None or ``[m]``; inside the FP8 op, whose gradient cast sums it), under
-  `plan`, the routing plan its caller read (None: the plan in force)."""
+  `plan`, the routing plan its caller's entry read (None is an error, not a read)."""
   precision = validation.check_op_options("all_gather_matmul", config, fp8_history, precision)
-  plan = current_plan() if plan is None else plan
+  plan = given(plan, "all_gather_matmul_unchecked")
   if fp8_route(config, plan).fp8:
     gathered = return_gathered or keep_gathered_input
     first = x[0] if prologue is not None else x
@@ -142,13 +143,12 @@ def all_gather_matmul_unchecked(x, w, axis_name, *, transpose_w, return_gathered
 
 
 def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, config,
-                                    fp8_history=None, activation=None, merge_heads=None,
-                                    plan=None):
+                                    fp8_history=None, activation=None, merge_heads=None, plan):
   """:func:`matmul_reduce_scatter` for callers that validated the arguments, of
   ``activation(x)`` where one is given (an elementwise function: the FP8 op
   applies it inside x's cast, docs/fp8.md "Fused casts"); `plan` as there."""
   precision = validation.check_op_options("matmul_reduce_scatter", config, fp8_history, precision)
-  plan = current_plan() if plan is None else plan
+  plan = given(plan, "matmul_reduce_scatter_unchecked")
   if fp8_route(config, plan).fp8:
     return fp8_matmul_reduce_scatter(
         x, w, axis_name, recipe=config.fp8, transpose_w=transpose_w,
@@ -163,7 +163,7 @@ def matmul_reduce_scatter_unchecked(x, w, axis_name, *, transpose_w, precision, 
 
 
 def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_input, precision,
-                      config, fp8_histories=(None, None), prologue=None, plan=None):
+                      config, fp8_histories=(None, None), prologue=None, plan):
   """``RS(activation(AG(x) @ w1 + b1) @ w2)`` under ``config.fp8``, for callers
   that validated the arguments (x ``[n/P, k]``, or `prologue`'s operands as in
   :func:`all_gather_matmul_unchecked`): the two FP8 ops in one custom_vjp
@@ -174,7 +174,7 @@ def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_inp
   first = x[0] if prologue is not None else x
   hidden = jax.ShapeDtypeStruct((first.shape[0] * lax.axis_size(axis_name), w2.shape[0]),
                                 first.dtype)  # fc2's input (half of w1's width if gated)
-  plan = current_plan() if plan is None else plan
+  plan = given(plan, "fp8_mlp_unchecked")
   fp8_route(config, plan)  # a JAX_COMM_GEMM_BACKEND that FP8 cannot run on raises
   collectives = (
       fp8_collectives(config, AG, first, w1, False, axis_name, keep_gathered_input, plan)[0],

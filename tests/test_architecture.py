@@ -156,3 +156,15 @@ def test_the_design_lists_the_files_one_call_runs_through(monkeypatch):
   assert plan_reads == {("jax_comm_gemm/layers/dense.py", "column_global"),
                         ("jax_comm_gemm/layers/dense.py", "row_global")}
   assert cpp and all((PACKAGE.parent / f).is_file() for f in cpp), cpp
+
+
+def test_the_plan_in_force_is_read_at_the_entries_alone():
+  """``current_plan()`` (or ``REGISTRY.plan()`` outside runtime/) is called
+  only in the entries a user calls (tests/plan_entries.py lists them); every
+  function below takes the plan as an argument. A new read below an entry
+  fails here; so does an entry that no longer reads it (the list stays true)."""
+  from plan_entries import ENTRIES, plan_reads
+
+  found = plan_reads()
+  assert sorted(found - ENTRIES) == [], "reads the plan in force below an entry"
+  assert sorted(ENTRIES - found) == [], "listed as an entry but reads no plan"

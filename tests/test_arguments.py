@@ -79,7 +79,7 @@ def test_a_forced_backend_that_cannot_run_names_the_variable():
                                        settings=Settings(backend="cublasmp")))
   with pytest.raises(RuntimeError, match=r"JAX_COMM_GEMM_BACKEND=cublasmp was requested but "
                                          r"cuBLASMp is unavailable"):
-    jcg.resolve_backend(jcg.CommGemmConfig(), "tp", cpu_mesh(2))
+    jcg.backends.resolve_backend(jcg.CommGemmConfig(), "tp", cpu_mesh(2))
 
 
 # Every flag of the public FP8 ops, and how to call the op with it.

@@ -24,7 +24,7 @@ from conftest import cpu_mesh
 from jax_comm_gemm import dense
 import jax_comm_gemm.backends.tuning as autotune
 from jax_comm_gemm.backends import routes
-from jax_comm_gemm.backends.routes import AG, RS, AutoBackend, Problem
+from jax_comm_gemm.backends.routes import AG, RS, AutoBackend, Problem, bound
 from jax_comm_gemm.backends.primitives import CublasMpBackend
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime import REGISTRY, settings
@@ -320,7 +320,7 @@ def test_autotunes_candidates_are_compiled_before_any_runs(monkeypatch):
 
   monkeypatch.setattr(CublasMpBackend, "all_gather_matmul", refuse)
   runs = autotune._runnables(cpu_mesh(2), "tp", Problem(AG, 8, 8, 6, "float32", False, 2),
-                             seconds=0.01)
+                             0.01, REGISTRY.plan())
   assert runs["cublasmp_split_p2p"] == "planted: split_p2p cannot be lowered"
   assert isinstance(runs["xla"], tuple) and isinstance(runs["cublasmp_default"], tuple)
 
@@ -351,7 +351,7 @@ def test_timed_batches_follow_the_workspace_verdict(monkeypatch):
   for ok, want in ((True, 200), (False, 3)):
     monkeypatch.setattr(autotune, "workspace",
                         lambda size, plan, ok=ok: Capability(ok, "planted"))
-    runs = autotune._runnables(cpu_mesh(2), "tp", p, seconds=0.1)
+    runs = autotune._runnables(cpu_mesh(2), "tp", p, 0.1, REGISTRY.plan())
     assert runs["xla"][1] == want, (ok, runs["xla"][1])
 
 
@@ -425,7 +425,7 @@ def _check_chosen_program(program, x, w, target: str, chosen: str, fused_calls: 
   jaxpr = str(jax.make_jaxpr(program)(x, w))
   assert jaxpr.count(target) == fused_calls
   if fused_calls:  # the chosen algorithm, by its number
-    assert f"algorithm={jcg.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
+    assert f"algorithm={jcg.config.ALGORITHMS[chosen.removeprefix('cublasmp_')]}" in jaxpr
   np.testing.assert_allclose(program(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5,
                              atol=1e-5)
 
@@ -437,7 +437,7 @@ def test_auto_backend_runs_the_chosen_implementation(empty_decisions, chosen, fu
   x = jax.random.normal(jax.random.key(0), (16, 8), jnp.float32)
   w = jax.random.normal(jax.random.key(1), (8, 12), jnp.float32)
   REGISTRY.record_decisions({Problem(AG, 8, 8, 6, "float32", False, 2): (chosen, "test")})
-  backend = AutoBackend(CublasMpBackend())
+  backend = bound(AutoBackend(CublasMpBackend()), REGISTRY.plan())
 
   def local(x, w):
     return backend.all_gather_matmul(x, w, "tp", transpose_w=False, return_gathered=False)
@@ -454,7 +454,7 @@ def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fu
   x = jax.random.normal(jax.random.key(2), (16, 8), jnp.float32)
   w = jax.random.normal(jax.random.key(3), (8, 12), jnp.float32)
   REGISTRY.record_decisions({Problem(RS, 16, 4, 12, "float32", False, 2): (chosen, "test")})
-  backend = AutoBackend(CublasMpBackend())
+  backend = bound(AutoBackend(CublasMpBackend()), REGISTRY.plan())
 
   def local(x, w):
     return backend.matmul_reduce_scatter(x, w, "tp", transpose_w=False)
@@ -466,10 +466,12 @@ def test_auto_backend_runs_the_chosen_reduce_scatter(empty_decisions, chosen, fu
 
 def test_auto_backend_reuse_needs_every_fused_candidate_verified(monkeypatch):
   REGISTRY.publish(stand_in_plan())
-  verdict = AutoBackend(CublasMpBackend()).gathered_reuse(2, jnp.bfloat16, True)
+  verdict = bound(AutoBackend(CublasMpBackend()), REGISTRY.plan()).gathered_reuse(
+      2, jnp.bfloat16, True)
   assert not verdict.ok and "no self-test covered it" in verdict.reason
   monkeypatch.setattr(plan_lib.Plan, "verdict", lambda self, key: Capability(True, "ok"))
-  assert AutoBackend(CublasMpBackend()).gathered_reuse(2, jnp.bfloat16, True).ok
+  assert bound(AutoBackend(CublasMpBackend()), REGISTRY.plan()).gathered_reuse(
+      2, jnp.bfloat16, True).ok
 
 
 def test_autotune_without_cublasmp_does_nothing():
@@ -513,7 +515,7 @@ def test_a_call_that_returns_the_gathered_operand_is_its_own_problem(empty_decis
   gathered = Problem(AG, 8, 8, 6, "float32", False, 2, gathered=True)
   assert gathered.text() == plain.text() + " +gathered"
   REGISTRY.record_decisions({gathered: ("ring", "test"), plain: ("xla", "test")})
-  backend = AutoBackend(CublasMpBackend())
+  backend = bound(AutoBackend(CublasMpBackend()), REGISTRY.plan())
 
   def program(return_gathered):
     def local(x, w):
@@ -556,7 +558,7 @@ def test_autotune_times_the_gathered_problem_with_its_operand_out():
   mesh = cpu_mesh(2)
   for gathered, outputs in ((False, 1), (True, 2)):
     p = Problem(AG, 8, 8, 6, "float32", False, 2, gathered=gathered)
-    runs = autotune._runnables(mesh, "tp", p, seconds=0.01)
+    runs = autotune._runnables(mesh, "tp", p, 0.01, REGISTRY.plan())
     out = runs["xla"][0]()
     got = jax.tree.leaves(out)
     assert len(got) == outputs

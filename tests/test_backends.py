@@ -212,7 +212,7 @@ def test_own_algorithm_mlp(reuse_ok):
       VerdictBackend(all_gather_algorithm=algorithm, reuse_ok=reuse_ok), seed=100)
   calls = [e for e in equations if e.primitive.name == TARGETS["all_gather_matmul"]]
   assert len(calls) == 2
-  assert all(c.params["algorithm"] == jcg.ALGORITHMS[algorithm] for c in calls)
+  assert all(c.params["algorithm"] == jcg.config.ALGORITHMS[algorithm] for c in calls)
   # By transpose_w: fc2's dgrad (TN) hands its operand on, fc1 (NN) gathers x again.
   reused = {True: reuse_ok, False: False}
   for c in calls:
@@ -231,7 +231,7 @@ def test_own_reduce_scatter_mlp(all_gather_algorithm, reduce_scatter="pipelined_
                      reuse_ok=True), seed=102)
   calls = [e for e in equations if e.primitive.name == TARGETS["matmul_reduce_scatter"]]
   assert sorted(c.params["transpose_w"] for c in calls) == [False, True]
-  assert all(c.params["algorithm"] == jcg.ALGORITHMS[reduce_scatter] for c in calls)
+  assert all(c.params["algorithm"] == jcg.config.ALGORITHMS[reduce_scatter] for c in calls)
   assert not [e for e in equations if e.primitive.name == "reduce_scatter"]
 
 

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
 from fused_emulation import ROUTINGS, check_against_reference, random_inputs
-from jax_comm_gemm import all_gather_matmul, matmul_reduce_scatter, resolve_backend
+from jax_comm_gemm import all_gather_matmul, matmul_reduce_scatter
+from jax_comm_gemm.backends import resolve_backend
 
 N, K, M = 32, 16, 24  # global tokens, input features, output features
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm.backends.routes import AG, RS, Problem
 from jax_comm_gemm.backends.routes import choose_backend
-from jax_comm_gemm.backends.routes import gathered_route
+from jax_comm_gemm.backends.routes import bound, gathered_route
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.runtime import REGISTRY, agreement, capability, comm_id, settings
 import jax_comm_gemm.backends.tuning as tuning
@@ -184,7 +184,7 @@ def test_verdicts_are_looked_up_per_transpose(fake, monkeypatch):
   monkeypatch.setattr(capability, "_probe", fake_probe(passing=lambda key: not key.transpose_w))
   mesh = Mesh(np.asarray(jax.devices("cpu")[:2]), ("tp",))
   jcg.connect(mesh, "tp")
-  backend = jcg.CublasMpBackend()
+  backend = bound(jcg.backends.CublasMpBackend(), REGISTRY.plan())
   assert gathered_route(backend, None, 2, jnp.bfloat16, False).reuse
   route = gathered_route(backend, None, 2, jnp.bfloat16, True)
   assert not route.reuse and route.reason == "fake self-test"
@@ -361,7 +361,7 @@ def test_step_level_choice_takes_the_fastest_plan(fake, monkeypatch):
     tuned = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5)
     plan, why = tuned.plan, tuned.why
     assert plan == faster and why.startswith("step measured"), why
-    problems = jcg.problems_of(step, x, w1, w2)
+    problems = jcg.backends.problems_of(step, x, w1, w2)
     assert len(problems) >= 4  # fwd AG and RS, bwd AG (TN) and RS
     taken = {tuned.routes.decision(p)[0] for p in problems}
     assert taken == ({"cublasmp_split_p2p", "ring"} if faster == "tuned" else {faster})
@@ -396,7 +396,7 @@ def test_step_plan_is_cached_on_disk(fake, monkeypatch, tmp_path):
   assert first.plan == again.plan == "pipelined_ce" and not compiled
   assert again.why == first.why + " (cached)"
   assert {again.routes.decision(p)[0]
-          for p in jcg.problems_of(step, x, w1, w2)} == {"pipelined_ce"}
+          for p in jcg.backends.problems_of(step, x, w1, w2)} == {"pipelined_ce"}
   # Fewer plans: another key, measured anew.
   other = jcg.autotune_step(mesh, "tp", step, x, w1, w2, seconds_per_problem=1e-5,
                             implementations=("ring",))
@@ -463,20 +463,21 @@ def test_a_step_traced_before_tuning_runs_the_tuned_route_and_nothing_else_recom
 def test_step_plans_time_a_uniform_per_op_choice_once():
   ag = Problem(AG, 8, 8, 16, "bfloat16", False, 2)
   rs = Problem(RS, 8, 16, 8, "bfloat16", False, 2)
-  mixed = tuning.step_plans([ag, rs], {ag: ("pallas_mgpu", "m"), rs: ("xla", "m")})
+  plan = REGISTRY.plan()
+  mixed = tuning.step_plans([ag, rs], {ag: ("pallas_mgpu", "m"), rs: ("xla", "m")}, plan=plan)
   assert list(mixed)[0] == "tuned" and mixed["tuned"][ag] == ("pallas_mgpu", "m")
   assert "pallas_mgpu" not in mixed  # it has no ReduceScatter
-  uniform = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")})
+  uniform = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("ring", "m")}, plan=plan)
   assert "tuned" not in uniform and uniform["ring"][rs][0] == "ring"
-  only_ag = tuning.step_plans([ag], {ag: ("ring", "m")})
+  only_ag = tuning.step_plans([ag], {ag: ("ring", "m")}, plan=plan)
   assert "tuned" not in only_ag and "ring" in only_ag
   assert "pallas_mgpu" not in only_ag  # it cannot run this shape
   # implementations= limits the plans of one implementation; XLA stays.
   few = tuning.step_plans([ag, rs], {ag: ("ring", "m"), rs: ("xla", "m")},
-                               implementations=("pipelined_ce",))
+                               implementations=("pipelined_ce",), plan=plan)
   assert list(few) == ["tuned", "pipelined_ce", "xla"]
   with pytest.raises(ValueError, match="implementations has 'fast'; allowed: cublasmp_default"):
-    tuning.step_plans([ag], {ag: ("xla", "m")}, implementations=("fast",))
+    tuning.step_plans([ag], {ag: ("xla", "m")}, implementations=("fast",), plan=plan)
 
 
 def test_step_decision_fastest_plan_by_the_slowest_process():

@@ -286,8 +286,8 @@ def test_the_layer_table_names_the_path_the_step_compiled_with(monkeypatch, caps
   step = trainer.step_function()
   why = f"step measured: all {kept} 1.000 ms ({kept} kept)"
   routes = current_plan().with_decisions(
-      {p: (kept, why) for p in jcg.problems_of(step, *args)})
-  tuned = jcg.TunedStep(step, routes, kept, why)
+      {p: (kept, why) for p in jcg.backends.problems_of(step, *args)})
+  tuned = jcg.backends.TunedStep(step, routes, kept, why)
   flags = types.SimpleNamespace(backend="auto", keep_gathered_input=False, remat=False)
   summary = run_report.layer_report(run_report.program_text(tuned, *args), model.config,
                                     mesh, jnp.float32, flags, 1, print, routes=tuned.routes,

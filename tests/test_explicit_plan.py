@@ -67,7 +67,7 @@ def test_connect_and_autotune_recompile_no_unrelated_program(mesh, monkeypatch):
   assert unrelated._cache_size() == library._cache_size() == 1
   jcg.connect(mesh, "tp")
   _measured(monkeypatch, "ring")
-  assert jcg.autotune(mesh, "tp", jcg.problems_of(_library_program(mesh), X, W))
+  assert jcg.backends.autotune(mesh, "tp", jcg.backends.problems_of(_library_program(mesh), X, W))
   unrelated(jnp.ones(3))
   library(X, W)
   assert unrelated._cache_size() == library._cache_size() == 1
@@ -101,7 +101,7 @@ def test_a_program_traced_before_autotune_keeps_its_route_with_a_warning(mesh, m
   with pytest.warns(RuntimeWarning, match="keeps that route when autotune measures it"):
     before(x, w)
   _measured(monkeypatch, "ring")
-  jcg.autotune(mesh, "tp", jcg.problems_of(_library_program(mesh), x, w))
+  jcg.backends.autotune(mesh, "tp", jcg.backends.problems_of(_library_program(mesh), x, w))
   assert "ppermute" not in str(before.trace(x, w).jaxpr)
   assert "ppermute" in str(_library_program(mesh).trace(x, w).jaxpr)
   assert before._cache_size() == 1
@@ -136,7 +136,7 @@ def test_tracing_writes_nothing(mesh):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the rule of thumb's, where this trace is the first
     _library_program(mesh).trace(X, W)
-  problems = jcg.problems_of(_library_program(mesh), X, W)
+  problems = jcg.backends.problems_of(_library_program(mesh), X, W)
   # The op's route holds its backward's too (a GEMM+ReduceScatter), decided at the call.
   assert [p.op for p in problems] == ["all_gather_matmul", "matmul_reduce_scatter"]
   assert state() == was
@@ -150,5 +150,5 @@ def test_problems_of_lists_a_step_traced_already(mesh):
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     program(X, W)
-  assert len(jcg.problems_of(program, X, W)) == 2  # the op and its backward's
+  assert len(jcg.backends.problems_of(program, X, W)) == 2  # the op and its backward's
   assert program._cache_size() == 1

@@ -187,8 +187,8 @@ def test_nnx_metadata_may_not_reshard():
 
 
 def test_nnx_unknown_argument_is_a_type_error():
-  with pytest.raises(TypeError, match=r"RowParallelDense\(\) got an unexpected keyword "
-                                      r"argument 'dot_general_cls'"):
+  with pytest.raises(TypeError, match=r"RowParallelDense\.__init__\(\) got an unexpected "
+                                      r"keyword argument 'dot_general_cls'"):
     N.RowParallelDense(F, K, rngs=nnx.Rngs(0), dot_general_cls=object)
 
 

@@ -305,7 +305,7 @@ def test_call_without_any_mesh_says_so():
                                      rngs=nnx.Rngs(0)),
      TypeError, r"SequenceParallelMLP: `activation` must be a function"),
     (lambda m: N.RowParallelDense(F, K, mesh=m, data_axes="dp", axis="tp", rngs=nnx.Rngs(0)),
-     TypeError, r"RowParallelDense\(\) got an unexpected keyword argument 'axis'"),
+     TypeError, r"RowParallelDense\.__init__\(\) got an unexpected keyword argument 'axis'"),
 ], ids=["missing_data_axis", "config", "keep", "activation", "unknown"])
 def test_arguments_are_checked_and_named(build, error, match):
   with pytest.raises(error, match=match):

@@ -1,4 +1,5 @@
-"""The extension's fused FP8 ops (``collectives=CublasMpBackend(...)``, or
+"""The extension's fused FP8 ops (``collectives=`` a ``CublasMpBackend`` bound to
+the plan, or
 ``CommGemmConfig(backend="cublasmp", fp8=...)``), on CPU with a stand-in for
 the extension: lowered for the GPU they are the FP8 custom calls, with FP8
 operands and the gathered FP8 operand reused where the self-test's verdict
@@ -34,6 +35,11 @@ def _connected(monkeypatch, mesh, passing=lambda key: True):
   assert jcg.connect(mesh, "tp").ok
 
 
+def _fused(*algorithms):
+  """The fused ops of `algorithms`, bound to the plan in force (connect's)."""
+  return routes.bound(CublasMpBackend(*algorithms), REGISTRY.plan())
+
+
 def _gpu_text(mesh, recipe, collectives, keep=False, seed=0):
   return fp8_mlp.step(mesh, recipe, collectives, keep).trace(*fp8_mlp.inputs(seed)).lower(
       lowering_platforms=("cuda",)).as_text()
@@ -53,7 +59,7 @@ def test_fused_fp8_computes_what_xla_computes(monkeypatch, all_gather, reduce_sc
   delayed scaling included (the scales are the ops' operands)."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
-  fused = CublasMpBackend(all_gather, reduce_scatter)
+  fused = _fused(all_gather, reduce_scatter)
   args = fp8_mlp.inputs(seed=len(all_gather) + keep)
   got = fp8_mlp.step(mesh, Fp8Recipe(), fused, keep)(*args)
   want = fp8_mlp.step(mesh, Fp8Recipe(), "xla", keep)(*args)
@@ -70,7 +76,7 @@ def test_fused_fp8_lowers_to_the_fp8_custom_calls_and_reuses(monkeypatch, keep, 
   with keep_gathered_input)."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh)
-  text = _gpu_text(mesh, Fp8Recipe(), CublasMpBackend("split_p2p", "split_p2p"), keep)
+  text = _gpu_text(mesh, Fp8Recipe(), _fused("split_p2p", "split_p2p"), keep)
   assert (_calls(text, AG), _calls(text, RS)) == (2, 2)
   assert len(re.findall(r"stablehlo\.all_gather", text)) == standalone
   # fc1's forward gathers E4M3 x, fc2's dgrad E5M2 dy, each against an E4M3
@@ -92,7 +98,7 @@ def test_a_failing_verdict_gathers_again(monkeypatch):
   weight gradient all-gathers dy again, and the report says why."""
   mesh = cpu_mesh(2)
   _connected(monkeypatch, mesh, passing=lambda key: key.dtype != "float8_e5m2")
-  text = _gpu_text(mesh, Fp8Recipe(), CublasMpBackend("split_p2p", "split_p2p"), keep=True)
+  text = _gpu_text(mesh, Fp8Recipe(), _fused("split_p2p", "split_p2p"), keep=True)
   assert len(re.findall(r"stablehlo\.all_gather", text)) == 1
   config = jcg.CommGemmConfig(backend="cublasmp", fp8=Fp8Recipe())
   fc2 = report.layer_path(config, mesh, "tp", jnp.bfloat16, reduce_scatter_layer=True)
@@ -153,7 +159,8 @@ class _LooksFused:
   fp8_matmul_reduce_scatter = fp8_all_gather_matmul
 
 
-@pytest.mark.parametrize("collectives", [_LooksFused(), jcg.XlaBackend(), jcg.AutoBackend()],
+@pytest.mark.parametrize("collectives", [_LooksFused(), jcg.backends.XlaBackend(),
+                                         jcg.backends.AutoBackend()],
                          ids=lambda c: type(c).__name__)
 def test_the_fused_fp8_ops_are_found_through_the_backend_interface(collectives):
   """`collectives` runs the fused FP8 ops where the Backend declares them
@@ -164,7 +171,7 @@ def test_the_fused_fp8_ops_are_found_through_the_backend_interface(collectives):
                     mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
   with pytest.raises(ValueError, match=r"`collectives` must be one of"):
     jax.eval_shape(f, x, w1)
-  assert CublasMpBackend.fp8_fused_ops and not jcg.Backend.fp8_fused_ops
+  assert CublasMpBackend.fp8_fused_ops and not jcg.backends.Backend.fp8_fused_ops
 
 
 @pytest.mark.filterwarnings("ignore:.*is not measured:RuntimeWarning")  # on purpose
@@ -185,7 +192,7 @@ def test_auto_runs_an_fp8_problem_on_the_fused_op_it_measured(monkeypatch):
   assert _calls(lowered(config), AG) == 0  # not measured: XLA's collectives
   f = jax.shard_map(lambda x, w: jcg.all_gather_matmul(x, w, "tp", config=config),
                     mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
-  mine = [p for p in jcg.problems_of(f, x, w1) if p.fp8 and p.op == routes.AG]
+  mine = [p for p in jcg.backends.problems_of(f, x, w1) if p.fp8 and p.op == routes.AG]
   assert mine
   plan = REGISTRY.plan()
   REGISTRY.publish(plan.with_decisions({p: ("pipelined_ce", "measured") for p in mine}))

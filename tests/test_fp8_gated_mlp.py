@@ -20,6 +20,7 @@ from jax_comm_gemm import CommGemmConfig
 from jax_comm_gemm.fp8 import (AmaxHistory, Fp8Recipe, cast, fp8_matmul_reduce_scatter,
                                fp8_mlp, prologue)
 from jax_comm_gemm.layers import dense, gated_mlp, llama
+from jax_comm_gemm.runtime.registry import current_plan
 from test_fp8 import TOL_DW, TOL_DX, TOL_FORWARD, _err, _normal
 from test_fp8_layer_norm import _kernel_names
 from tolerance import assert_fp8_codes_close, assert_fp8_programs_close, fp8_step
@@ -176,11 +177,12 @@ def test_the_one_op_equals_the_ops_it_replaces(monkeypatch):
   config = CommGemmConfig(fp8=Fp8Recipe("delayed"))
 
   def two_ops(x, w1, w2, b1, b2, *, axis_name, config, fp8_histories):
+    plan = current_plan()  # as an entry reads it
     h = dense.column_parallel(x, gated_mlp.flat(w1), None, axis_name=axis_name,
-                              config=config, fp8_history=fp8_histories["fc1"])
+                              config=config, fp8_history=fp8_histories["fc1"], plan=plan)
     a = gated_mlp.gated(jax.nn.silu)(h)  # XLA's pass, written in bf16
     return dense.row_parallel(a, w2, None, axis_name=axis_name, config=config,
-                              fp8_history=fp8_histories["fc2"])
+                              fp8_history=fp8_histories["fc2"], plan=plan)
   one = _run(mesh, config, x, w1, b1, w2, b2, ct, False)
   two = _run(mesh, config, x, w1, b1, w2, b2, ct, False, mlp=two_ops)
   fl = f // 2  # a shard's hidden width

@@ -94,8 +94,9 @@ def test_auto_runs_each_fp8_problem_as_decided():
   REGISTRY.publish(stand_in_plan())
   assert _collectives_traced(config, mesh) == "xla"
   x, a, b = fp8_mlp.inputs()
-  mine = jcg.problems_of(lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp",
-                                                          config=config), x, a, b)
+  mine = jcg.backends.problems_of(
+      lambda x, a, b: jcg.sharded.mlp(x, a, b, mesh=mesh, axis_name="tp", config=config),
+      x, a, b)
   assert {p.op for p in mine} == {routes.AG, routes.RS}
   assert all(p.fp8 == Fp8Recipe().key and p.fp8 in p.text() for p in mine)
   REGISTRY.publish(stand_in_plan().with_decisions({p: ("ring", "measured") for p in mine}))
@@ -116,7 +117,7 @@ def test_the_fp8_candidates_are_runnable_programs():
   mesh = cpu_mesh(2)
   p = routes.Problem(routes.AG, 16, fp8_mlp.D, fp8_mlp.F // 2, "float32", False, 2, True,
                    Fp8Recipe().key)
-  runs = tuning._runnables(mesh, "tp", p, 0.01)
+  runs = tuning._runnables(mesh, "tp", p, 0.01, REGISTRY.plan())
   assert tuple(runs) == routes.FP8_CANDIDATES[routes.AG] and tuple(runs)[0] == "xla"
   assert "pipelined_ce" in runs and routes.pallas.NAME not in runs
   outs = {name: run() for name, (run, _) in runs.items()}
@@ -128,7 +129,7 @@ def test_the_fp8_candidates_are_runnable_programs():
       assert_reduction_close(got, want, k=fp8_mlp.D, out_dtype=got.dtype, what=name)
   # "row" scaling: the fused FP8 ops cannot run it, and are not measured.
   row = dataclasses.replace(p, fp8=Fp8Recipe("row").key)
-  assert [n for n, r in tuning._runnables(mesh, "tp", row, 0.01).items() if r] == ["xla", "ring"]
+  assert [n for n, r in tuning._runnables(mesh, "tp", row, 0.01, REGISTRY.plan()).items() if r] == ["xla", "ring"]
   # Each run calls a program compiled ahead (timing.build): FP8 bytes in its HLO.
   program = next(cell.cell_contents for cell in runs["xla"][0].__closure__
                  if hasattr(cell.cell_contents, "as_text"))

@@ -16,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm
 from conftest import cpu_mesh
 from fused_emulation import EmulatedFusedBackend, random_inputs
-from jax_comm_gemm import CommGemmConfig, XlaBackend, resolve_backend
+from jax_comm_gemm import CommGemmConfig
+from jax_comm_gemm.backends import XlaBackend, resolve_backend
 from jax_comm_gemm.backends import primitives
 from jax_comm_gemm.runtime import plan as plan_lib
 from jax_comm_gemm.runtime.constants import ALGORITHMS

@@ -122,7 +122,7 @@ def test_autotune_keeps_a_place_for_it_where_it_cannot_run():
   cannot run is None (so that the processes agree to skip it)."""
   mesh = cpu_mesh(2)
   p = Problem(AG, 256, 128, 256, "float32", False, 2)
-  runs = autotune._runnables(mesh, "tp", p, seconds=0.01)
+  runs = autotune._runnables(mesh, "tp", p, 0.01, REGISTRY.plan())
   assert tuple(runs) == routes.CANDIDATES[AG]
   assert runs[pallas.NAME] is None
   assert all(run is not None for name, run in runs.items() if name != pallas.NAME)

@@ -86,7 +86,8 @@ def test_auto_and_autotune_take_cublasmps_default_as_a_candidate(plain):
   fp8 = routes.Problem(routes.AG, 8192, 8192, 8192, "bfloat16", True, 2, fp8=Fp8Recipe().key)
   assert routes.runnable("cublasmp_default", fp8, REGISTRY.plan()).ok
   rs = routes.Problem(routes.RS, 8192, 8192, 8192, "bfloat16", False, 2)
-  plans = tuning.step_plans([BIG, rs], {BIG: ("cublasmp_default", "m"), rs: ("xla", "m")})
+  plans = tuning.step_plans([BIG, rs], {BIG: ("cublasmp_default", "m"), rs: ("xla", "m")},
+                             plan=REGISTRY.plan())
   assert sorted(plans) == ["cublasmp_default", "pipelined_ce", "ring", "tuned", "xla"]
   # Timed as a group without symmetric memory: calls cost the network's time.
   assert tuning.iterations(BIG, 1.0, capability.symmetric_memory(routes.workspace(2, REGISTRY.plan()))) \

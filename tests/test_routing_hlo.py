@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
 from fused_emulation import SCOPE, EmulatedFusedBackend, random_inputs
-from jax_comm_gemm import CommGemmConfig, XlaBackend, all_gather_matmul, hlo, sharded
+from jax_comm_gemm import CommGemmConfig, all_gather_matmul, hlo, sharded
+from jax_comm_gemm.backends import XlaBackend
 
 N, K, F = 16, 8, 16  # tokens, hidden, MLP features
 

@@ -26,8 +26,9 @@ import jax_comm_gemm.nnx  # noqa: F401
 from jax_comm_gemm.runtime.registry import REGISTRY
 from jax_comm_gemm.runtime.constants import TARGETS
 from jax_comm_gemm.runtime.settings import Settings
-from jax_comm_gemm import (CommGemmConfig, XlaBackend, all_gather_matmul, dense,
-                           matmul_reduce_scatter, resolve_backend, sharded, validation)
+from jax_comm_gemm import (CommGemmConfig, all_gather_matmul, dense, matmul_reduce_scatter,
+                           sharded, validation)
+from jax_comm_gemm.backends import XlaBackend, resolve_backend
 from jax_comm_gemm.config import check_config
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.layers import transformer

@@ -134,9 +134,9 @@ def test_primitive_batching_rule(x_axis, w_axis):
         h, w, "tp", transpose_w=False, algorithm=1),
         in_axes=(0, w_axis))(h, weight)
     ws = [w_shared] * BATCH if w_axis is None else list(w)
-    loop_ag = [jcg.XlaBackend().all_gather_matmul(x[i], ws[i], "tp", transpose_w=False,
+    loop_ag = [jcg.backends.XlaBackend().all_gather_matmul(x[i], ws[i], "tp", transpose_w=False,
                                                   return_gathered=True) for i in range(BATCH)]
-    loop_rs = [jcg.XlaBackend().matmul_reduce_scatter(h[i], ws[i], "tp", transpose_w=False)
+    loop_rs = [jcg.backends.XlaBackend().matmul_reduce_scatter(h[i], ws[i], "tp", transpose_w=False)
                for i in range(BATCH)]
     return (ag[0], ag[1], rs, jnp.stack([a for a, _ in loop_ag]),
             jnp.stack([g for _, g in loop_ag]), jnp.stack(loop_rs))

@@ -117,7 +117,8 @@ def test_auto_never_chooses_cublasmp_or_pallas_where_refused(refused, monkeypatc
 def test_autotune_step_times_no_plan_of_what_cannot_run_here(refused):
   jcg.connect(mesh2(), "tp")
   rs = routes.Problem(routes.RS, 8192, 8192, 8192, "bfloat16", False, 2)
-  plans = tuning.step_plans([BIG, rs], {BIG: ("pipelined_ce", "m"), rs: ("xla", "m")})
+  plans = tuning.step_plans([BIG, rs], {BIG: ("pipelined_ce", "m"), rs: ("xla", "m")},
+                             plan=REGISTRY.plan())
   assert sorted(plans) == ["pipelined_ce", "ring", "tuned", "xla"]
 
 
@@ -225,7 +226,8 @@ def test_pipelined_ce_runs_and_reuses_where_its_verdict_passed(monkeypatch, back
   grad = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(program(*a) ** 2), (0, 1, 2)))(*args)
   equations = list(_equations(grad.jaxpr))
   calls = [e for e in equations if e.primitive.name == TARGETS["all_gather_matmul"]]
-  assert calls and all(c.params["algorithm"] == jcg.ALGORITHMS["pipelined_ce"] for c in calls)
+  assert calls and all(c.params["algorithm"] == jcg.config.ALGORITHMS["pipelined_ce"]
+                       for c in calls)
   dgrad = [c for c in calls if c.params["transpose_w"]]
   assert [c.params["return_gathered"] for c in dgrad] == [verified]
   gathers = [e for e in equations if e.primitive.name == "all_gather"]

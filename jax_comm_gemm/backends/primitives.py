@@ -29,7 +29,6 @@ from jax_comm_gemm.runtime import comm_id
 from jax_comm_gemm.runtime.capability import VerdictKey
 from jax_comm_gemm.runtime.constants import ALGORITHMS, GATHERED_LAYOUTS, TARGETS
 from jax_comm_gemm.runtime.plan import Plan
-from jax_comm_gemm.runtime.registry import current_plan
 
 
 def all_gather_matmul(x, w, axis_name: str, *, transpose_w: bool, return_gathered: bool,
@@ -199,10 +198,11 @@ class CublasMpBackend(Backend):
   """The fused ops on the communicators that ``connect`` set up. Its fields are
   the fused ops' options with the project's defaults, ``CommGemmConfig``'s:
   ``all_gather_algorithm`` and ``reduce_scatter`` (config.py);
-  and `plan`, whose self-test verdicts and gathered layout the ops bind with
-  (``routes.bound`` sets it where a route is decided, so a backward traced
-  later binds as its forward's route said; None: the plan in force where an
-  op is called).
+  and `plan`, whose self-test verdicts and gathered layout the ops bind with.
+  ``routes.bound`` sets it where a route is decided (the layer's or op's
+  entry, ``resolve_backend``), so a backward traced later binds as its
+  forward's route said; the ops never read the plan in force, and one called
+  with no plan bound is an error that says how to bind one.
 
   >>> CublasMpBackend().all_gather_algorithm
   'split_p2p'
@@ -272,6 +272,17 @@ class CublasMpBackend(Backend):
                                    jnp.dtype(dtype).name, bool(transpose_w), plan.layout))
 
   def _plan(self) -> Plan:
-    """The plan the ops bind with: its own, or for a backend called directly
-    (not through a route), the plan in force."""
-    return current_plan() if self.plan is None else self.plan
+    """The plan the ops bind with: the one bound where the route was decided."""
+    if self.plan is None:
+      raise RuntimeError(unbound(self))
+    return self.plan
+
+
+def unbound(backend) -> str:
+  """Why `backend`'s ops cannot run: no routing plan is bound to it, and how to bind one."""
+  return (f"{type(backend).__name__} has no routing plan bound (its ops bind with the "
+          "plan's gathered layout and self-test verdicts, and never read the plan in "
+          "force): pass it as CommGemmConfig(backend=...) to a layer or op, which binds "
+          "the plan in force at its entry, or bind one yourself: "
+          "jax_comm_gemm.backends.resolve_backend(CommGemmConfig(backend=backend), axis_name, mesh), "
+          "or jax_comm_gemm.backends.routes.bound(backend, jax_comm_gemm.runtime.REGISTRY.plan())")

@@ -22,7 +22,7 @@ from jax import lax
 import jax_comm_gemm.backends.pallas as pallas
 from jax_comm_gemm import validation
 from jax_comm_gemm.backends.base import Backend
-from jax_comm_gemm.backends.primitives import CublasMpBackend
+from jax_comm_gemm.backends.primitives import CublasMpBackend, unbound
 from jax_comm_gemm.backends.xla import PLAIN_BACKENDS, XlaBackend
 from jax_comm_gemm.config import DEFAULT_CONFIG, FP8_BACKENDS, CommGemmConfig
 from jax_comm_gemm.fp8.recipe import Fp8Recipe
@@ -136,15 +136,15 @@ def choose(p: Problem, default: str, plan) -> tuple[str, str]:
   decided = plan.decision(p) if mode == "on" else None
   if decided is not None:  # a cached choice may name what cannot run here
     return _or_xla(*decided, p, plan)
-  why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.autotune)"
+  why = "measuring is off" if mode == "off" else "not measured yet (jax_comm_gemm.backends.autotune)"
   # Only where measuring could choose otherwise: autotune measures here (it
   # needs the extension) and more than one candidate runs.
   if (mode == "on" and plan.problems is None and p.axis_size > 1 and plan.cublasmp.ok
       and sum(runnable(c, p, plan).ok for c in candidates(p)) > 1):
     warnings.warn(f"jax_comm_gemm: {p.text()} is not measured: the rule of thumb routes it, "
                   "and a program traced now keeps that route when autotune measures it "
-                  "later; autotune before tracing (jax_comm_gemm.autotune(mesh, axis, "
-                  "jax_comm_gemm.problems_of(step, *args))), or run the step that "
+                  "later; autotune before tracing (jax_comm_gemm.backends.autotune(mesh, axis, "
+                  "jax_comm_gemm.backends.problems_of(step, *args))), or run the step that "
                   "autotune_step returns", RuntimeWarning, stacklevel=2)
   if p.fp8:
     return "xla", f"{why}; FP8 runs on XLA's collectives unless another measured faster"
@@ -180,7 +180,8 @@ class AutoBackend(Backend):
   """Runs each op with :func:`choose`'s implementation; `fused` carries the
   configured algorithms, used where the fused op is chosen by rule of thumb.
   `plan`: the plan it chooses under (:func:`bound` sets it where the route
-  is decided; None: the plan in force where an op is called).
+  is decided; its methods never read the plan in force, and one called with
+  no plan bound is an error that says how to bind one).
 
   >>> AutoBackend(CublasMpBackend(all_gather_algorithm="pipelined_ce")).fused.all_gather_algorithm
   'pipelined_ce'
@@ -199,9 +200,10 @@ class AutoBackend(Backend):
             else f"cublasmp_{configured}")
 
   def _plan(self) -> Plan:
-    """The plan it chooses under: its own, or for a backend called directly
-    (not through a route), the plan in force."""
-    return current_plan() if self.plan is None else self.plan
+    """The plan it chooses under: the one bound where the route was decided."""
+    if self.plan is None:
+      raise RuntimeError(unbound(self))
+    return self.plan
 
   def chosen(self, op: str, x, w, transpose_w, axis_name, gathered=False) -> Backend:
     """The backend that runs op `op` (AG or RS) on these operands (arrays or
@@ -260,6 +262,21 @@ def init_config(config: CommGemmConfig, initializing: bool) -> CommGemmConfig:
   return config
 
 
+def given(plan, where: str) -> Plan:
+  """`plan`, the routing plan a caller below an entry was passed; None (a
+  caller that forgot it) is an error, never a read of the plan in force.
+
+  >>> given(None, "op_route")
+  Traceback (most recent call last):
+  ...
+  TypeError: op_route: `plan` is the routing plan the entry read (a layer's, an op's, jax_comm_gemm.runtime.REGISTRY.plan()) and passes down; got None
+  """
+  if not isinstance(plan, Plan):
+    raise TypeError(f"{where}: `plan` is the routing plan the entry read (a layer's, an "
+                    f"op's, jax_comm_gemm.runtime.REGISTRY.plan()) and passes down; got {plan!r}")
+  return plan
+
+
 def bound(backend: Backend, plan: Plan) -> Backend:
   """`backend`, choosing and binding under `plan` where it reads a plan (the
   fused ops' verdicts and layout, auto's choices) and has none of its own: a
@@ -291,7 +308,8 @@ class Choice:
 def choose_backend(config, axis_name: str, mesh=None, precision=None, plan=None) -> Choice:
   """The backend for `config` (a ``CommGemmConfig``) on `axis_name` of `mesh`
   (default: the mesh of the enclosing shard_map or ``jax.set_mesh``), with the
-  reason, under `plan` (default: the routing plan in force), bound to it. Says
+  reason, under `plan`, bound to it. A user's entry: with no `plan` it reads
+  the routing plan in force, once (the library's own callers pass theirs). Says
   once if the config's fused-op options do nothing there. The fused ops compute in float32: for a
   `precision` other than the default "auto" takes XLA, "cublasmp" refuses it.
 
@@ -300,7 +318,7 @@ def choose_backend(config, axis_name: str, mesh=None, precision=None, plan=None)
   >>> choose_backend(jcg.CommGemmConfig(backend="xla"), "tp", mesh).reason
   "backend='xla' was requested"
   """
-  plan = current_plan() if plan is None else plan
+  plan = current_plan() if plan is None else plan  # a user's entry (the library passes it)
   choice = _choose(config, axis_name, mesh, plan, precision)
   if isinstance(choice.backend, XlaBackend):  # RingBackend included
     # The options only the fused ops read (FUSED_OPTIONS), set to other than
@@ -366,7 +384,8 @@ FUSED_OPTIONS = ("all_gather_algorithm", "reduce_scatter")
 
 def resolve_backend(config, axis_name: str = "tp", mesh=None, precision=None,
                     plan=None) -> Backend:
-  """The backend of :func:`choose_backend`, without the reason.
+  """The backend of :func:`choose_backend`, without the reason, bound to `plan`
+  (default: the plan in force): its ops bind under it wherever they are called.
 
   >>> import jax, numpy as np, jax_comm_gemm as jcg
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -418,7 +437,8 @@ def op_route(config, op: str, x, w, transpose_w: bool, axis_name: str, precision
   and `w` under `plan`, its backends bound to it (:func:`bound`); `hands_out`:
   an AllGather+GEMM whose gathered operand is used (returned, or kept for the
   weight gradient). Call inside ``jax.shard_map`` (it reads the axis size)."""
-  backend = resolve_backend(config, axis_name, precision=precision, plan=plan)
+  backend = resolve_backend(config, axis_name, precision=precision,
+                            plan=given(plan, "op_route"))
   size = lax.axis_size(axis_name)
   m = w.shape[0] if transpose_w else w.shape[1]
   rows = x.shape[0] * size if op == AG else x.shape[0] // size
@@ -466,7 +486,7 @@ def fp8_route(config, plan: Plan) -> Fp8Route:
 
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
-  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()), jcg.REGISTRY.plan()).reason
+  >>> fp8_route(jcg.CommGemmConfig(backend="xla", fp8=Fp8Recipe()), jcg.runtime.REGISTRY.plan()).reason
   "FP8 (tensor scaling) on XLA's collectives: FP8 bytes on the wire, the gathered grad_output reused"
   """
   if config.fp8 is None:
@@ -506,7 +526,7 @@ def fp8_collectives(config, op: str, x, w, transpose_w: bool, axis_name: str,
   >>> import jax_comm_gemm as jcg
   >>> from jax_comm_gemm.fp8 import Fp8Recipe
   >>> fp8_collectives(jcg.CommGemmConfig(backend="ring", fp8=Fp8Recipe()), AG, None,
-  ...                 None, False, "tp", False, jcg.REGISTRY.plan())
+  ...                 None, False, "tp", False, jcg.runtime.REGISTRY.plan())
   ('ring', "backend='ring'")
   """
   backend = _fp8_backend(config, plan)

@@ -312,11 +312,10 @@ def iterations(p: Problem, seconds: float, symmetric_memory: bool = True) -> int
   return max(1, min(200, int(seconds / 10 / estimate)))
 
 
-def _runnables(mesh, axis_name: str, p: Problem, seconds: float, plan: Plan | None = None) -> dict:
+def _runnables(mesh, axis_name: str, p: Problem, seconds: float, plan: Plan) -> dict:
   """A compiled program per candidate of `p` on random data, under `plan`
-  (default: the plan in force), as time_candidates takes them: ``(call,
-  iterations)``, the error building it raised, or None."""
-  plan = current_plan() if plan is None else plan
+  (the tuner's), as time_candidates takes them: ``(call, iterations)``, the
+  error building it raised, or None."""
   size = p.axis_size
   if p.op == AG:
     x = _random(mesh, (p.rows * size, p.k), P(axis_name), p.dtype, 1)
@@ -430,6 +429,7 @@ def problems_of(step, *args) -> list[Problem]:
   []
   """
   found: list = []
+  # A user's entry: the plan in force, read once, copied for this trace.
   with plan_lib.use(dataclasses.replace(current_plan(), tag=next(_TAGS), problems=found)):
     jax.eval_shape(step, *args)
   return list(dict.fromkeys(found))
@@ -448,7 +448,7 @@ def autotune(mesh, axis_name: str = "tp", problems=(), *,
   >>> autotune(mesh, "tp")  # on a CPU: nothing to tune
   {}
   """
-  plan = current_plan()
+  plan = current_plan()  # a user's entry: read once, passed to all below
   if tunable(mesh, axis_name, plan) is not None:
     return {}
   size = int(mesh.shape[axis_name])
@@ -553,7 +553,7 @@ class TunedStep:
   was measured.
 
   >>> import jax.numpy as jnp
-  >>> tuned = TunedStep(lambda x: x * 2, current_plan(), "unmeasured", "nothing to choose")
+  >>> tuned = TunedStep(lambda x: x * 2, REGISTRY.plan(), "unmeasured", "nothing to choose")
   >>> float(tuned(jnp.float32(3)))
   6.0
   """
@@ -578,14 +578,13 @@ class TunedStep:
       return self._jitted.lower(*args, **kwargs)
 
 
-def step_plans(problems, chosen: dict, implementations=None, plan=None) -> dict[str, dict]:
+def step_plans(problems, chosen: dict, implementations=None, *, plan: Plan) -> dict[str, dict]:
   """{plan: {problem: (implementation, why)}} to time: the per-op choices
   (``tuned``), and every op on one implementation, for each of
   `implementations` (default: all) that runs every op of the step under
-  `plan` (default: the plan in force), XLA always; per-op choices of one
-  implementation are timed once, under its name."""
+  `plan` (the tuner's), XLA always; per-op choices of one implementation are
+  timed once, under its name."""
   names = _plan_names(implementations)
-  plan = current_plan() if plan is None else plan
   plans = {name: {p: (name, "step-level comparison") for p in problems}
            for name in IMPLEMENTATIONS
            if name in names and all(name in CANDIDATES[p.op] and runnable(name, p, plan).ok
@@ -642,7 +641,7 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"autotune_step: `{name}` must be a whole number of at least 1, "
                        f"got {value!r}")
-  base = current_plan()
+  base = current_plan()  # a user's entry: read once, passed to all below
   why_not = tunable(mesh, axis_name, base)
   if why_not is not None:
     return TunedStep(step, base, UNMEASURED, f"nothing to choose: {why_not}")
@@ -652,7 +651,7 @@ def autotune_step(mesh, axis_name: str, step, *args, iterations: int = 5, rounds
     return TunedStep(step, base, UNMEASURED, "the step meets no op that auto chooses for")
   chosen = measure(mesh, axis_name, problems, base,
                    seconds_per_problem=seconds_per_problem)
-  plans = step_plans(problems, chosen, implementations, base)
+  plans = step_plans(problems, chosen, implementations, plan=base)
   ident = comm_id(mesh, axis_name)
   attempt = REGISTRY.next_attempt(("autotune_step", ident))
   timeout = base.settings.connect_timeout_s

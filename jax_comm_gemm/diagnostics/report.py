@@ -68,7 +68,9 @@ def layer_path(config: CommGemmConfig, mesh, axis_name: str, dtype, *,
   if path_reason is not None:
     return LayerPath(XLA_FALLBACK, path_reason)
   size = int(mesh.shape[axis_name])
-  plan = current_plan()  # read once: every answer below is under the same plan
+  # A user's entry (a report's question): the plan in force, read once, so that
+  # every answer below is under the same plan.
+  plan = current_plan()
   fp8 = fp8_route(config, plan)
   if fp8.fp8:  # FP8 GEMMs whatever the axis; on XLA's collectives, the ring or fused
     if size == 1:
@@ -173,8 +175,7 @@ def op_paths(config: CommGemmConfig, plan, step, *args) -> list[OpPath]:
   is chosen per problem (a backend other than "auto", or cuBLASMp unavailable).
 
   >>> import jax.numpy as jnp, jax_comm_gemm as jcg
-  >>> from jax_comm_gemm.runtime.registry import current_plan
-  >>> op_paths(jcg.CommGemmConfig(), current_plan(), lambda x: x + 1, jnp.zeros(2))
+  >>> op_paths(jcg.CommGemmConfig(), jcg.runtime.REGISTRY.plan(), lambda x: x + 1, jnp.zeros(2))
   []
   """
   with plan_lib.use(plan):

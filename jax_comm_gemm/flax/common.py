@@ -1,6 +1,6 @@
 """What the linen and NNX modules share: the table of their options
 (:class:`Options`, inherited by the linen modules as keyword-only fields and
-filled into the NNX modules' ``**options``), the checks of those options, why a
+spelled out as keyword-only arguments by the NNX modules), the checks of those options, why a
 dense layer leaves the fused path, and :func:`run`, the one local-or-global
 dispatch to the layers."""
 
@@ -24,6 +24,7 @@ from jax_comm_gemm.validation import Names
 
 default_kernel_init = initializers.lecun_normal()
 default_bias_init = initializers.zeros_init()
+default_scale_init = initializers.ones_init()  # the norms' scales
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,24 +76,6 @@ LinenOptions = type("LinenOptions", (nn.Module,), {
 def options_of(module) -> dict:
   """The table's options as `module` (linen or NNX) holds them."""
   return {name: getattr(module, name) for name in DEFAULTS}
-
-
-def nnx_options(owner: str, given: dict, extra: dict) -> dict:
-  """An NNX module's options: the table's and `extra`'s defaults, overridden by
-  `given`; an unknown name is a TypeError, as for any Python function.
-
-  >>> nnx_options("M", {"axis_name": "model"}, {})["axis_name"]
-  'model'
-  >>> nnx_options("M", {"axis": "model"}, {})
-  Traceback (most recent call last):
-  ...
-  TypeError: M() got an unexpected keyword argument 'axis'
-  """
-  allowed = DEFAULTS | extra
-  for name in given:
-    if name not in allowed:
-      raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
-  return allowed | given
 
 
 def check_options(owner: str, options: dict, *, features: dict[str, int]) -> tuple:

@@ -9,30 +9,25 @@ they cannot split replicates them when the block runs."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.nnx.nn import initializers
-from flax.typing import Array
+from flax.typing import Array, Dtype, Initializer, PrecisionLike
 
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
 from jax_comm_gemm.flax import common
+from jax_comm_gemm.flax.common import (default_bias_init, default_kernel_init,
+                                       default_scale_init)
 from jax_comm_gemm.flax.llama_linen import as_matrix
-from jax_comm_gemm.flax.nnx import _known_mesh, init_options, make_param
+from jax_comm_gemm.flax.nnx_build import arguments, init_options, known_mesh, make_param
 from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.layers import llama
 from jax_comm_gemm.layers.dense import place
 from jax_comm_gemm.layers.transformer import FP8_LAYERS, ParamSpec
 from jax_comm_gemm.validation import Names
-
-# The block's own arguments (beyond the shared Options), with their defaults.
-LLAMA_DEFAULTS = MappingProxyType(dict(
-    num_kv_heads=None, head_dim=None, activation=jax.nn.silu, rope_base=10000.0, causal=True,
-    epsilon=1e-5, scale_init=initializers.ones_init(), keep_gathered_input=False,
-    attention_implementation=None))
-
 
 class ParamGroup(nnx.Module):
   """Parameters made from a layout (a dict of ParamSpec or nested layouts),
@@ -70,10 +65,27 @@ class SequenceParallelLlamaBlock(nnx.Module):
 
   Args:
     in_features: the model width d.
-    num_heads, hidden_features: as the linen block's.
+    num_heads: query heads, divisible by the size of ``axis_name``.
+    hidden_features: the gated MLP's hidden width F, divisible by that size.
+    axis_name, mesh, dtype, param_dtype, precision, kernel_init, bias_init,
+      config: as :class:`~jax_comm_gemm.nnx.ColumnParallelDense`'s.
+    data_axes: mesh axes that shard the batch.
+    use_bias: whether the dense layers add biases (Llama's have none).
+    num_kv_heads: key/value heads, dividing num_heads (None: num_heads; 1:
+      multi-query attention).
+    head_dim: each head's width, even; None: the model width / num_heads.
+    activation: the gate's (``jax.nn.silu``: SwiGLU, ``jax.nn.gelu``: GeGLU).
+    rope_base: the rotary embeddings' base (Llama 2: 10000, Llama 3: 500000).
+    causal: mask attention to earlier positions.
+    epsilon: the RMSNorms' epsilon.
+    scale_init: initializer of the RMSNorm scales.
+    keep_gathered_input: the column-parallel layers keep their gathered input
+      for the weight gradient.
+    attention_implementation: ``jax.nn.dot_product_attention``'s
+      ``implementation`` (None: jax chooses).
     rngs: random number generators.
-    the rest (keyword-only): the linen block's attributes (``use_bias``
-      defaults to False).
+
+  The keyword arguments are the linen block's fields, with the same defaults.
 
   >>> import numpy as np
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -83,13 +95,23 @@ class SequenceParallelLlamaBlock(nnx.Module):
   """
 
   def __init__(self, in_features: int, num_heads: int, hidden_features: int, *,
-               rngs: nnx.Rngs, **given):
+               axis_name: str = "tp", mesh: jax.sharding.Mesh | None = None,
+               data_axes: str | Sequence[str] = (), use_bias: bool = False,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               precision: PrecisionLike = None, kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = default_bias_init,
+               config: CommGemmConfig = DEFAULT_CONFIG, num_kv_heads: int | None = None,
+               head_dim: int | None = None,
+               activation: Callable[[Array], Array] = jax.nn.silu, rope_base: float = 10000.0,
+               causal: bool = True, epsilon: float = 1e-5,
+               scale_init: Initializer = default_scale_init, keep_gathered_input: bool = False,
+               attention_implementation: str | None = None, rngs: nnx.Rngs):
     owner = type(self).__name__
-    given = {"use_bias": False} | given
     fields = {"in_features": in_features, "num_heads": num_heads,
               "hidden_features": hidden_features}
-    o = init_options(owner, given, LLAMA_DEFAULTS, fields, "num_heads")
-    init_options(owner, o, LLAMA_DEFAULTS, fields, "hidden_features")
+    o = init_options(owner, arguments(SequenceParallelLlamaBlock.__init__, locals()),
+                     fields, "num_heads")
+    init_options(owner, o, fields, "hidden_features")
     self.options = llama.LlamaOptions(
         num_heads=num_heads, num_kv_heads=o["num_kv_heads"], head_dim=o["head_dim"],
         activation=o["activation"], rope_base=o["rope_base"], causal=o["causal"],
@@ -99,7 +121,7 @@ class SequenceParallelLlamaBlock(nnx.Module):
     if o["head_dim"] is None and in_features % num_heads:
       raise ValueError(f"{owner}.in_features={in_features} must divide into "
                        f"num_heads={num_heads} heads of equal size (or pass head_dim)")
-    known = _known_mesh(o["mesh"])
+    known = known_mesh(o["mesh"])
     size = 1 if known is None else known.shape[o["axis_name"]]
     layout = llama.param_layout(in_features, hidden_features, self.options, o["axis_name"],
                                 size, o["use_bias"])

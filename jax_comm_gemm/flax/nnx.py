@@ -3,12 +3,13 @@
 created with their global shapes and ``out_sharding`` metadata (the linen
 modules' partitioning), placed on the mesh where one is given.
 
-The shared options are :class:`~jax_comm_gemm.flax.common.Options`; the dense
-modules also take Linear's ``dot_general``, ``promote_dtype``,
-``preferred_element_type``, ``kernel_metadata`` and ``bias_metadata`` (metadata
-naming ``out_sharding`` is refused); an injected ``dot_general`` or a
-``preferred_element_type`` runs on XLA's collectives
-(:meth:`ColumnParallelDense.path_reason`).
+Each ``__init__`` spells out its keyword-only arguments, with the names and
+defaults of the linen module's fields (the shared ones are
+:class:`~jax_comm_gemm.flax.common.Options`); the dense modules also take
+Linear's ``dot_general``, ``promote_dtype``, ``preferred_element_type``,
+``kernel_metadata`` and ``bias_metadata`` (metadata naming ``out_sharding`` is
+refused); an injected ``dot_general`` or a ``preferred_element_type`` runs on
+XLA's collectives (:meth:`ColumnParallelDense.path_reason`).
 
 Global and local mode as in the linen modules; locally, split the state by
 its partition specs::
@@ -25,90 +26,45 @@ variable that the train step replaces with its gradient
 
 from __future__ import annotations
 
-import contextlib
 from types import MappingProxyType
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
-from flax.typing import Array
+from flax.typing import Array, Dtype, Initializer, PrecisionLike
 
 from jax_comm_gemm import validation
-from jax_comm_gemm.flax.common import (DEFAULTS, check_options, check_split,
-                                       check_token_inputs, nnx_options, path_reason)
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.flax.common import (DEFAULTS, check_token_inputs, default_bias_init,
+                                       default_kernel_init, path_reason)
+from jax_comm_gemm.flax.nnx_build import arguments, init_options, make_param
 from jax_comm_gemm.flax.nnx_fp8 import OverwriteWithGradient
 from jax_comm_gemm.fp8 import AmaxHistory
 from jax_comm_gemm.flax import common
 from jax_comm_gemm.layers import dense
 from jax_comm_gemm.validation import Names
 
-# Flax Linear's own arguments, with its defaults.
-LINEAR_DEFAULTS = MappingProxyType(dict(
-    dot_general=jax.lax.dot_general, promote_dtype=dtypes.promote_dtype,
-    preferred_element_type=None, kernel_metadata=MappingProxyType({}),
-    bias_metadata=MappingProxyType({})))
-
-
-def init_options(owner: str, given: dict, extra: dict, features: dict[str, int],
-                 split: str) -> dict:
-  """A module's options at construction, checked; where a mesh is known (given
-  or from ``jax.set_mesh``), `split` (a key of `features`) must split over it.
-
-  >>> init_options("M", {"use_bias": "no"}, {}, {"features": 4}, "features")
-  Traceback (most recent call last):
-  ...
-  TypeError: M: `use_bias` must be True or False, got 'no' (str)
-  """
-  options = nnx_options(owner, given, extra)
-  options["data_axes"] = check_options(owner, options, features=features)
-  known = _known_mesh(options["mesh"])
-  if known is not None:
-    size, _ = dense.check_mesh(owner, known, options["axis_name"], options["data_axes"])
-    check_split(f"{owner}.{split}", features[split], options["axis_name"], size)
-  return options
-
-
-def _known_mesh(mesh):
-  """`mesh`, or the one set by ``jax.set_mesh``, or None."""
-  if mesh is not None:
-    return mesh
-  context = jax.sharding.get_abstract_mesh()
-  return None if context.empty else context
-
-
-def make_param(init, key, shape, dtype, names, mesh, metadata=MappingProxyType({}),
-               kind=nnx.Param):
-  """An ``nnx.Param`` (or another Variable type, `kind`) with ``out_sharding``
-  `names` (and `metadata`), placed on the mesh if one is known.
-
-  >>> make_param(nnx.initializers.ones, jax.random.key(0), (2,), "float32", (None,),
-  ...            None).get_metadata("out_sharding")
-  (None,)
-  """
-  metadata = {**metadata, "out_sharding": names}
-  if mesh is not None:
-    metadata["mesh"] = mesh
-  # Flax shards a variable with out_sharding metadata when it is created, and
-  # that needs a mesh; without one, keep the metadata and place it later.
-  quiet = (contextlib.nullcontext() if _known_mesh(mesh) is not None
-           else nnx.use_eager_sharding(False))
-  with quiet:
-    return kind(init(key, shape, dtype), **metadata)
+# Flax Linear's arguments that the dense modules take, beyond the table's
+# (the linen modules take Flax Dense's instead): not compared with linen's.
+LINEAR_ARGUMENTS = ("dot_general", "promote_dtype", "preferred_element_type",
+                    "kernel_metadata", "bias_metadata")
+NO_METADATA = MappingProxyType({})
 
 
 class _ParallelDense(nnx.Module):
   """What the two dense layers share: Flax Linear's arguments, the parameters,
-  and the call. ``_kind`` says which layer a subclass is."""
+  and the call. ``_kind`` says which layer a subclass is; a subclass's
+  ``__init__`` spells out its arguments and calls :meth:`_build`."""
 
   _kind = "column"
 
-  def __init__(self, in_features: int, out_features: int, *, rngs: nnx.Rngs, **given):
+  def _build(self, in_features: int, out_features: int, rngs: nnx.Rngs, given: dict):
     owner = type(self).__name__
     column = self._kind == "column"
-    extra = LINEAR_DEFAULTS | ({"keep_gathered_input": False} if column else {})
-    o = init_options(owner, given, extra, {"in_features": in_features,
-                                           "out_features": out_features},
+    o = init_options(owner, given, {"in_features": in_features,
+                                    "out_features": out_features},
                      "out_features" if column else "in_features")
     for name in ("dot_general", "promote_dtype"):
       validation.check_callable(owner, name, o[name])
@@ -190,11 +146,21 @@ class ColumnParallelDense(_ParallelDense):
     in_features: the number of input features.
     out_features: the number of output features, divisible by the size of
       ``axis_name``.
-    rngs: random number generators.
-    keep_gathered_input: keep the gathered input for the weight gradient.
+    axis_name: the tensor-parallel mesh axis.
+    mesh: the mesh in global mode; None takes the one set by ``jax.set_mesh``.
+    data_axes: mesh axes that also shard the tokens: a name or a sequence of names.
+    use_bias: whether to add a bias.
+    dtype: the dtype of the computation (default: from inputs and params).
+    param_dtype: the dtype passed to the initializers.
+    precision: as ``lax.dot_general`` takes it, for every GEMM of the layer.
+    kernel_init: initializer of the kernel (its global shape).
+    bias_init: initializer of the bias.
+    config: a :class:`~jax_comm_gemm.CommGemmConfig`: backend and algorithms.
+    keep_gathered_input: keep the gathered input for the weight gradient
+      instead of gathering it again in the backward pass (``n*K`` memory).
     dot_general, promote_dtype, preferred_element_type, kernel_metadata,
       bias_metadata: as :class:`flax.nnx.Linear` (see the module docstring).
-    the rest: :class:`~jax_comm_gemm.flax.common.Options`, keyword-only.
+    rngs: random number generators.
 
   >>> import numpy as np, jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -202,12 +168,35 @@ class ColumnParallelDense(_ParallelDense):
   (2, 4)
   """
 
+  def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tp",
+               mesh: jax.sharding.Mesh | None = None, data_axes: str | Sequence[str] = (),
+               use_bias: bool = True, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
+               kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = default_bias_init,
+               config: CommGemmConfig = DEFAULT_CONFIG, keep_gathered_input: bool = False,
+               dot_general: Callable = jax.lax.dot_general,
+               promote_dtype: Callable = dtypes.promote_dtype,
+               preferred_element_type: Dtype | None = None,
+               kernel_metadata: Mapping[str, Any] = NO_METADATA,
+               bias_metadata: Mapping[str, Any] = NO_METADATA, rngs: nnx.Rngs):
+    self._build(in_features, out_features, rngs,
+                arguments(ColumnParallelDense.__init__, locals()))
+
 
 class RowParallelDense(_ParallelDense):
   """``reduce_scatter(h @ kernel) + bias`` over the last dimension (fc2,
-  out-proj), as :class:`jax_comm_gemm.linen.RowParallelDense`. Args: as
-  :class:`ColumnParallelDense`, without ``keep_gathered_input``; ``in_features``
-  must be divisible by the size of ``axis_name``.
+  out-proj), as :class:`jax_comm_gemm.linen.RowParallelDense`; the bias is
+  replicated.
+
+  Args:
+    in_features: the number of input features, divisible by the size of
+      ``axis_name``.
+    out_features: the number of output features.
+    axis_name, mesh, data_axes, use_bias, dtype, param_dtype, precision,
+      kernel_init, bias_init, config, dot_general, promote_dtype,
+      preferred_element_type, kernel_metadata, bias_metadata, rngs: as
+      :class:`ColumnParallelDense`'s.
 
   >>> import numpy as np, jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -217,6 +206,21 @@ class RowParallelDense(_ParallelDense):
 
   _kind = "row"
 
+  def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tp",
+               mesh: jax.sharding.Mesh | None = None, data_axes: str | Sequence[str] = (),
+               use_bias: bool = True, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
+               kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = default_bias_init,
+               config: CommGemmConfig = DEFAULT_CONFIG,
+               dot_general: Callable = jax.lax.dot_general,
+               promote_dtype: Callable = dtypes.promote_dtype,
+               preferred_element_type: Dtype | None = None,
+               kernel_metadata: Mapping[str, Any] = NO_METADATA,
+               bias_metadata: Mapping[str, Any] = NO_METADATA, rngs: nnx.Rngs):
+    self._build(in_features, out_features, rngs,
+                arguments(RowParallelDense.__init__, locals()))
+
 
 class SequenceParallelMLP(nnx.Module):
   """``fc2(activation(fc1(x)))``: a column-parallel then a row-parallel dense, as
@@ -225,10 +229,12 @@ class SequenceParallelMLP(nnx.Module):
   Args:
     in_features: the width of the input and the output.
     hidden_features: fc1's output width, divisible by the size of ``axis_name``.
-    rngs: random number generators.
-    activation: applied between fc1 and fc2 (default: gelu).
+    axis_name, mesh, data_axes, use_bias, dtype, param_dtype, precision,
+      kernel_init, bias_init, config: as :class:`ColumnParallelDense`'s, passed
+      to both layers.
+    activation: applied elementwise between fc1 and fc2.
     keep_gathered_input: passed to fc1.
-    the rest: :class:`~jax_comm_gemm.flax.common.Options`, passed to both.
+    rngs: random number generators.
 
   >>> import numpy as np, jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -236,9 +242,17 @@ class SequenceParallelMLP(nnx.Module):
   (2, 3)
   """
 
-  def __init__(self, in_features: int, hidden_features: int, *, rngs: nnx.Rngs, **given):
+  def __init__(self, in_features: int, hidden_features: int, *, axis_name: str = "tp",
+               mesh: jax.sharding.Mesh | None = None, data_axes: str | Sequence[str] = (),
+               use_bias: bool = True, dtype: Dtype | None = None,
+               param_dtype: Dtype = jnp.float32, precision: PrecisionLike = None,
+               kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = default_bias_init,
+               config: CommGemmConfig = DEFAULT_CONFIG,
+               activation: Callable[[Array], Array] = jax.nn.gelu,
+               keep_gathered_input: bool = False, rngs: nnx.Rngs):
     owner = type(self).__name__
-    o = init_options(owner, given, {"activation": jax.nn.gelu, "keep_gathered_input": False},
+    o = init_options(owner, arguments(SequenceParallelMLP.__init__, locals()),
                      {"in_features": in_features, "hidden_features": hidden_features},
                      "hidden_features")
     common = {name: o[name] for name in DEFAULTS}

@@ -6,26 +6,23 @@ local mode as the dense modules do, and under ``nnx.remat`` and ``nnx.scan``."""
 
 from __future__ import annotations
 
-from types import MappingProxyType
+from typing import Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
-from flax.typing import Array, Dtype, Initializer
+from flax.typing import Array, Dtype, Initializer, PrecisionLike
 
-from jax_comm_gemm.flax.common import DEFAULTS
-from jax_comm_gemm.flax.nnx import (ColumnParallelDense, RowParallelDense,
-                                    SequenceParallelMLP, init_options, make_param)
+from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.flax.common import (DEFAULTS, default_bias_init, default_kernel_init,
+                                       default_scale_init)
+from jax_comm_gemm.flax.nnx import ColumnParallelDense, RowParallelDense, SequenceParallelMLP
+from jax_comm_gemm.flax.nnx_build import arguments, init_options, make_param
 from jax_comm_gemm.flax import common
 from jax_comm_gemm.layers import transformer
 from jax_comm_gemm.layers.dense import place
 from jax_comm_gemm.validation import Names
-
-# The block's own arguments (beyond the shared Options), with their defaults.
-BLOCK_DEFAULTS = MappingProxyType(dict(
-    activation=jax.nn.gelu, causal=True, epsilon=1e-6, scale_init=initializers.ones_init(),
-    keep_gathered_input=False, attention_implementation=None))
-
 
 class LayerNormParams(nnx.Module):
   """A LayerNorm's replicated ``scale`` and ``bias``; the block applies them
@@ -58,9 +55,22 @@ class SequenceParallelTransformerBlock(nnx.Module):
 
   Args:
     in_features: the model width d, divisible by ``num_heads``.
-    num_heads, hidden_features: as the linen block's.
+    num_heads: attention heads in all, divisible by the size of ``axis_name``.
+    hidden_features: the MLP's hidden width, divisible by the size of ``axis_name``.
+    axis_name, mesh, use_bias, dtype, param_dtype, precision, kernel_init,
+      bias_init, config: as :class:`~jax_comm_gemm.nnx.ColumnParallelDense`'s.
+    data_axes: mesh axes that shard the batch.
+    activation: the MLP's activation.
+    causal: mask attention to earlier positions.
+    epsilon: the LayerNorms' epsilon (as ``flax.nnx.LayerNorm``).
+    scale_init: initializer of the LayerNorm scales (their biases start at 0).
+    keep_gathered_input: QKV and fc1 keep their gathered input for the weight
+      gradient (``seq*b*d`` memory each).
+    attention_implementation: ``jax.nn.dot_product_attention``'s
+      ``implementation`` (None: jax chooses).
     rngs: random number generators.
-    the rest (keyword-only): the linen block's attributes.
+
+  The keyword arguments are the linen block's fields, with the same defaults.
 
   >>> import numpy as np, jax.numpy as jnp
   >>> mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("tp",))
@@ -70,12 +80,22 @@ class SequenceParallelTransformerBlock(nnx.Module):
   """
 
   def __init__(self, in_features: int, num_heads: int, hidden_features: int, *,
-               rngs: nnx.Rngs, **given):
+               axis_name: str = "tp", mesh: jax.sharding.Mesh | None = None,
+               data_axes: str | Sequence[str] = (), use_bias: bool = True,
+               dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32,
+               precision: PrecisionLike = None, kernel_init: Initializer = default_kernel_init,
+               bias_init: Initializer = default_bias_init,
+               config: CommGemmConfig = DEFAULT_CONFIG,
+               activation: Callable[[Array], Array] = jax.nn.gelu, causal: bool = True,
+               epsilon: float = 1e-6, scale_init: Initializer = default_scale_init,
+               keep_gathered_input: bool = False, attention_implementation: str | None = None,
+               rngs: nnx.Rngs):
     owner = type(self).__name__
     fields = {"in_features": in_features, "num_heads": num_heads,
               "hidden_features": hidden_features}
-    o = init_options(owner, given, BLOCK_DEFAULTS, fields, "num_heads")
-    init_options(owner, o, BLOCK_DEFAULTS, fields, "hidden_features")
+    o = init_options(owner, arguments(SequenceParallelTransformerBlock.__init__, locals()),
+                     fields, "num_heads")
+    init_options(owner, o, fields, "hidden_features")
     if in_features % num_heads:
       raise ValueError(f"{owner}.in_features={in_features} must divide into "
                        f"num_heads={num_heads} heads of equal size")

@@ -396,7 +396,7 @@ def _constrain(x, mesh, spec):
 def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
                     precision=None, config=DEFAULT_CONFIG, dot_general=None,
                     dot_kwargs=(), fp8_history=None, prologue=None, split_heads=None,
-                    plan=None):
+                    plan):
   """:func:`column_parallel_dense` for callers that checked the arguments;
   `dot_kwargs`: (name, value) pairs for an injected `dot_general`. Of
   ``prologue(*x)`` where one is given, x the tuple of its operands
@@ -405,7 +405,7 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
   (:func:`jax_comm_gemm.fp8.heads.split_heads`, x ``[n/P, batch, K]``); under
   an FP8 recipe of one scale per tensor the op's backward casts their
   gradients where they lie (docs/fp8.md, "Attention's layout"). `plan`: the
-  routing plan the layer's entry read (None: the op reads the plan in force)."""
+  routing plan the layer's entry read (required: nothing below an entry reads it)."""
   if dot_general is not None:
     x = scoped(x, prologue)
     gathered = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
@@ -430,7 +430,7 @@ def column_parallel(x, kernel, bias, *, axis_name, keep_gathered_input=False,
 
 def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_CONFIG,
                  dot_general=None, dot_kwargs=(), fp8_history=None, activation=None,
-                 merge_heads=False, plan=None):
+                 merge_heads=False, plan):
   """:func:`row_parallel_dense` for callers that checked the arguments, of
   ``activation(h)`` where one is given (elementwise: an FP8 recipe applies it
   inside h's cast). `merge_heads`: h is attention's output ``[batch, n,
@@ -465,7 +465,7 @@ def row_parallel(h, kernel, bias, *, axis_name, precision=None, config=DEFAULT_C
 
 def mlp_parallel(x, fc1_kernel, fc1_bias, fc2_kernel, fc2_bias, *, axis_name, activation,
                  keep_gathered_input=False, precision=None, config=DEFAULT_CONFIG,
-                 dot_general=None, fp8_histories=(None, None), prologue=None, plan=None):
+                 dot_general=None, fp8_histories=(None, None), prologue=None, plan):
   """:func:`mlp` for callers that checked the arguments (`prologue` as in
   :func:`column_parallel`): under an FP8 recipe one op for both layers (the
   gradient through the activation, and fc1's bias's, made inside fc1's

@@ -113,7 +113,7 @@ def product_inside(config: CommGemmConfig) -> bool:
 def gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias, *, axis_name,
                        activation, keep_gathered_input=False, precision=None,
                        config=DEFAULT_CONFIG, fp8_histories=(None, None), prologue=None,
-                       plan=None):
+                       plan):
   """:func:`gated_mlp` for callers that checked the arguments (`prologue` as in
   :func:`jax_comm_gemm.layers.dense.column_parallel`): gate and up in one
   column-parallel op, the gated product, then down, row-parallel. Under an

@@ -180,9 +180,9 @@ def block_local(names: Names, x, params, *, where: Placement, options: BlockOpti
                plan=current_plan())
 
 
-def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None, plan=None):
+def block(x, params, *, axis_name: str, options: BlockOptions, fp8_histories=None, plan):
   """:func:`transformer_block` for callers that checked the arguments, under
-  `plan`, the routing plan the entry read (None: each op reads the plan in force)."""
+  `plan`, the routing plan the entry read (required: nothing below an entry reads it)."""
   o = options
   dtype = o.dtype or jnp.result_type(x, *jax.tree.leaves(params))
   x = x.astype(dtype)

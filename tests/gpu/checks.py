@@ -27,8 +27,8 @@ from jax.sharding import PartitionSpec as P
 import jax_comm_gemm as jcg
 from jax_comm_gemm import backends, dense, hlo
 from jax_comm_gemm.backends import pallas, primitives
-from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem, choose,
-                                         implementation, runnable)
+from jax_comm_gemm.backends.routes import (AG, CANDIDATES, FP8_CANDIDATES, RS, Problem, bound,
+                                         choose, implementation, runnable)
 from jax_comm_gemm.diagnostics import report
 from jax_comm_gemm.fp8 import (Fp8Recipe, dequantize, fp8_all_gather_matmul, quantize_rows,
                                quantize_tensor)
@@ -207,7 +207,7 @@ def check_all_gather_matmul(mesh, dtype: str, transpose_w: bool):
     if refusal_here(mesh, name):
       out[name] = f"skipped: {refusal_here(mesh, name)}"
       continue
-    backend = implementation(name, backends.CublasMpBackend())
+    backend = implementation(name, bound(backends.CublasMpBackend(), REGISTRY.plan()))
 
     def run(x, w, backend=backend):
       return backend.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
@@ -239,7 +239,7 @@ def check_matmul_reduce_scatter(mesh, dtype: str, transpose_w: bool):
 
     def fused(x, w, algorithm=algorithm):
       return primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
-                                              algorithm=jcg.ALGORITHMS[algorithm])
+                                              algorithm=jcg.config.ALGORITHMS[algorithm])
     f = smap(mesh, fused, (P(None, "tp"), P(None, "tp") if transpose_w else P("tp")), P("tp"))
     err = rel_err(jax.block_until_ready(f(x, w)), ref)
     assert err < TOLERANCE[dtype] * 2, f"{algorithm}: worst row error {err}"
@@ -272,7 +272,7 @@ def check_rs_pipelined_chunks(mesh):
       w = put(mesh, w64.T if transpose_w else w64,
               P(None, "tp") if transpose_w else P("tp"), jnp.bfloat16)
       f = smap(mesh, lambda x, w, t=transpose_w, a=algorithm: primitives.matmul_reduce_scatter(
-          x, w, "tp", transpose_w=t, algorithm=jcg.ALGORITHMS[a]),
+          x, w, "tp", transpose_w=t, algorithm=jcg.config.ALGORITHMS[a]),
           (P(None, "tp"), P(None, "tp") if transpose_w else P("tp")), P("tp"))
       err = rel_err(jax.block_until_ready(f(x, w)), ref)
       name = f"{algorithm}_{n}x{k}x{m}_{'tn' if transpose_w else 'nn'}"
@@ -312,11 +312,11 @@ def check_inputs_intact(mesh):
       if op == "ag":
         y = primitives.all_gather_matmul(x, w, "tp", transpose_w=transpose_w,
                                          return_gathered=False,
-                                         algorithm=jcg.ALGORITHMS[algorithm],
+                                         algorithm=jcg.config.ALGORITHMS[algorithm],
                                          layout=REGISTRY.plan().layout)[0]
       else:
         y = primitives.matmul_reduce_scatter(x, w, "tp", transpose_w=transpose_w,
-                                             algorithm=jcg.ALGORITHMS[algorithm])
+                                             algorithm=jcg.config.ALGORITHMS[algorithm])
       # The copies of x and w are taken after the op has run.
       return lax.optimization_barrier((y, x, w))
 
@@ -448,7 +448,8 @@ def check_fp8(mesh, scaling: str, keep: bool = False, backend: str = "auto",
     assert errs[name] < FP8_TOLERANCE[name], f"{name}: {errs[name]} ({errs})"
   # The gathered operand: the whole x quantized at once (tensor), or row by row.
   fused = backend == "cublasmp"
-  collectives = (backends.CublasMpBackend(all_gather_algorithm, reduce_scatter) if fused
+  collectives = (bound(backends.CublasMpBackend(all_gather_algorithm, reduce_scatter),
+                       REGISTRY.plan()) if fused
                  else "ring" if backend == "ring" else "xla")
   gather = smap(mesh, lambda x, w: fp8_all_gather_matmul(
       x, w, "tp", recipe=recipe, return_gathered=True, collectives=collectives)[1][None],
@@ -562,7 +563,7 @@ def check_fp8_fused_gemm(mesh):
       if refusal_here(mesh, algorithm):
         results[f"ag/{algorithm}"] = f"skipped: {refusal_here(mesh, algorithm)}"
         continue
-      reuse = backends.CublasMpBackend(algorithm).gathered_reuse(
+      reuse = bound(backends.CublasMpBackend(algorithm), REGISTRY.plan()).gathered_reuse(
           size, jnp.dtype(dtype).name, True).ok
       def all_gather(x, w, a, b, alg=algorithm, hand_out=reuse):
         outs = primitives.fp8_all_gather_matmul(
@@ -604,7 +605,7 @@ def check_autotune_fp8(mesh):
   problems.append(Problem(RS, 1024, 1024 // size, 512, "bfloat16", False, size,
                           fp8=Fp8Recipe().key))
   with measured_afresh():
-    choices = jcg.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
+    choices = jcg.backends.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
   assert set(choices) == set(problems), choices
   for p, (name, why) in choices.items():
     assert name in FP8_CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
@@ -936,7 +937,7 @@ def check_autotune(mesh):
               Problem(AG, b, b, b // size, "bfloat16", False, size, gathered=True),
               Problem(RS, b, b // size, b, "bfloat16", False, size)]
   with measured_afresh():  # whatever an earlier run kept on disk
-    choices = jcg.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
+    choices = jcg.backends.autotune(mesh, "tp", problems, seconds_per_problem=0.5)
   assert set(choices) == set(problems), choices
   for p, (name, why) in choices.items():
     assert name in CANDIDATES[p.op] and why.startswith("measured: "), (p, name, why)
@@ -1000,7 +1001,7 @@ def check_autotune_step(mesh):
                               **timing)
   plan, why = tuned.plan, tuned.why
   assert why.startswith("step measured"), why
-  taken = {tuned.routes.decision(p)[0] for p in jcg.problems_of(grads, x, w1, w2, g)}
+  taken = {tuned.routes.decision(p)[0] for p in jcg.backends.problems_of(grads, x, w1, w2, g)}
   assert plan == "tuned" or taken == {plan}, (plan, taken)
   x64, w1_64, w2_64, g64 = (np.asarray(a.astype(jnp.bfloat16), np.float64) for a in hosts)
   _, dx, dw1, dw2 = mlp_reference(x64, w1_64, w2_64, g64)
@@ -1082,7 +1083,7 @@ def check_plain_workspace(mesh):
   def run(algorithm):
     return smap(mesh, lambda x, w: primitives.all_gather_matmul(
         x, w, "tp", transpose_w=False, return_gathered=False,
-        algorithm=jcg.ALGORITHMS[algorithm], layout=REGISTRY.plan().layout)[0],
+        algorithm=jcg.config.ALGORITHMS[algorithm], layout=REGISTRY.plan().layout)[0],
         (P("tp"), P(None, "tp")), P(None, "tp"))(x, w)
 
   try:

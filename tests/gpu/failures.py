@@ -526,7 +526,8 @@ def scenario_one_rank(ctx) -> dict:
           TARGETS["all_gather_matmul"],
           jax.ShapeDtypeStruct((x.shape[0] * size, w.shape[1]), x.dtype))(
               x, w, comm_id=np.int64(comm), transpose_w=False,
-              algorithm=np.int64(jcg.ALGORITHMS[checks.fused_config(ctx.mesh).all_gather_algorithm]),
+              algorithm=np.int64(
+                  jcg.config.ALGORITHMS[checks.fused_config(ctx.mesh).all_gather_algorithm]),
               layout=np.int64(0))
 
     g = jax.jit(jax.shard_map(rejected, mesh=ctx.mesh, in_specs=(P("tp"), P(None, "tp")),
