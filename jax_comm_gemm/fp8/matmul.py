@@ -27,8 +27,8 @@ from jax import lax
 from jax_comm_gemm import validation, vma
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
-from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, flat_operands,
-                                        gradients, halves)
+from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, check_not_gated,
+                                        flat_operands, gradients)
 import jax_comm_gemm.fp8.heads as heads
 from jax_comm_gemm.fp8.recipe import (AmaxHistory, Fp8Recipe, check_bias, check_operands,
                                       checked_history)
@@ -144,9 +144,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
   if activation is not None:
     validation.check_callable(op, "activation", activation)
-    if halves(activation):
-      raise ValueError(f"{op}: a gated `activation` ({activation.__name__}) reads gate's "
-                       f"and up's GEMM output, which this op does not make: use fp8_mlp")
+    check_not_gated(op, activation)
   check_operands(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
   layout = None if merge_heads is None else heads.checked(
       op, "merge_heads", merge_heads, recipe, int(np.prod(x.shape[:-1])), x.shape[-1],

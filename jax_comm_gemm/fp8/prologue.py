@@ -174,6 +174,15 @@ def gated(activation):
   return glu
 
 
+def check_not_gated(op: str, activation) -> None:
+  """An op that applies `activation` to one tensor of its own refuses a gated
+  product, which reads gate's and up's GEMM output (:func:`gated`; fp8_mlp
+  makes both)."""
+  if halves(activation):
+    raise ValueError(f"{op}: a gated `activation` ({activation.__name__}) reads gate's "
+                     f"and up's GEMM output, which this op does not make: use fp8_mlp")
+
+
 def operands(op: str, x, prologue, *, two_d: bool = False) -> tuple:
   """x as a tuple, checked: one array ``[n, ..., k]`` (2-D where `two_d`), or
   with a `prologue` its operands, x first, each of x's shape, a vector ``[k]``
