@@ -21,6 +21,9 @@ one GPU, so every dense layer is a plain GEMM). Variants:
   histories) computed in every step, as training does;
   ``project_fp8_delayed_heads_outside``: the same with attention's layout
   changed by XLA's copies around the FP8 ops, not inside the backward's casts;
+  with ``--arch llama``, ``project_fp8_delayed_glu_outside``: the same with the
+  gated product ``silu(gate) * up`` and its gradient in XLA's passes (written
+  in bf16, then cast), not inside the FP8 casts;
 * ``plain_xla_fp8``: the same arithmetic written in plain jax: per-tensor
   current scaling, E4M3 forward and E5M2 gradients, every GEMM contracting
   both operands on their last axis, the transposed FP8 copies made by casts.
@@ -54,7 +57,7 @@ from jax.sharding import Mesh
 import jax_comm_gemm as jcg
 from jax_comm_gemm.fp8 import Fp8Recipe
 from jax_comm_gemm.runtime.constants import TARGETS
-from jax_comm_gemm.layers import dense, llama, transformer as tb
+from jax_comm_gemm.layers import dense, gated_mlp, llama, transformer as tb
 
 from plain_llama import plain_llama_block
 
@@ -152,6 +155,14 @@ class HeadsOutside(WithHistories):
       return super().lower(ps, x)
 
 
+class GluOutside(HeadsOutside):
+  """A Llama step traced with the gated product and its gradient in XLA's
+  passes, outside the FP8 casts (``gated_mlp.product_inside`` off), as before
+  the casts made them; on an axis name of its own, as HeadsOutside."""
+  patch = staticmethod(lambda: mock.patch.object(gated_mlp, "product_inside",
+                                                 lambda config: False))
+
+
 def steps(mesh, heads, attention, layers, kv_heads=None):
   """{variant: jitted (params, x) -> (loss, grads)}; with `kv_heads`, of
   Llama blocks (``layers.llama``; the plain reference ``plain_llama.py``)."""
@@ -198,6 +209,8 @@ def steps(mesh, heads, attention, layers, kv_heads=None):
               fp8=Fp8Recipe("row", gemm_form="cublaslt"))),
           "project_fp8_block_cublaslt": project(jcg.CommGemmConfig(
               fp8=Fp8Recipe("block", gemm_form="cublaslt"))),
+          **({} if kv_heads is None else {"project_fp8_delayed_glu_outside": project(
+              jcg.CommGemmConfig(fp8=Fp8Recipe("delayed")), GluOutside, "tp_glu")}),
           "plain_xla_fp8": jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))}
 
 

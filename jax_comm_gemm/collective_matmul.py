@@ -172,8 +172,8 @@ def fp8_mlp_unchecked(x, w1, b1, w2, axis_name, *, activation, keep_gathered_inp
   for history in fp8_histories:
     precision = validation.check_op_options("mlp", config, history, precision)
   first = x[0] if prologue is not None else x
-  hidden = jax.ShapeDtypeStruct((first.shape[0] * lax.axis_size(axis_name), w1.shape[1]),
-                                first.dtype)
+  hidden = jax.ShapeDtypeStruct((first.shape[0] * lax.axis_size(axis_name), w2.shape[0]),
+                                first.dtype)  # fc2's input (half of w1's width if gated)
   plan = given(plan, "fp8_mlp_unchecked")
   fp8_route(config, plan)  # a JAX_COMM_GEMM_BACKEND that FP8 cannot run on raises
   collectives = (

@@ -252,6 +252,8 @@ def test_every_kernel_lowers_to_triton():
   one = jax.ShapeDtypeStruct((1,), jnp.float32)
   column = jax.ShapeDtypeStruct((2 * TILE, 1), jnp.float32)  # a row statistic
   gelu = prologue.with_bias(jax.nn.gelu)
+  swiglu = prologue.gated(jax.nn.silu)
+  wide = jax.ShapeDtypeStruct((2 * TILE, 8 * TILE), jnp.bfloat16)  # gate and up of x's shape
   part = jax.ShapeDtypeStruct((2, TILE, 2, TILE), jnp.bfloat16)  # attention's [b, s, h, d]
   kernels = {
       "cast": (lambda x, s: cast._pallas((x,), s, e4, True, True, True, False,
@@ -273,6 +275,15 @@ def test_every_kernel_lowers_to_triton():
           prologue.layer_norm), (x, column, column, b, one)),
       "amax_if": (lambda x, b, f: cast._amax_if((x, b), f, gelu),
                   (x, b, jax.ShapeDtypeStruct((1,), jnp.int32))),
+      # The gated product reads two halves of one operand; its gradient writes two.
+      "swiglu": (lambda h, s: cast._pallas((h,), s, e4, True, True, True, False,
+                                           cast.PROLOGUE_TILING, swiglu), (wide, one)),
+      "dswiglu_sums": (lambda d, h, s: cast._pallas(
+          (d, h), s, e4, True, True, True, True, cast.PROLOGUE_TILING,
+          prologue.activation_gradient(swiglu)), (x, wide, one)),
+      "amax_if_dswiglu": (lambda d, h, f: cast._amax_if(
+          (d, h), f, prologue.activation_gradient(swiglu)),
+          (x, wide, jax.ShapeDtypeStruct((1,), jnp.int32))),
   }
   triton = "__gpu$xla.gpu.triton"
   for name, (f, args) in kernels.items():

@@ -33,7 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jax_comm_gemm import vma
-from jax_comm_gemm.fp8.prologue import activated, operands
+import jax_comm_gemm.fp8.tiles as tiles
+from jax_comm_gemm.fp8.prologue import activated, halves, operands, pair_output, tile_shape
 from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
@@ -59,7 +60,11 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   x's producer). `prologue`: an elementwise function (:mod:`.prologue`) that
   the pass applies first: all outputs are of ``prologue(x)``, x then maybe a
   tuple of its operands. `with_column_sums`: also return the float32 column
-  sums ``[c]`` of what is cast (a bias's gradient).
+  sums ``[c]`` of what is cast (a bias's gradient). A gated product's
+  prologue (:func:`.prologue.gated`) reads an operand of two halves
+  ``[r, 2c]`` and its gradient writes two: each program reads (and writes)
+  both halves' tiles where they lie, and the outputs are of the ``[r, 2c]``
+  the pair makes.
 
   >>> q, _, a = cast_transpose(jnp.array([[-1.0, 2.0]]), 1.0, jnp.float8_e4m3fn,
   ...                          columns=False, with_amax=True, prologue=jax.nn.relu)
@@ -72,7 +77,7 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
     return None, None, None
   if implementation == "auto":  # a row-major cast alone XLA fuses into its producer
     implementation = ("pallas" if (columns or with_amax or with_column_sums)
-                      and _kernel_runs(xs[0]) else "xla")
+                      and _kernel_runs(_tiled(xs, prologue)) else "xla")
   if implementation == "xla":
     a = activated(x, prologue)
     out = _xla(a, scale, dtype, rows, columns, with_amax)
@@ -85,12 +90,10 @@ def cast_transpose(x, scale, dtype, *, rows: bool = True, columns: bool = True,
   return out if with_column_sums else out[:3]
 
 
-def _blocks(xs, rows, columns):
-  """Each operand's block: a tile, a vector's slice of columns, or a column's
-  slice of rows."""
-  return [pl.BlockSpec((columns,), lambda i, j: (j,)) if a.ndim == 1
-          else pl.BlockSpec((rows, 1), lambda i, j: (i, 0)) if a.shape[1] == 1 < columns
-          else pl.BlockSpec((rows, columns), lambda i, j: (i, j)) for a in xs]
+def _tiled(xs, prologue):
+  """x's shape, which the tiles cut (:func:`.prologue.tile_shape`), as an array
+  shape for :func:`_kernel_runs`."""
+  return jax.ShapeDtypeStruct(tile_shape(xs, prologue), xs[0].dtype)
 
 
 def check_implementation(op: str, implementation: str) -> None:
@@ -164,35 +167,35 @@ def _move(b, batch, tiling=MOVE_TILING, *, interpret=False):
 def _pallas(xs, scale, dtype, rows, columns, with_amax, with_column_sums, tiling, prologue, *,
             interpret=False):
   """The one-pass kernel over the tuple `xs` (one array, or a prologue's
-  operands), `tiling` = (tile rows, tile columns, warps)."""
+  operands), `tiling` = (tile rows, tile columns, warps). Where the prologue
+  returns a pair, each output holds both halves (``[r, 2, c]``, ``[2, c,
+  r]``, ``[2, c]`` sums: the ``[r, 2c]`` pair's rows, columns and sums
+  without a copy) and each program writes its tile of each."""
   x = xs[0]
-  r, c = x.shape
+  r, c = tile_shape(xs, prologue)
   tr, tc, warps = tiling
   grid = (r // tr, c // tc)
-  spec = pl.BlockSpec((tr, tc), lambda i, j: (i, j))
-  # (written?, shape, dtype, block): the amaxes one per tile and the sums one
-  # row per tile row, reduced below (tiny reductions).
-  outputs = [(rows, (r, c), dtype, spec),
-             (columns, (c, r), dtype, pl.BlockSpec((tc, tr), lambda i, j: (j, i))),
-             (with_amax, grid, F32, pl.BlockSpec((1, 1), lambda i, j: (i, j))),
-             (with_column_sums, (grid[0], c), F32, pl.BlockSpec((1, tc), lambda i, j: (i, j)))]
-  out_shape = [vma.shaped_like(x, shape, dt) for on, shape, dt, _ in outputs if on]
+  outputs = tiles.output_blocks((r, c), (tr, tc), pair_output(prologue), rows, columns,
+                                with_amax, with_column_sums)
+  out_shape = [vma.shaped_like(x, shape, dt or dtype) for on, shape, dt, _ in outputs if on]
   out_specs = [block for on, _, _, block in outputs if on]
-  kernel = functools.partial(cast_tile, functools.partial(_tile, prologue=prologue),
-                             operands=len(xs), limit=fp8_max(dtype), dtype=dtype, rows=rows,
-                             columns=columns, with_amax=with_amax,
+  arrays, blocks = tiles.operand_blocks(xs, tr, tc, halves(prologue))
+  kernel = functools.partial(tiles.cast_tile, functools.partial(tiles.load, prologue=prologue),
+                             operands=len(arrays), limit=fp8_max(dtype), dtype=dtype,
+                             rows=rows, columns=columns, with_amax=with_amax,
                              with_column_sums=with_column_sums)
-  in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + _blocks(xs, tr, tc)
+  in_specs = [pl.BlockSpec((1,), lambda i, j: (0,))] + blocks
   outs = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
                         out_specs=out_specs, interpret=interpret,
                         compiler_params=plt.CompilerParams(num_warps=warps),
                         name=_kernel_name(rows, columns, with_amax, with_column_sums,
-                                          prologue))(scale, *xs)
+                                          prologue))(scale, *arrays)
+  width = 2 * c if pair_output(prologue) else c
   outs = iter(outs)
-  q = next(outs) if rows else None
-  qT = next(outs) if columns else None
+  q = next(outs).reshape(r, width) if rows else None
+  qT = next(outs).reshape(width, r) if columns else None
   a = max_of_tiles(next(outs)) if with_amax else None
-  sums = jnp.sum(next(outs), axis=0) if with_column_sums else None
+  sums = jnp.sum(next(outs), axis=0).reshape(width) if with_column_sums else None
   return q, qT, a, sums
 
 
@@ -228,7 +231,7 @@ def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
   check_implementation("amax_if", implementation)
   xs = operands("amax_if", x, prologue, two_d=True)
   if implementation == "auto":
-    implementation = "pallas" if _kernel_runs(xs[0]) else "xla"
+    implementation = "pallas" if _kernel_runs(_tiled(xs, prologue)) else "xla"
   if implementation == "xla":
     return jnp.where(wanted, xla_amax(activated(x, prologue)), jnp.float32(0))
   *xs, flag = vma.match(*xs, jnp.reshape(jnp.asarray(wanted, jnp.int32), (1,)))
@@ -237,64 +240,17 @@ def amax_if(x, wanted, *, implementation: str = "auto", prologue=None):
 
 @functools.partial(jax.jit, static_argnums=(2,), static_argnames=("interpret",))
 def _amax_if(xs, flag, prologue, *, interpret=False):
-  r, c = xs[0].shape
+  r, c = tile_shape(xs, prologue)
   grid = (r // TILE, c // TILE)
+  arrays, blocks = tiles.operand_blocks(xs, TILE, TILE, halves(prologue))
   partial = pl.pallas_call(
-      functools.partial(_amax_kernel, prologue=prologue),
+      functools.partial(tiles.amax_tile, prologue=prologue),
       out_shape=vma.shaped_like(xs[0], grid, F32), grid=grid,
-      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))]
-      + _blocks(xs, TILE, TILE),
+      in_specs=[pl.BlockSpec((1,), lambda i, j: (0,))] + blocks,
       out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)), interpret=interpret,
-      compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, *xs)
+      compiler_params=plt.CompilerParams(num_warps=4), name="fp8_amax_if")(flag, *arrays)
   return max_of_tiles(partial)
-
-
-def _amax_kernel(flag_ref, *refs, prologue):
-  *x_refs, out_ref = refs
-  wanted = flag_ref[0] != 0
-
-  @pl.when(wanted)
-  def _():
-    out_ref[...] = jnp.full((1, 1), _tile_amax(_tile(x_refs, prologue)), F32)
-
-  @pl.when(jnp.logical_not(wanted))
-  def _():
-    out_ref[...] = jnp.zeros((1, 1), F32)
-
-
-def _tile_amax(x):
-  """A float32 tile's ``max(|x|)``, NaN if it holds one (Triton's float max drops
-  NaN): one integer max of the magnitudes' bits, which order as the magnitudes
-  do, every NaN's above inf's."""
-  bits = lax.bitcast_convert_type(x, jnp.int32) & 0x7FFFFFFF
-  return lax.bitcast_convert_type(jnp.max(bits), F32)
 
 
 def _move_tile(x_ref, xT_ref):
   xT_ref[...] = x_ref[...].T
-
-
-def _tile(x_refs, prologue):
-  """The tile in float32, through `prologue` as :func:`activated` computes it."""
-  tiles = tuple(r[...] for r in x_refs)
-  return activated(tiles if prologue is not None else tiles[0], prologue).astype(F32)
-
-
-def cast_tile(load, scale_ref, *refs, operands, limit, dtype, rows, columns, with_amax,
-          with_column_sums):
-  """One program's tile: `load` reads it from the input refs in float32."""
-  x_refs, out_refs = refs[:operands], refs[operands:]
-  x = load(x_refs)
-  y = x * scale_ref[0]
-  # As quantize.saturating_cast: NaN stays NaN (Triton's min/max drop it).
-  y = jnp.where(y != y, y, jnp.clip(y, -limit, limit))
-  q = y.astype(dtype)
-  outs = iter(out_refs)
-  if rows:
-    next(outs)[...] = q
-  if columns:  # the FP8 tile transposed: a quarter of float32's bytes through shared memory
-    next(outs)[...] = q.T
-  if with_amax:
-    next(outs)[...] = jnp.full((1, 1), _tile_amax(x), F32)
-  if with_column_sums:
-    next(outs)[...] = jnp.sum(x, axis=0, keepdims=True)

@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plt
 import jax_comm_gemm.fp8.cast as cast
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
+import jax_comm_gemm.fp8.tiles as tiles
 from jax_comm_gemm import vma
 from jax_comm_gemm.fp8.quantize import F32, fp8_max, saturating_cast
 from jax_comm_gemm.fp8.steps import Static
@@ -117,8 +118,8 @@ def _heads(parts, scale, dtype, with_amax, with_column_sums, *, interpret=False)
     outputs.append(((s // tr, b, columns), F32,
                     pl.BlockSpec((1, sq, tc), lambda i, k, j: (i, k, j))))
   load = functools.partial(_part_tile, per_head=per_head)
-  kernel = functools.partial(cast.cast_tile, load, operands=n, limit=fp8_max(dtype), dtype=dtype,
-                             rows=True, columns=True, with_amax=with_amax,
+  kernel = functools.partial(tiles.cast_tile, load, operands=n, limit=fp8_max(dtype),
+                             dtype=dtype, rows=True, columns=True, with_amax=with_amax,
                              with_column_sums=with_column_sums)
   outs = pl.pallas_call(
       kernel, out_shape=[vma.shaped_like(parts[0], shape, dt) for shape, dt, _ in outputs],

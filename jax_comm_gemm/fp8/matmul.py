@@ -27,8 +27,8 @@ from jax import lax
 from jax_comm_gemm import validation, vma
 import jax_comm_gemm.fp8.quantize as qz
 import jax_comm_gemm.fp8.steps as st
-from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, flat_operands,
-                                        gradients)
+from jax_comm_gemm.fp8.prologue import (activated, activation_gradient, check_not_gated,
+                                        flat_operands, gradients)
 import jax_comm_gemm.fp8.heads as heads
 from jax_comm_gemm.fp8.recipe import (AmaxHistory, Fp8Recipe, check_bias, check_operands,
                                       checked_history)
@@ -144,6 +144,7 @@ def fp8_matmul_reduce_scatter(x, w, axis_name: str, *, recipe: Fp8Recipe = Fp8Re
   reuse_gathered = validation.check_flag(op, "reuse_gathered", reuse_gathered)
   if activation is not None:
     validation.check_callable(op, "activation", activation)
+    check_not_gated(op, activation)
   check_operands(op, x, w, transpose_w, recipe, int(np.prod(x.shape[:-1])))
   layout = None if merge_heads is None else heads.checked(
       op, "merge_heads", merge_heads, recipe, int(np.prod(x.shape[:-1])), x.shape[-1],

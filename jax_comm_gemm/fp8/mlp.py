@@ -6,7 +6,14 @@ inside fc2's cast, with the activation (a GEMM's epilogue takes a bf16 bias
 only). One rule for both lets the backward make fc1's output gradient,
 ``dh * activation'(h + b1)``, and its bias's gradient inside fc1's gradient
 cast, from fc2's input gradient and the saved GEMM output: that bf16 tensor
-(n x F/P) is never written, nor read again (docs/fp8.md, "Fused casts")."""
+(n x F/P) is never written, nor read again (docs/fp8.md, "Fused casts").
+
+A gated MLP (SwiGLU, GeGLU) is the same op with a gated `activation`
+(:func:`jax_comm_gemm.fp8.prologue.gated`): fc1 is gate and up, one GEMM of
+``2F/P`` columns (gate's then up's), the product ``act(gate) * up`` is made
+in fc2's cast from both halves of that output, and its gradient ``[d gate,
+d up]`` in fc1's gradient cast, written side by side for fc1's
+weight-gradient GEMM (docs/llama.md, "FP8")."""
 
 from __future__ import annotations
 
@@ -19,7 +26,7 @@ import numpy as np
 from jax import lax
 
 import jax_comm_gemm.fp8.steps as st
-from jax_comm_gemm.fp8.prologue import activation_gradient, flat_operands, with_bias
+from jax_comm_gemm.fp8.prologue import activation_gradient, flat_operands, halves, with_bias
 from jax_comm_gemm import validation, vma
 from jax_comm_gemm.fp8.matmul import (column_forward, column_gradients, dy_amax, row_forward,
                                       row_gradients)
@@ -45,7 +52,10 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   Args:
     x: local tokens ``[n/P, ..., k]``; w1 ``[k, F/P]``; b1 ``[F/P]`` or None;
       w2 ``[F/P, k]``.
-    activation: the elementwise activation (``jax.nn.gelu``, say).
+    activation: the elementwise activation (``jax.nn.gelu``, say), or a
+      gated product (``prologue.gated(jax.nn.silu)``: w1 ``[k, 2F/P]`` is
+      gate's columns then up's, b1 ``[2F/P]`` added to their GEMM's output,
+      w2 ``[F/P, k]``).
     collectives: fc1's and fc2's, each as `collectives` in
       :func:`fp8_all_gather_matmul` and :func:`fp8_matmul_reduce_scatter`.
     histories: fc1's and fc2's :class:`AmaxHistory` (a ``"delayed"``
@@ -75,7 +85,11 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   size = lax.axis_size(axis_name)
   tokens = x.shape[0] * size
   check_operands(op, x, w1, False, recipe, tokens)
-  hidden = jax.ShapeDtypeStruct((tokens, w1.shape[1]), x.dtype)
+  gated = 0 in halves(activation)
+  if gated and w1.shape[1] % 2:
+    raise ValueError(f"{op}: with a gated activation `w1` must be [k, 2F/P] (gate's "
+                     f"columns, then up's), got shape {tuple(w1.shape)}")
+  hidden = jax.ShapeDtypeStruct((tokens, w1.shape[1] // (2 if gated else 1)), x.dtype)
   check_operands(op, hidden, w2, False, recipe, tokens)
   if w2.shape[1] != x.shape[-1]:
     raise ValueError(f"{op}: `w2` must be [F/P, k] with k = x's features ({x.shape[-1]}), "
@@ -92,13 +106,15 @@ def fp8_mlp(x, w1, b1, w2, axis_name: str, *, activation: Callable,
   s2 = Static(axis_name, recipe, False, jnp.dtype(x.dtype), jnp.dtype(w2.dtype),
               reuse_gathered=reuse_gathered, gather=gather,
               collectives=st.checked_collectives(op, collectives[1], recipe, w2),
-              prologue=activation if b1 is None else with_bias(activation))
+              # A gated product's b1 is added to gate and up's GEMM output, not in the cast.
+              prologue=activation if b1 is None or gated else with_bias(activation))
   # b1 varies with the rest: its gradient (dh's column sums) varies wherever x does.
   w1, w2, *rest = vma.varying_along(axis_name, w1, w2, *xs, *(() if b1 is None else (b1,)))
   xs, b1 = rest[:len(xs)], (rest[-1] if b1 is not None else None)
-  y = _mlp(tuple(xs) if prologue else xs[0], w1, b1, w2,
-           checked_history(op, recipe, histories[0]),
-           checked_history(op, recipe, histories[1]), (s1, s2, bias_dtype))
+  with jax.named_scope(op):  # profiles and tests tell the one op's passes by it
+    y = _mlp(tuple(xs) if prologue else xs[0], w1, b1, w2,
+             checked_history(op, recipe, histories[0]),
+             checked_history(op, recipe, histories[1]), (s1, s2, bias_dtype))
   return y.reshape(lead + y.shape[-1:])
 
 
@@ -112,9 +128,10 @@ def _mlp(x, w1, b1, w2, h1, h2, s):
 
 def _mlp_fwd(x, w1, b1, w2, h1, h2, s):
   s1, s2, _ = s
-  h, res1 = column_forward(x, w1, None, h1, s1)
+  outside = b1 if halves(s2.prologue) else None  # a gated product's: gate and up's GEMM's
+  h, res1 = column_forward(x, w1, outside, h1, s1)
   # fc2's input, made inside its cast: activation(h) or activation(h + b1).
-  y, res2 = row_forward(h if b1 is None else (h, b1), w2, h2, s2)
+  y, res2 = row_forward(h if b1 is None or outside is not None else (h, b1), w2, h2, s2)
   return y, (res1, res2)
 
 

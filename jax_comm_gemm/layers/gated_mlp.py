@@ -22,6 +22,7 @@ import numpy as np
 from jax_comm_gemm import validation
 from jax_comm_gemm.collective_matmul import scoped_activation
 from jax_comm_gemm.config import DEFAULT_CONFIG, CommGemmConfig
+from jax_comm_gemm.fp8 import prologue as fp8_prologue
 from jax_comm_gemm.layers import dense
 from jax_comm_gemm.runtime.registry import current_plan
 from jax_comm_gemm.validation import Names
@@ -30,17 +31,18 @@ from jax_comm_gemm.validation import Names
 @functools.cache
 def gated(activation: Callable) -> Callable:
   """``h -> activation(g) * u`` for h ``[..., 2*F]`` of columns ``({g, u},
-  F)``; named "swiglu" for silu, "geglu" for gelu (profiles and kernels name
-  it so). Made once per activation.
+  F)``, in h's dtype (the product of :func:`jax_comm_gemm.fp8.prologue.gated`,
+  which an FP8 cast applies to g and u in place); named "swiglu" for silu,
+  "geglu" for gelu (profiles and kernels name it so). Made once per activation.
 
   >>> gated(jax.nn.silu).__name__, gated(jax.nn.silu)(jnp.array([0.0, 2.0])).tolist()
   ('swiglu', [0.0])
   """
+  product = fp8_prologue.gated(activation)
+
   def glu(h):
-    g, u = jnp.split(h, 2, axis=-1)
-    return activation(g) * u
-  names = {jax.nn.silu: "swiglu", jax.nn.swish: "swiglu", jax.nn.gelu: "geglu"}
-  glu.__name__ = names.get(activation, "glu_" + getattr(activation, "__name__", "activation"))
+    return product(*jnp.split(h, 2, axis=-1))
+  glu.__name__ = product.__name__
   return glu
 
 
@@ -101,16 +103,34 @@ def flat(kernel):
   return jnp.reshape(kernel, (np.shape(kernel)[0], -1))
 
 
+def product_inside(config: CommGemmConfig) -> bool:
+  """Whether the gated product and its gradient run inside the FP8 casts (the
+  MLP as one FP8 op): under every FP8 recipe. The benchmark's
+  ``*_glu_outside`` variant turns it off to time the product in XLA's passes."""
+  return config.fp8 is not None
+
+
 def gated_mlp_parallel(x, gate_up_kernel, gate_up_bias, down_kernel, down_bias, *, axis_name,
                        activation, keep_gathered_input=False, precision=None,
                        config=DEFAULT_CONFIG, fp8_histories=(None, None), prologue=None,
-                       plan=None):
+                       plan):
   """:func:`gated_mlp` for callers that checked the arguments (`prologue` as in
   :func:`jax_comm_gemm.layers.dense.column_parallel`): gate and up in one
-  column-parallel op, the gated product (XLA fuses it into its producer and
-  consumer; under an FP8 recipe it is written in x's dtype and cast by down's
-  op), then down, row-parallel."""
+  column-parallel op, the gated product, then down, row-parallel. Under an
+  FP8 recipe the three are one op (:func:`jax_comm_gemm.fp8.fp8_mlp` with the
+  gated product): the product is made inside down's input cast from gate's
+  and up's halves of the GEMM output, and its gradient ``[d gate, d up]``
+  inside gate and up's gradient cast, neither written in x's dtype (per-row
+  and block scaling: inside XLA's fusion of the cast). Without one XLA fuses
+  the product into its producer and consumer."""
   bias = None if gate_up_bias is None else jnp.reshape(gate_up_bias, (-1,))
+  if product_inside(config):
+    return dense.mlp_parallel(x, flat(gate_up_kernel), bias, down_kernel, down_bias,
+                              axis_name=axis_name,
+                              activation=fp8_prologue.gated(activation),
+                              keep_gathered_input=keep_gathered_input, precision=precision,
+                              config=config, fp8_histories=fp8_histories, prologue=prologue,
+                              plan=plan)
   h = dense.column_parallel(x, flat(gate_up_kernel), bias, axis_name=axis_name,
                             keep_gathered_input=keep_gathered_input, precision=precision,
                             config=config, fp8_history=fp8_histories[0], prologue=prologue,

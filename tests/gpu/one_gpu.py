@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import traceback
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -524,6 +525,76 @@ def check_gradient_casts():
   return "; ".join(notes)
 
 
+def check_gated_casts():
+  """The gated MLP's product inside the casts, compiled: the kernel that reads
+  gate's and up's halves of one [r, 2c] operand (forward: silu(g) * u) and the
+  one that writes the pair [d gate, d up] from (dy, gate|up) give XLA's codes
+  for the same arithmetic (at most one step off, and few: Triton's exp and
+  XLA's differ in their last bits), their amaxes and column sums; and the
+  Llama block's MLP under delayed FP8 at tp = 1, the one op (its kernels in
+  the HLO) against the product in XLA's passes, output and every gradient."""
+  from jax_comm_gemm.fp8 import cast, prologue
+  from jax_comm_gemm.layers import dense, gated_mlp
+  k1, k2 = jax.random.split(jax.random.key(16))
+  h = (jax.random.normal(k1, (1024, 2 * 768)) * 2).astype(jnp.bfloat16)
+  dy = jax.random.normal(k2, (1024, 768), jnp.bfloat16)
+  glu = prologue.gated(jax.nn.silu)
+
+  def codes(a):  # FP8 codes in value order (sign-magnitude to signed)
+    c = np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)).astype(np.int16)
+    return np.where(c & 0x80, -(c & 0x7F), c)
+  notes = []
+  for f, operands in ((glu, h), (prologue.activation_gradient(glu), (dy, h))):
+    for f8 in (E4, E5):
+      got, want = (cast.cast_transpose(operands, 20.0, f8, with_amax=True,
+                                        with_column_sums=True, implementation=i, prologue=f)
+                   for i in ("pallas", "xla"))
+      for g, w in zip(got[:2], want[:2]):
+        assert g.shape == w.shape, (g.shape, w.shape)
+        diff = np.abs(codes(g) - codes(w))
+        assert diff.max() <= 1 and np.mean(diff > 0) <= 2e-2, (
+            f"{f.__name__} {np.dtype(f8).name}: {np.mean(diff > 0):.2%} of codes off XLA's, "
+            f"up to {diff.max()} steps")
+      assert abs(float(got[2]) - float(want[2])) <= 1e-2 * float(want[2]), (got[2], want[2])
+      sums_err = _relative_error(got[3], want[3])
+      assert sums_err < 1e-2, f"{f.__name__}: column sums {sums_err:.3g}"
+      notes.append(f"{f.__name__} {np.dtype(f8).name}: "
+                   f"{np.mean(codes(got[0]) != codes(want[0])):.2%} of codes off XLA's")
+  mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+  n, k, m = 1024, 512, 768
+  xs = jax.random.normal(jax.random.key(17), (n, k), jnp.bfloat16)
+  w1 = (jax.random.normal(jax.random.key(18), (k, 2, m)) / np.sqrt(k) * 2).astype(jnp.bfloat16)
+  w2 = (jax.random.normal(jax.random.key(19), (m, k)) / np.sqrt(m)).astype(jnp.bfloat16)
+  ct = jax.random.normal(jax.random.key(20), (n, k), jnp.float32)
+  config = jcg.CommGemmConfig(fp8=Fp8Recipe("delayed"))
+  results = {}
+  for inside in (True, False):
+    mlp = jax.shard_map(lambda x, a, b, hs: gated_mlp.gated_mlp(
+        x, a, b, axis_name="tp", config=config, fp8_histories=hs), mesh=mesh,
+        in_specs=(P("tp"), P(None, None, "tp"), P("tp"), P()), out_specs=P("tp"))
+
+    def loss(x, a, b, hs, mlp=mlp):
+      y = mlp(x, a, b, hs)
+      return jnp.sum(y.astype(jnp.float32) * ct), y
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+    hs = dense.init_mlp_fp8_histories(config)
+    with mock.patch.object(gated_mlp, "product_inside",
+                           lambda config, on=inside: on and config.fp8 is not None):
+      results[inside] = jax.block_until_ready(f(xs, w1, w2, hs))
+      kernels = f.lower(xs, w1, w2, hs).compile().as_text().count("swiglu")
+    assert (kernels > 0) == inside, f"inside={inside}: {kernels} swiglu kernels"
+  # Two FP8 programs of the same arithmetic but for XLA's bf16 passes (codes
+  # may flip): within the forward's and the weight gradient's FP8 tolerance.
+  err = _relative_error(results[True][0][1], results[False][0][1])
+  assert err < 0.106, f"y: one op vs the product outside {err:.3g}"
+  notes.append(f"y {err:.1e}")
+  for name, a, b in zip(("dx", "d gate_up", "d down"), results[True][1], results[False][1]):
+    err = _relative_error(a, b)
+    assert err < 0.165, f"{name}: one op vs the product outside {err:.3g}"
+    notes.append(f"{name} {err:.1e}")
+  return "; ".join(notes)
+
+
 def check_heads_casts():
   """Attention's layout inside the casts, compiled: cast_heads' bytes equal
   XLA's layout change then cast (inf, NaN, saturation planted; q, k, v and one
@@ -592,7 +663,7 @@ def check_heads_casts():
 CHECKS = [check_gemm_against_float64, check_block_gemm_against_float64, check_gemm_hlo,
           check_gemm_error_reaches_python,
           check_gemm_workspace_per_call_site, check_layers_tp1, check_fused_casts,
-          check_activation_casts, check_gradient_casts,
+          check_activation_casts, check_gradient_casts, check_gated_casts,
           check_delayed_casts, check_heads_casts,
           *one_rank.CHECKS]
 
