@@ -7,7 +7,8 @@
 # Knobs: CHECK_WORDS (one_gpu.py's selection), VARIANTS (fp8_step.py --only),
 # PROFILE (the variant to profile; empty: none), FP8 (the example's --fp8),
 # STEPS (the example's steps), EXAMPLE_PROFILE (1: profile the example's steps too),
-# ARCH (gpt or llama: the block fp8_step.py and the example run; default gpt).
+# ARCH (gpt or llama: the block fp8_step.py and the example run; default gpt),
+# PRECISIONS (the example's runs: bf16 and/or FP8 recipes; default "bf16 $FP8").
 set -uo pipefail
 : "${OUT:?set OUT to the folder for the logs}"
 steps=${*:-build checks step step-f32 example}
@@ -53,8 +54,9 @@ if has step-f32; then
   summary+=("$(grep -A12 '^| variant' "$OUT/fp8_step_f32.log")")
 fi
 if has example; then
-  for fp8 in "" "${FP8:-delayed}"; do
-    name=example_${ARCH:-gpt}_${STEPS:-200}_${fp8:-bf16}
+  for precision in ${PRECISIONS:-bf16 ${FP8:-delayed}}; do
+    fp8=${precision#bf16}
+    name=example_${ARCH:-gpt}_${STEPS:-200}_${precision}
     # EXAMPLE_PROFILE=1: 3 more steps traced, their kernels classified by what produced them
     trace=()
     [ -n "${EXAMPLE_PROFILE:-}" ] && trace=(--profile "/tmp/$name")
