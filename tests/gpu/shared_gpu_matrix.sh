@@ -14,7 +14,8 @@
 #   python3 tests/gpu/suite_table.py OUT/table.md 2=OUT/suite_2ranks_all ...   (printed last)
 # Jobs run side by side (the ranks mostly wait on sockets), each bounded by what is left
 # of SECONDS (default 560); the processes share the GPU's memory (XLA's share each, not
-# preallocated). Logs and each job's pytest output go under OUT.
+# preallocated). Logs and each job's pytest output go under OUT, packed at the end into
+# OUT/logs_PART.tar.gz beside the summaries.
 set -uo pipefail
 part=$1 budget=${2:-560}
 OUT=${OUT:?set OUT to the results folder}
@@ -88,4 +89,9 @@ case $part in
 esac
 cat "$OUT/summary.txt" 2>/dev/null
 python3 tests/gpu/suite_table.py "$OUT/table_$part.md" $tables
+# The per-rank logs in one archive (the summaries stay beside it): a device run
+# hands back only so many files, and a results folder keeps no file over 1 MB.
+(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name '*.md' ! -name summary.txt \
+   ! -name build.log ! -name 'probe_*' ! -name "logs_$part.tar.gz" -print0 \
+   | tar czf "logs_$part.tar.gz" --null -T - --remove-files)
 echo "$part: $(( $(date +%s) - start )) s"
