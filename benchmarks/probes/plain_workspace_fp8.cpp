@@ -2,6 +2,8 @@
 // on a workspace from plain cudaMalloc, where NCCL has no symmetric memory (ranks
 // sharing one GPU, each process its own NCCL_HOSTID)? Is the result right against
 // float64, and where in the workspace is the gathered FP8 operand?
+// PROBE_TYPE=bf16 runs the same in bf16 (no scales), to find where the gathered
+// operand lies at each group size for the layouts of jax_comm_gemm's reuse.
 //
 // One process per rank, the ranks of a group on GPU PROBE_DEVICE (default: their
 // rank). Every rank makes every rank's inputs from the same seeds, so the float64
@@ -98,13 +100,33 @@ double Bf16Value(uint16_t b) {
   return f;
 }
 
-// Random normal values quantized to E4M3 with one dequantizing scale per tensor
-// (values / scale fill E4M3's range up to 448 at 4 sigma).
+bool bf16 = false;  // PROBE_TYPE=bf16: the inputs in bf16, 2 bytes an element
+
+// Element i of a tensor's bytes, in the probe's input type.
+double Value(const std::vector<uint8_t>& bytes, size_t i) {
+  if (!bf16) return E4M3Value(bytes[i]);
+  return Bf16Value(static_cast<uint16_t>(bytes[2 * i] | (bytes[2 * i + 1] << 8)));
+}
+
+// Random normal values, as bytes of the input type: E4M3 with one dequantizing
+// scale per tensor (values / scale fill E4M3's range up to 448 at 4 sigma), or
+// bf16 (scale 1), rounded to nearest even.
 std::vector<uint8_t> Quantized(size_t count, uint32_t seed, double sigma, double scale) {
   std::mt19937 gen(seed);
   std::normal_distribution<double> normal(0.0, sigma);
-  std::vector<uint8_t> out(count);
-  for (auto& b : out) b = ToE4M3(normal(gen) / scale);
+  std::vector<uint8_t> out(count * (bf16 ? 2 : 1));
+  for (size_t i = 0; i < count; ++i) {
+    if (!bf16) {
+      out[i] = ToE4M3(normal(gen) / scale);
+      continue;
+    }
+    const float f = static_cast<float>(normal(gen));
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    const uint16_t b = static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+    out[2 * i] = static_cast<uint8_t>(b & 0xff);
+    out[2 * i + 1] = static_cast<uint8_t>(b >> 8);
+  }
   return out;
 }
 
@@ -121,6 +143,7 @@ int main(int argc, char** argv) {
   const int64_t n = std::atoll(argv[4]), k = std::atoll(argv[5]), m = std::atoll(argv[6]);
   const bool rs = std::string(argv[7]) == "rs";
   const int algo = std::atoi(argv[8]);
+  bf16 = std::getenv("PROBE_TYPE") != nullptr && std::string(std::getenv("PROBE_TYPE")) == "bf16";
   CK(cudaSetDevice(std::getenv("PROBE_DEVICE") ? std::atoi(std::getenv("PROBE_DEVICE")) : rank));
 
   ncclUniqueId uid;
@@ -156,7 +179,7 @@ int main(int argc, char** argv) {
 
   const int64_t bm = m / P, bn = n / P, bk = k / P;
   cublasMpMatrixDescriptor_t dA, dB, dD;
-  const cudaDataType_t f8 = CUDA_R_8F_E4M3, out = CUDA_R_16BF;
+  const cudaDataType_t f8 = bf16 ? CUDA_R_16BF : CUDA_R_8F_E4M3, out = CUDA_R_16BF;
   if (!rs) {  // A split along m, B along n, D along m
     MK(cublasMpMatrixDescriptorCreate(k, m, k, bm, 0, 0, k, f8, row, &dA));
     MK(cublasMpMatrixDescriptorCreate(k, n, k, bn, 0, 0, k, f8, row, &dB));
@@ -182,7 +205,8 @@ int main(int argc, char** argv) {
   }
 
   // Every rank's shards, from seeds: A_r and B_r. The scales: dequantizing, one each.
-  const double a_scale = 0.05 / 112, b_scale = 1.0 / 112;  // 4 sigma -> 448
+  const double a_scale = bf16 ? 1 : 0.05 / 112, b_scale = bf16 ? 1 : 1.0 / 112;  // 4 sigma -> 448
+  const size_t es = bf16 ? 2 : 1;  // bytes an input element
   const size_t a_count = rs ? bk * m : k * bm, b_count = rs ? bk * n : k * bn;
   std::vector<std::vector<uint8_t>> hA(P), hB(P);
   for (int r = 0; r < P; ++r) {
@@ -190,21 +214,23 @@ int main(int argc, char** argv) {
     hB[r] = Quantized(b_count, 2000 + r, 1.0, b_scale);
   }
   void *A, *B, *D, *scales;
-  CK(cudaMalloc(&A, a_count));
-  CK(cudaMalloc(&B, b_count));
+  CK(cudaMalloc(&A, a_count * es));
+  CK(cudaMalloc(&B, b_count * es));
   const size_t d_count = rs ? m * bn : bm * n;
   CK(cudaMalloc(&D, d_count * 2));
   CK(cudaMalloc(&scales, 2 * sizeof(float)));
   const float host_scales[2] = {static_cast<float>(a_scale), static_cast<float>(b_scale)};
   CK(cudaMemcpy(scales, host_scales, sizeof host_scales, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(A, hA[rank].data(), a_count, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(B, hB[rank].data(), b_count, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(A, hA[rank].data(), a_count * es, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(B, hB[rank].data(), b_count * es, cudaMemcpyHostToDevice));
   const float* a_scale_ptr = static_cast<float*>(scales);
   const float* b_scale_ptr = a_scale_ptr + 1;
-  MK(cublasMpMatmulDescriptorSetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_A_SCALE_POINTER,
-                                          &a_scale_ptr, sizeof a_scale_ptr));
-  MK(cublasMpMatmulDescriptorSetAttribute(md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_B_SCALE_POINTER,
-                                          &b_scale_ptr, sizeof b_scale_ptr));
+  if (!bf16) {
+    MK(cublasMpMatmulDescriptorSetAttribute(
+        md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_A_SCALE_POINTER, &a_scale_ptr, sizeof a_scale_ptr));
+    MK(cublasMpMatmulDescriptorSetAttribute(
+        md, CUBLASMP_MATMUL_DESCRIPTOR_ATTRIBUTE_B_SCALE_POINTER, &b_scale_ptr, sizeof b_scale_ptr));
+  }
 
   const float alpha = 1, beta = 0;
   size_t ws_device = 0, ws_host = 0;
@@ -241,14 +267,11 @@ int main(int argc, char** argv) {
     for (int64_t i = 0; i < rows; ++i) {
       double ref = 0;
       if (!rs) {  // A_rank (k x bm) column i, B of the token's rank, column token % bn
-        const uint8_t* a = &hA[rank][i * k];
-        const uint8_t* b = &hB[token / bn][(token % bn) * k];
-        for (int64_t q = 0; q < k; ++q) ref += E4M3Value(a[q]) * E4M3Value(b[q]);
+        const auto &a = hA[rank], &b = hB[token / bn];
+        for (int64_t q = 0; q < k; ++q) ref += Value(a, i * k + q) * Value(b, (token % bn) * k + q);
       } else {  // sum over the ranks' k slices
         for (int r = 0; r < P; ++r) {
-          const uint8_t* a = &hA[r][i * bk];
-          const uint8_t* b = &hB[r][token * bk];
-          for (int64_t q = 0; q < bk; ++q) ref += E4M3Value(a[q]) * E4M3Value(b[q]);
+          for (int64_t q = 0; q < bk; ++q) ref += Value(hA[r], i * bk + q) * Value(hB[r], token * bk + q);
         }
       }
       ref *= a_scale * b_scale;
@@ -266,7 +289,7 @@ int main(int argc, char** argv) {
               rank, err, bound, static_cast<int>(nan), (!nan && err < bound) ? "OK" : "WRONG",
               ms);
 
-  if (!rs) {  // where the gathered B (k x n FP8 bytes, the ranks' shards in order) lies
+  if (!rs) {  // where the gathered B (k x n elements, the ranks' shards in order) lies
     std::vector<uint8_t> gathered;
     for (int r = 0; r < P; ++r) gathered.insert(gathered.end(), hB[r].begin(), hB[r].end());
     std::vector<uint8_t> hw(ws_device);

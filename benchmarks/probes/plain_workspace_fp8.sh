@@ -6,7 +6,9 @@
 # found through DEVLIBS_NCCL_INCLUDE/_LIB and DEVLIBS_CUBLASMP_ROOT (or edit below):
 #   bash benchmarks/probes/plain_workspace_fp8.sh [OUT_LOG]
 # Prints per rank: the error against float64, where the gathered FP8 operand lies in
-# the workspace, or cuBLASMp's status where it refuses the algorithm.
+# the workspace, or cuBLASMp's status where it refuses the algorithm; then the same
+# AllGather+GEMM in bf16 (PROBE_TYPE=bf16) at 2, 4 and 8 ranks: where the gathered
+# operand that jax_comm_gemm's reuse reads lies (TAIL, FRONT or the offset).
 set -u
 log=${1:-/dev/stdout}
 here=$(cd "$(dirname "$0")" && pwd)
@@ -25,7 +27,7 @@ run() {  # P n k m op algo
       > /tmp/plain_fp8_r$r.log 2>&1 &
   done
   wait
-  echo "=== ranks $P, n k m op algo = $*"
+  echo "=== ranks $P, ${PROBE_TYPE:-e4m3}, n k m op algo = $*"
   for ((r = 0; r < P; r++)); do
     grep -E "version|workspace|max_err|gathered_B|cublasmp_status|CUDA|NCCL" /tmp/plain_fp8_r$r.log | cut -c1-200
   done
@@ -38,4 +40,7 @@ run() {  # P n k m op algo
   run 2 2048 1024 2048 ag 5      # NO_OVERLAP
   run 2 2048 1024 2048 ag 1      # SPLIT_P2P: expected refused (status 7 in bf16)
   run 2 2048 2048 1024 rs 1
+  for P in 2 4 8; do
+    PROBE_TYPE=bf16 run $P 2048 1024 2048 ag 0
+  done
 } > "$log" 2>&1
