@@ -179,14 +179,14 @@ int main(int argc, char** argv) {
 
   const int64_t bm = m / P, bn = n / P, bk = k / P;
   cublasMpMatrixDescriptor_t dA, dB, dD;
-  const cudaDataType_t f8 = bf16 ? CUDA_R_16BF : CUDA_R_8F_E4M3, out = CUDA_R_16BF;
+  const cudaDataType_t input = bf16 ? CUDA_R_16BF : CUDA_R_8F_E4M3, out = CUDA_R_16BF;
   if (!rs) {  // A split along m, B along n, D along m
-    MK(cublasMpMatrixDescriptorCreate(k, m, k, bm, 0, 0, k, f8, row, &dA));
-    MK(cublasMpMatrixDescriptorCreate(k, n, k, bn, 0, 0, k, f8, row, &dB));
+    MK(cublasMpMatrixDescriptorCreate(k, m, k, bm, 0, 0, k, input, row, &dA));
+    MK(cublasMpMatrixDescriptorCreate(k, n, k, bn, 0, 0, k, input, row, &dB));
     MK(cublasMpMatrixDescriptorCreate(m, n, bm, bn, 0, 0, bm, out, col, &dD));
   } else {  // A and B split along k, D along n
-    MK(cublasMpMatrixDescriptorCreate(k, m, bk, m, 0, 0, bk, f8, col, &dA));
-    MK(cublasMpMatrixDescriptorCreate(k, n, bk, n, 0, 0, bk, f8, col, &dB));
+    MK(cublasMpMatrixDescriptorCreate(k, m, bk, m, 0, 0, bk, input, col, &dA));
+    MK(cublasMpMatrixDescriptorCreate(k, n, bk, n, 0, 0, bk, input, col, &dB));
     MK(cublasMpMatrixDescriptorCreate(m, n, m, bn, 0, 0, m, out, row, &dD));
   }
   cublasMpMatmulDescriptor_t md;

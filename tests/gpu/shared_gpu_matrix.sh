@@ -92,6 +92,6 @@ python3 tests/gpu/suite_table.py "$OUT/table_$part.md" $tables
 # The per-rank logs in one archive (the summaries stay beside it): a device run
 # hands back only so many files, and a results folder keeps no file over 1 MB.
 (cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name '*.md' ! -name summary.txt \
-   ! -name build.log ! -name 'probe_*' ! -name "logs_$part.tar.gz" -print0 \
+   ! -name build.log ! -name 'probe_*' ! -name 'logs_*.tar.gz' -print0 \
    | tar czf "logs_$part.tar.gz" --null -T - --remove-files)
 echo "$part: $(( $(date +%s) - start )) s"
