@@ -260,7 +260,8 @@ Status Context::RunLocked(cudaStream_t stream, const MatmulCall& c, Clock::time_
   if (!IsPipelined(c.algorithm)) {
     if (c.gathered != nullptr) {  // before any collective: fails alike
       JCG_RETURN_IF_ERROR(
-          GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, &gathered_offset));
+          GatheredOffset(c.layout, c.gathered_bytes, plan.device_bytes, nranks(),
+                         &gathered_offset));
     }
     JCG_RETURN_IF_ERROR(EnsureWorkspace(plan.device_bytes, stream, deadline));
     if (host_workspace_.size() < plan.host_bytes) host_workspace_.resize(plan.host_bytes);

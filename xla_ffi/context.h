@@ -74,15 +74,21 @@ struct MatmulCall {
 };
 
 // cuBLASMp 0.10 ends the gathered operand this many bytes before the end of
-// the workspace it was given (measured: docs/design.md#the-gathered-operand-and-its-layout).
-inline constexpr size_t kTailPadding = 16;
+// the workspace it was given: 16 at 2 and 4 ranks, 32 at 8 (measured, bf16 and
+// FP8 alike; the workspace it asks for grows by the same bytes), as an int32
+// per rank rounded up to 16 bytes would be. A group size where this does not
+// hold fails the layout self-test, which turns reuse off there
+// (docs/design.md#the-gathered-operand-and-its-layout).
+constexpr size_t TailPadding(int nranks) {
+  return (4 * static_cast<size_t>(nranks < 1 ? 1 : nranks) + 15) / 16 * 16;
+}
 
 // The byte offset of a `gathered_bytes` gathered operand in a cuBLASMp
 // workspace of `workspace_bytes` (the size the call asked for, not the size of
-// the possibly larger buffer), or FailedPrecondition if it cannot fit there.
-// Pure: tests/cpp/test_layout.cc.
+// the possibly larger buffer) in a group of `nranks`, or FailedPrecondition if
+// it cannot fit there. Pure: tests/cpp/test_layout.cc.
 inline Status GatheredOffset(GatheredLayout layout, size_t gathered_bytes, size_t workspace_bytes,
-                             size_t* offset) {
+                             int nranks, size_t* offset) {
   const std::string sizes = "the gathered operand (" + std::to_string(gathered_bytes) +
                             " bytes) and a " + std::to_string(workspace_bytes) +
                             "-byte cuBLASMp workspace";
@@ -94,15 +100,18 @@ inline Status GatheredOffset(GatheredLayout layout, size_t gathered_bytes, size_
       }
       *offset = 0;
       return Status();
-    case GatheredLayout::kTail:
+    case GatheredLayout::kTail: {
+      const size_t padding = TailPadding(nranks);
       // Compared without subtracting, so that sizes near SIZE_MAX cannot wrap.
-      if (gathered_bytes > workspace_bytes || workspace_bytes - gathered_bytes < kTailPadding) {
+      if (gathered_bytes > workspace_bytes || workspace_bytes - gathered_bytes < padding) {
         return Status::FailedPrecondition(
             "the 'tail' layout does not hold here: " + sizes + ": the operand and the " +
-            std::to_string(kTailPadding) + "-byte tail padding do not fit");
+            std::to_string(padding) + "-byte tail padding of " + std::to_string(nranks) +
+            " ranks do not fit");
       }
-      *offset = workspace_bytes - gathered_bytes - kTailPadding;
+      *offset = workspace_bytes - gathered_bytes - padding;
       return Status();
+    }
   }
   return Status::InvalidArgument("unknown gathered layout " +
                                  std::to_string(static_cast<int64_t>(layout)));

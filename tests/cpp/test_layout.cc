@@ -8,7 +8,7 @@
 
 using jax_comm_gemm::GatheredLayout;
 using jax_comm_gemm::GatheredOffset;
-using jax_comm_gemm::kTailPadding;
+using jax_comm_gemm::TailPadding;
 using jax_comm_gemm::LayoutByNumber;
 using jax_comm_gemm::Status;
 
@@ -20,56 +20,79 @@ constexpr size_t kMiB = size_t{1} << 20;
 
 TEST(FrontIsAtOffsetZero) {
   size_t offset = 123;
-  CHECK(GatheredOffset(GatheredLayout::kFront, 64 * kMiB, 160 * kMiB, &offset).ok());
+  CHECK(GatheredOffset(GatheredLayout::kFront, 64 * kMiB, 160 * kMiB, 8, &offset).ok());
   CHECK_EQ(offset, size_t{0});
   offset = 123;
-  CHECK(GatheredOffset(GatheredLayout::kFront, 64 * kMiB, 64 * kMiB, &offset).ok());
+  CHECK(GatheredOffset(GatheredLayout::kFront, 64 * kMiB, 64 * kMiB, 8, &offset).ok());
   CHECK_EQ(offset, size_t{0});
 }
 
 TEST(FrontTooSmallWorkspaceIsAnError) {
   size_t offset = 0;
-  const Status s = GatheredOffset(GatheredLayout::kFront, 64 * kMiB + 1, 64 * kMiB, &offset);
+  const Status s = GatheredOffset(GatheredLayout::kFront, 64 * kMiB + 1, 64 * kMiB, 2, &offset);
   CHECK(s.code() == Status::Code::kFailedPrecondition);
   CHECK_CONTAINS(s.message(), "'front' layout does not hold");
   CHECK_CONTAINS(s.message(), "67108865 bytes");
   CHECK_CONTAINS(s.message(), "67108864-byte");
 }
 
-TEST(TailEndsSixteenBytesBeforeTheEnd) {
-  CHECK_EQ(kTailPadding, size_t{16});
+TEST(TailPaddingPerGroupSize) {
+  // Measured with cuBLASMp 0.10 (benchmarks/results/2026-12-07_h100/layout_probe/).
+  CHECK_EQ(TailPadding(2), size_t{16});
+  CHECK_EQ(TailPadding(4), size_t{16});
+  CHECK_EQ(TailPadding(8), size_t{32});
+  // Not measured: an int32 per rank rounded up to 16 bytes (the self-test decides).
+  CHECK_EQ(TailPadding(1), size_t{16});
+  CHECK_EQ(TailPadding(6), size_t{32});
+  CHECK_EQ(TailPadding(16), size_t{64});
+  CHECK_EQ(TailPadding(0), size_t{16});
+}
+
+TEST(TailEndsItsPaddingBeforeTheEnd) {
   size_t offset = 0;
-  // The measured cuBLASMp 0.10 case: 96 MiB of cuBLASLt workspace before the operand.
-  CHECK(GatheredOffset(GatheredLayout::kTail, 64 * kMiB, 160 * kMiB + 16, &offset).ok());
+  // The measured cuBLASMp 0.10 cases: 96 MiB of cuBLASLt workspace before a 4 MiB
+  // operand, the workspace 100 MiB + 16 bytes at 2 and 4 ranks, + 32 at 8.
+  CHECK(GatheredOffset(GatheredLayout::kTail, 4 * kMiB, 100 * kMiB + 16, 2, &offset).ok());
+  CHECK_EQ(offset, 96 * kMiB);
+  CHECK(GatheredOffset(GatheredLayout::kTail, 4 * kMiB, 100 * kMiB + 16, 4, &offset).ok());
+  CHECK_EQ(offset, 96 * kMiB);
+  CHECK(GatheredOffset(GatheredLayout::kTail, 4 * kMiB, 100 * kMiB + 32, 8, &offset).ok());
   CHECK_EQ(offset, 96 * kMiB);
 }
 
 TEST(TailExactFitIsAtOffsetZero) {
   size_t offset = 1;
-  CHECK(GatheredOffset(GatheredLayout::kTail, 1000, 1016, &offset).ok());
+  CHECK(GatheredOffset(GatheredLayout::kTail, 1000, 1016, 2, &offset).ok());
+  CHECK_EQ(offset, size_t{0});
+  offset = 1;
+  CHECK(GatheredOffset(GatheredLayout::kTail, 1000, 1032, 8, &offset).ok());
   CHECK_EQ(offset, size_t{0});
 }
 
 TEST(TailWithoutRoomForThePaddingIsAnError) {
   size_t offset = 0;
-  const Status s = GatheredOffset(GatheredLayout::kTail, 1000, 1015, &offset);
+  Status s = GatheredOffset(GatheredLayout::kTail, 1000, 1015, 2, &offset);
   CHECK(s.code() == Status::Code::kFailedPrecondition);
   CHECK_CONTAINS(s.message(), "'tail' layout does not hold");
-  CHECK_CONTAINS(s.message(), "16-byte tail padding");
+  CHECK_CONTAINS(s.message(), "16-byte tail padding of 2 ranks");
+  s = GatheredOffset(GatheredLayout::kTail, 1000, 1016, 8, &offset);
+  CHECK(s.code() == Status::Code::kFailedPrecondition);
+  CHECK_CONTAINS(s.message(), "32-byte tail padding of 8 ranks");
 }
 
 TEST(TailLargerThanWorkspaceDoesNotWrap) {
   size_t offset = 0;
   const size_t huge = std::numeric_limits<size_t>::max();
-  CHECK(!GatheredOffset(GatheredLayout::kTail, huge, 1024, &offset).ok());
-  CHECK(!GatheredOffset(GatheredLayout::kTail, huge - 8, huge, &offset).ok());
-  CHECK(GatheredOffset(GatheredLayout::kTail, huge - 16, huge, &offset).ok());
+  CHECK(!GatheredOffset(GatheredLayout::kTail, huge, 1024, 2, &offset).ok());
+  CHECK(!GatheredOffset(GatheredLayout::kTail, huge - 8, huge, 2, &offset).ok());
+  CHECK(GatheredOffset(GatheredLayout::kTail, huge - 16, huge, 2, &offset).ok());
   CHECK_EQ(offset, size_t{0});
+  CHECK(!GatheredOffset(GatheredLayout::kTail, huge - 16, huge, 8, &offset).ok());
 }
 
 TEST(UnknownLayoutIsAnError) {
   size_t offset = 0;
-  const Status s = GatheredOffset(static_cast<GatheredLayout>(7), 1, 1024, &offset);
+  const Status s = GatheredOffset(static_cast<GatheredLayout>(7), 1, 1024, 2, &offset);
   CHECK(s.code() == Status::Code::kInvalidArgument);
   CHECK_CONTAINS(s.message(), "unknown gathered layout 7");
 }
