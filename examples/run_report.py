@@ -210,7 +210,7 @@ def layer_report(step_text: str, config, mesh, dtype, args, layers: int, say,
   is listed with the implementation those routes chose, and the layers'
   paths and counts are that implementation's where every op chose the same
   plain one (XLA or the ring). Each reason is said once."""
-  arch = getattr(args, "arch", "gpt")
+  arch = args.arch
   fc1, fc2 = MLP_NAMES[arch]
   column_label, row_label = f"qkv, {fc1} (column-parallel)", f"out-proj, {fc2} (row-parallel)"
   routes = current_plan() if routes is None else routes

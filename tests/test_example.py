@@ -68,14 +68,17 @@ def run_example(tmp_path, *flags, name="summary", devices=8):
   return proc.stdout, proc.stderr, json.loads(out.read_text())
 
 
-def check_report(stdout, summary, layers, remat=False):
+def check_report(stdout, summary, layers, remat=False, arch="llama"):
+  """The report of a run on the XLA fallback; `arch` the example's default
+  unless the run asked for another."""
   reason = "cuBLASMp is unavailable"
+  fc1, fc2 = run_report.MLP_NAMES[arch]
   for i in range(layers):
-    assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
-                     r"fallback +fc2 xla fallback", stdout), stdout
+    assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +{fc1} xla "
+                     rf"fallback +{fc2} xla fallback", stdout), stdout
   # Each path, then the reason they share once.
-  assert ("qkv, fc1 (column-parallel): xla fallback\n  out-proj, fc2 (row-parallel): xla "
-          f"fallback\n  why: {reason}") in stdout, stdout
+  assert (f"qkv, {fc1} (column-parallel): xla fallback\n  out-proj, {fc2} (row-parallel): "
+          f"xla fallback\n  why: {reason}") in stdout, stdout
   assert stdout.count(reason) == 1, stdout
   assert summary["paths"]["row_parallel"]["path"] == "xla fallback"
   assert "MISMATCH" not in stdout and "all-gathers in the blocks" in stdout
@@ -216,9 +219,9 @@ def test_one_device_trains_on_xla_and_says_why(tmp_path):
   assert f"A/B of backend='auto' against 'xla': skipped ({skipped})" in stdout
   assert "ab" not in summary and summary["ab_skipped"] == skipped
   for i in range(2):
-    assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +fc1 xla "
-                     r"fallback +fc2 xla fallback", stdout), stdout
-  assert ("qkv, fc1 (column-parallel): xla fallback\n  out-proj, fc2 (row-parallel): xla "
+    assert re.search(rf"block{i}: +qkv xla fallback +out-proj xla fallback +gate_up xla "
+                     r"fallback +down xla fallback", stdout), stdout
+  assert ("qkv, gate_up (column-parallel): xla fallback\n  out-proj, down (row-parallel): xla "
           f"fallback\n  why: {reason}") in stdout, stdout
   assert "MISMATCH" not in stdout
   assert re.search(r"all-gathers in the blocks +counted +0 +expected +0 +ok", stdout), stdout
@@ -256,7 +259,7 @@ def test_validation_runs_on_the_routes_autotune_chose(monkeypatch, tmp_path, cap
   assert [s for s, _ in summary["history"]["validation"]] == [0, 1, 2]
   # The layer table: the ring, as the tuned step's routes chose for every op
   # (listed, the step's measurement said once), and the ring's counts.
-  assert re.search(r"block0: +qkv ring +out-proj ring +fc1 ring +fc2 ring", stdout), stdout
+  assert re.search(r"block0: +qkv ring +out-proj ring +gate_up ring +down ring", stdout), stdout
   assert "why: every op chose ring ([1])" in stdout
   assert len(re.findall(r"(all_gather_matmul|matmul_reduce_scatter) rows=.* ring +\[1\]",
                         stdout)) == 8, stdout
@@ -288,7 +291,8 @@ def test_the_layer_table_names_the_path_the_step_compiled_with(monkeypatch, caps
   routes = current_plan().with_decisions(
       {p: (kept, why) for p in jcg.backends.problems_of(step, *args)})
   tuned = jcg.backends.TunedStep(step, routes, kept, why)
-  flags = types.SimpleNamespace(backend="auto", keep_gathered_input=False, remat=False)
+  flags = types.SimpleNamespace(backend="auto", keep_gathered_input=False, remat=False,
+                                arch="gpt")
   summary = run_report.layer_report(run_report.program_text(tuned, *args), model.config,
                                     mesh, jnp.float32, flags, 1, print, routes=tuned.routes,
                                     step=step, step_args=args)
@@ -389,6 +393,7 @@ def test_every_option_has_help_and_shows_its_default(capsys):
     parser.parse_args(["--help"])
   text = " ".join(capsys.readouterr().out.split())
   for shown in ("--backend {auto,xla,ring,cublasmp} 'auto': cuBLASMp where it runs",
+                "--arch {llama,gpt}", "(default: llama)",
                 "(default: auto)", "(default: 128 on CPU, 4096 on GPU)",
                 "(default: 1)", "(default: False)", "(default: 250)",
                 "(default: 20 on GPU, 0 on CPU, where both run XLA)",
@@ -400,13 +405,13 @@ def test_every_option_has_help_and_shows_its_default(capsys):
 @pytest.mark.parametrize("flags, match", [
     (("--data-dir", "/nonexistent/text"), r"error: text directory /nonexistent/text does "
                                           r"not exist"),
-    (("--heads", "3"), r"error: --heads \(3\) must be a multiple of tp=2"),
+    (("--arch", "gpt", "--heads", "3"), r"error: --heads \(3\) must be a multiple of tp=2"),
     (("--batch", "6"), r"error: --batch \(6\) must be a multiple of dp=4"),
     (("--warmup", "0"), r"error: --warmup \(0\) must be 1 step or more"),
     (("--resume",), r"error: --resume: no checkpoint in .*empty"),
     (("--arch", "llama", "--kv-heads", "3", "--heads", "4"),
      r"error: --kv-heads \(3\) must divide --heads \(4\)"),
-    (("--kv-heads", "1"), r"error: --kv-heads is for --arch llama"),
+    (("--arch", "gpt", "--kv-heads", "1"), r"error: --kv-heads is for --arch llama"),
 ])
 def test_errors(tmp_path, flags, match):
   with pytest.raises(SystemExit, match=match):
