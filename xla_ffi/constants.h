@@ -7,6 +7,7 @@
 #ifndef JAX_COMM_GEMM_CONSTANTS_H_
 #define JAX_COMM_GEMM_CONSTANTS_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 
@@ -28,9 +29,19 @@ inline constexpr char kFp8GemmStateType[] = "jax_comm_gemm_fp8_gemm_state";
 
 // Where cuBLASMp leaves the gathered operand B of an AllGather+GEMM in its
 // workspace. kFront: at offset 0 (documented for cuBLASMp >= 0.11.0).
-// kTail: after its cuBLASLt workspaces, ending 16 bytes before the end
-// (measured for 0.10.0). Python picks one and verifies it once per context.
+// kTail: after its cuBLASLt workspaces, ending TailPadding(nranks) bytes before
+// the end (measured for 0.10.0). Python picks one and verifies it once per context.
 enum class GatheredLayout : int64_t { kFront = 0, kTail = 1 };
+
+// What cuBLASMp 0.10 leaves after the gathered operand at the end of the
+// workspace: 16 bytes at 2 and 4 ranks, 32 at 8 (measured, bf16 and FP8 alike;
+// the workspace it asks for grows by the same bytes), as an int32 per rank
+// rounded up to 16 bytes would be. A group size where this does not hold fails
+// the layout self-test, which turns reuse off there
+// (docs/design.md#the-gathered-operand-and-its-layout).
+constexpr size_t TailPadding(int nranks) {
+  return (4 * static_cast<size_t>(nranks < 1 ? 1 : nranks) + 15) / 16 * 16;
+}
 
 struct LayoutName {
   const char* name;

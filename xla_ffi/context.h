@@ -73,20 +73,11 @@ struct MatmulCall {
   }
 };
 
-// cuBLASMp 0.10 ends the gathered operand this many bytes before the end of
-// the workspace it was given: 16 at 2 and 4 ranks, 32 at 8 (measured, bf16 and
-// FP8 alike; the workspace it asks for grows by the same bytes), as an int32
-// per rank rounded up to 16 bytes would be. A group size where this does not
-// hold fails the layout self-test, which turns reuse off there
-// (docs/design.md#the-gathered-operand-and-its-layout).
-constexpr size_t TailPadding(int nranks) {
-  return (4 * static_cast<size_t>(nranks < 1 ? 1 : nranks) + 15) / 16 * 16;
-}
-
 // The byte offset of a `gathered_bytes` gathered operand in a cuBLASMp
 // workspace of `workspace_bytes` (the size the call asked for, not the size of
-// the possibly larger buffer) in a group of `nranks`, or FailedPrecondition if
-// it cannot fit there. Pure: tests/cpp/test_layout.cc.
+// the possibly larger buffer) in a group of `nranks` (the 'tail' layout's
+// padding: TailPadding in constants.h), or FailedPrecondition if it cannot fit
+// there. Pure: tests/cpp/test_layout.cc.
 inline Status GatheredOffset(GatheredLayout layout, size_t gathered_bytes, size_t workspace_bytes,
                              int nranks, size_t* offset) {
   const std::string sizes = "the gathered operand (" + std::to_string(gathered_bytes) +

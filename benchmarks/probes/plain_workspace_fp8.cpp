@@ -37,6 +37,8 @@
 #include <thread>
 #include <vector>
 
+#include "constants.h"  // jax_comm_gemm's TailPadding: where its 'tail' layout reads
+
 namespace {
 
 #define CK(x)                                                                             \
@@ -302,7 +304,8 @@ int main(int argc, char** argv) {
         break;
       }
     }
-    const long long tail = static_cast<long long>(ws_device) - static_cast<long long>(bytes) - 16;
+    const long long tail = static_cast<long long>(ws_device) - static_cast<long long>(bytes) -
+                           static_cast<long long>(jax_comm_gemm::TailPadding(P));
     std::printf("rank %d gathered_B_bytes %zu offset %lld tail_layout_offset %lld %s\n", rank,
                 bytes, found, tail,
                 found == tail ? "TAIL" : found == 0 ? "FRONT" : found < 0 ? "ABSENT" : "ELSEWHERE");

@@ -15,7 +15,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 CU=$(python3 -c "import nvidia,os;print([p for p in nvidia.__path__ if 'site-packages' in p][0])")/cu13
 bin=/tmp/plain_workspace_fp8
 g++ -std=c++17 -O2 -o $bin "$here/plain_workspace_fp8.cpp" -I/usr/local/cuda/include \
-  -I"$DEVLIBS_NCCL_INCLUDE" -I"$CU/include" -I"$DEVLIBS_CUBLASMP_ROOT/include" \
+  -I"$DEVLIBS_NCCL_INCLUDE" -I"$CU/include" -I"$DEVLIBS_CUBLASMP_ROOT/include" -I"$here/../../xla_ffi" \
   -L/usr/local/cuda/lib64 -L"$DEVLIBS_NCCL_LIB" -L"$DEVLIBS_CUBLASMP_ROOT/lib" \
   -l:libcublasmp.so.0 -l:libnccl.so.2 -lcudart || exit 1
 run() {  # P n k m op algo
